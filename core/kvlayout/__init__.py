@@ -1,0 +1,39 @@
+"""kvlayout: KV-cache layouts for LLM inference on MLX, delivered as plugins."""
+
+from kvlayout.builder import Builder
+from kvlayout.config import CacheConfig, LayerConfig, LayerPolicy
+from kvlayout.errors import (
+    CapacityError,
+    ConfigError,
+    DuplicateLayout,
+    KVLayoutError,
+    LayoutNotFound,
+    SequenceError,
+    StepError,
+)
+from kvlayout.faces import AttendSpec, CellStep, MaskKind
+from kvlayout.hookspecs import hookimpl
+from kvlayout.registry import available, build, plugin_manager, resolve
+
+__all__ = [
+    "AttendSpec",
+    "Builder",
+    "CacheConfig",
+    "CapacityError",
+    "CellStep",
+    "ConfigError",
+    "DuplicateLayout",
+    "KVLayoutError",
+    "LayerConfig",
+    "LayerPolicy",
+    "LayoutNotFound",
+    "MaskKind",
+    "SequenceError",
+    "StepError",
+    "available",
+    "build",
+    "hookimpl",
+    "plugin_manager",
+    "resolve",
+]
+__version__ = "0.1.0"

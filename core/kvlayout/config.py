@@ -1,0 +1,172 @@
+"""Cache configuration: frozen attrs records validated at construction.
+
+Every invalid value raises ConfigError naming the field, the value and what is
+allowed, so a TOML typo is caught before any pool is allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+from kvlayout.errors import ConfigError
+
+KV_DTYPES = ("float16", "bfloat16", "float32")
+POLICY_KINDS = ("flat", "ring")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_at_least(minimum: int, what: str):
+    def check(instance, attribute, value):
+        if not _is_int(value) or value < minimum:
+            raise ConfigError(
+                f"{type(instance).__name__}.{attribute.name}={value!r}: expected an integer {what}"
+            )
+
+    return check
+
+
+def _optional_positive(instance, attribute, value):
+    if value is not None:
+        _int_at_least(1, "> 0 or None")(instance, attribute, value)
+
+
+def _reject_unknown(cls: type, data: Mapping[str, Any]) -> None:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+    valid = [f.name for f in attrs.fields(cls)]
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"{cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"valid keys: {', '.join(valid)}"
+        )
+
+
+@attrs.frozen
+class LayerPolicy:
+    """How a layer keeps history: all of it ("flat") or a sliding window ("ring")."""
+
+    kind: str = "flat"
+    window: int = 0
+
+    def __attrs_post_init__(self):
+        if self.kind not in POLICY_KINDS:
+            raise ConfigError(
+                f"LayerPolicy.kind={self.kind!r}: expected one of {', '.join(POLICY_KINDS)}"
+            )
+        if not _is_int(self.window):
+            raise ConfigError(f"LayerPolicy.window={self.window!r}: expected an integer")
+        if self.kind == "ring" and self.window <= 0:
+            raise ConfigError(f"LayerPolicy.window={self.window!r}: a ring layer needs window > 0")
+        if self.kind == "flat" and self.window != 0:
+            raise ConfigError(
+                f"LayerPolicy.window={self.window!r}: a flat layer keeps all history, window must be 0"
+            )
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> LayerPolicy:
+        _reject_unknown(cls, data)
+        return cls(**data)
+
+    def to_mapping(self) -> dict[str, Any]:
+        return {"kind": self.kind, "window": self.window}
+
+
+def _to_policy(value: Any) -> LayerPolicy:
+    return LayerPolicy.from_mapping(value) if isinstance(value, Mapping) else value
+
+
+@attrs.frozen
+class LayerConfig:
+    """The K/V shape of one layer and how it keeps history."""
+
+    n_kv_heads: int = attrs.field(validator=_int_at_least(1, "> 0"))
+    head_dim: int = attrs.field(validator=_int_at_least(1, "> 0"))
+    policy: LayerPolicy = attrs.field(factory=LayerPolicy, converter=_to_policy)
+
+    @policy.validator
+    def _check_policy(self, attribute, value):
+        if not isinstance(value, LayerPolicy):
+            raise ConfigError(f"LayerConfig.policy={value!r}: expected a LayerPolicy or a mapping")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> LayerConfig:
+        _reject_unknown(cls, data)
+        return cls(**data)
+
+    def to_mapping(self) -> dict[str, Any]:
+        return {
+            "n_kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "policy": self.policy.to_mapping(),
+        }
+
+
+def _to_layers(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(LayerConfig.from_mapping(v) if isinstance(v, Mapping) else v for v in value)
+    if isinstance(value, (LayerConfig, Mapping)):
+        return _to_layers([value])
+    return value
+
+
+@attrs.frozen
+class CacheConfig:
+    """Sizes of a cache; `layers` holds one entry for every layer or one for all.
+
+    `capacity` is the hard cap in cells; pools start at
+    `min(initial_capacity, their max)` and grow by doubling.
+    """
+
+    capacity: int = attrs.field(validator=_int_at_least(1, "> 0"))
+    n_layers: int = attrs.field(validator=_int_at_least(1, "> 0"))
+    layers: tuple[LayerConfig, ...] = attrs.field(converter=_to_layers)
+    kv_dtype: str = attrs.field(default="float16")
+    initial_capacity: int = attrs.field(default=512, validator=_int_at_least(0, ">= 0"))
+    max_write: int | None = attrs.field(default=None, validator=_optional_positive)
+    max_seqs: int = attrs.field(default=64, validator=_int_at_least(1, "> 0"))
+
+    @layers.validator
+    def _check_layers(self, attribute, value):
+        if not isinstance(value, tuple) or not all(isinstance(x, LayerConfig) for x in value):
+            raise ConfigError(f"CacheConfig.layers={value!r}: expected a list of LayerConfig")
+        if len(value) not in (1, self.n_layers):
+            raise ConfigError(
+                f"CacheConfig.layers has {len(value)} entries: expected 1 (applies to every "
+                f"layer) or n_layers={self.n_layers}"
+            )
+
+    @kv_dtype.validator
+    def _check_dtype(self, attribute, value):
+        if value not in KV_DTYPES:
+            raise ConfigError(
+                f"CacheConfig.kv_dtype={value!r}: expected one of {', '.join(KV_DTYPES)}"
+            )
+
+    def layer(self, i: int) -> LayerConfig:
+        if not _is_int(i) or not 0 <= i < self.n_layers:
+            raise ConfigError(f"layer index {i!r}: expected an integer in [0, {self.n_layers})")
+        return self.layers[0] if len(self.layers) == 1 else self.layers[i]
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> CacheConfig:
+        _reject_unknown(cls, data)
+        return cls(**data)
+
+    def to_mapping(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "capacity": self.capacity,
+            "n_layers": self.n_layers,
+            "layers": [layer.to_mapping() for layer in self.layers],
+            "kv_dtype": self.kv_dtype,
+            "initial_capacity": self.initial_capacity,
+            "max_seqs": self.max_seqs,
+        }
+        if self.max_write is not None:  # TOML has no null
+            out["max_write"] = self.max_write
+        return out

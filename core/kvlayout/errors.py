@@ -1,0 +1,29 @@
+"""The project's exceptions: one root so a runtime can catch everything we raise."""
+
+
+class KVLayoutError(Exception):
+    """Root of every error kvlayout raises."""
+
+
+class ConfigError(KVLayoutError, ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+class LayoutNotFound(KVLayoutError, LookupError):
+    """No installed plugin provides the requested (backend_id, kind)."""
+
+
+class DuplicateLayout(KVLayoutError):
+    """Two distributions claim the same (backend_id, kind); never resolved silently."""
+
+
+class StepError(KVLayoutError, RuntimeError):
+    """A step breaks the cache protocol (undeclared, miscounted, served twice...)."""
+
+
+class CapacityError(KVLayoutError):
+    """An operation that cannot report pressure as a return value ran out of cells."""
+
+
+class SequenceError(KVLayoutError, ValueError):
+    """A sequence id is out of range or not live."""

@@ -1,0 +1,54 @@
+"""The hooks a kvlayout plugin may implement (pluggy project name "kvlayout").
+
+Discovery: every layout plugin implements `kvlayout_builders`. The other two
+are the CellStepper seams a cell layout calls through the plugin manager, so a
+third party can change where tokens land, or watch them land, without forking
+the layout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pluggy
+
+if TYPE_CHECKING:
+    from kvlayout.builder import Builder
+    from kvlayout.faces import CellStep
+
+hookspec = pluggy.HookspecMarker("kvlayout")
+hookimpl = pluggy.HookimplMarker("kvlayout")
+
+
+@hookspec
+def kvlayout_builders() -> list[Builder]:
+    """Called once when the registry first collects layouts.
+
+    Return the `Builder` records this plugin provides, one per
+    `(backend_id, kind)`. The registry tags each with the distribution that
+    provided it and refuses to pick between two that claim the same key.
+    """
+
+
+@hookspec(firstresult=True)
+def kvlayout_choose_cells(free: np.ndarray, count: int) -> np.ndarray | None:
+    """Called by a cell layout when the first layer of a step places its tokens.
+
+    `free` is the ascending int array of free cells (at least `count` of
+    them); return `count` distinct cells taken from it, in token order, or
+    None to let the next implementation decide. The first non-None answer
+    wins. The cell plugin's own answer (the lowest free cells) is `trylast`,
+    so any installed policy overrides it. Attention results never depend on
+    the answer: masks key off positions and owners, never cell indices.
+    """
+
+
+@hookspec
+def kvlayout_step_placed(step: CellStep, window: int) -> None:
+    """Called once per distinct window each time a cell layout places a step.
+
+    `step` is the placed `CellStep` (cells, mask) shared by every layer whose
+    window is `window` (0 for flat layers). For observers (metrics, tracing,
+    pictures); the return value is ignored and the step must not be changed.
+    """

@@ -1,0 +1,137 @@
+"""MLXPool: a layer's K or V storage as one MLX array `[1, H, slots, D]`.
+
+In-place writes matter here. MLX updates an array in place only when nothing
+else holds its buffer; `self._buf` is the single reference we keep, so a write
+is O(bytes written). A caller that keeps a `read()` result alive across the
+next write forces that write to copy the whole pool (bench/pool_write.py
+measures both).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from kvlayout.errors import KVLayoutError
+from kvlayout.pool import Pool
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def storage_dtype(dtype: Any) -> mx.Dtype:
+    """The MLX dtype for a name from CacheConfig.kv_dtype, or an MLX float dtype."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype in DTYPES.values():
+        return dtype
+    raise KVLayoutError(f"pool dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise KVLayoutError(f"{name}={value!r}: expected an integer >= {minimum}")
+    return int(value)
+
+
+class MLXPool(Pool):
+    def __init__(self, initial_slots: int, max_slots: int, n_heads: int, head_dim: int, dtype: Any = "float16"):
+        self._max = _check_int("max_slots", max_slots, 1)
+        initial = min(_check_int("initial_slots", initial_slots, 0), self._max)
+        self._heads = _check_int("n_heads", n_heads, 1)
+        self._dim = _check_int("head_dim", head_dim, 1)
+        self._dtype = storage_dtype(dtype)
+        self._buf = mx.zeros((1, self._heads, initial, self._dim), dtype=self._dtype)  # [1, H, slots, D]
+
+    @property
+    def slots(self) -> int:
+        return self._buf.shape[2]
+
+    @property
+    def max_slots(self) -> int:
+        return self._max
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self._dtype
+
+    @property
+    def n_heads(self) -> int:
+        return self._heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._dim
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.nbytes
+
+    def write(self, start: int, update: mx.array) -> None:
+        n = self._check_update(update)
+        start = _check_int("start", start, 0)
+        if start + n > self._max:
+            raise KVLayoutError(
+                f"write of {n} slot(s) at start={start} ends at {start + n}, past max_slots={self._max}"
+            )
+        self._grow_to(start + n)
+        self._buf[:, :, start : start + n, :] = update.astype(self._dtype)
+
+    def write_cells(self, cells: Sequence[int], update: mx.array) -> None:
+        """Scatter token i of `update` into slot `cells[i]`.
+
+        Relies on the cells being distinct (placement guarantees it; checked
+        here because a repeated index would make the scatter order-dependent).
+        """
+        n = self._check_update(update)
+        idx = self._check_cells(cells, n)
+        if n == 0:
+            return
+        self._grow_to(int(idx.max()) + 1)
+        self._buf[:, :, mx.array(idx), :] = update.astype(self._dtype)
+
+    def read(self, start: int, length: int) -> mx.array:
+        start = _check_int("start", start, 0)
+        length = _check_int("length", length, 0)
+        if start + length > self.slots:
+            raise KVLayoutError(
+                f"read of {length} slot(s) at start={start} ends at {start + length}, "
+                f"past the {self.slots} allocated slot(s)"
+            )
+        return self._buf[:, :, start : start + length, :]  # [1, H, length, D]
+
+    def _check_update(self, update: Any) -> int:
+        if not isinstance(update, mx.array):
+            raise KVLayoutError(f"update: expected an mlx array, got {type(update).__name__}")
+        if not mx.issubdtype(update.dtype, mx.floating):
+            raise KVLayoutError(f"update dtype {update.dtype}: expected a floating dtype")
+        shape = tuple(update.shape)
+        if len(shape) != 4 or shape[0] != 1 or shape[1] != self._heads or shape[3] != self._dim:
+            raise KVLayoutError(
+                f"update shape {shape}: expected [1, {self._heads}, n, {self._dim}]"
+            )
+        return shape[2]
+
+    def _check_cells(self, cells: Any, n: int) -> np.ndarray:
+        idx = np.asarray(cells.tolist() if isinstance(cells, mx.array) else cells)
+        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+            raise KVLayoutError(f"cells: expected a 1-d sequence of integers, got {idx.dtype} {idx.shape}")
+        if idx.size != n:
+            raise KVLayoutError(f"cells: {idx.size} cell(s) for an update of {n} token(s)")
+        if n and (idx.min() < 0 or idx.max() >= self._max):
+            raise KVLayoutError(f"cells: expected every cell in [0, {self._max}), got {idx.min()}..{idx.max()}")
+        if n and np.unique(idx).size != n:
+            raise KVLayoutError("cells: expected distinct cells, got a repeated cell")
+        return idx.astype(np.int32)
+
+    def _grow_to(self, need: int) -> None:
+        """Double from max(slots, 1) until `need` fits, never past max_slots; zero-padded."""
+        if need <= self.slots:
+            return
+        new = max(self.slots, 1)
+        while new < need:
+            new *= 2
+        new = min(new, self._max)
+        pad = mx.zeros((1, self._heads, new - self.slots, self._dim), dtype=self._dtype)
+        self._buf = mx.concatenate([self._buf, pad], axis=2)

@@ -1,0 +1,40 @@
+"""The Pool interface: one layer's K (or V) storage, `[1, H, slots, D]`, cells on axis 2.
+
+Layouts differ only in which slots they ask for: contiguous runs (`write`) or
+scattered cells (`write_cells`). A pool grows by doubling up to `max_slots`
+and never renumbers a slot, so indices a layout holds stay valid.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+
+class Pool(abc.ABC):
+    @property
+    @abc.abstractmethod
+    def slots(self) -> int:
+        """Slots allocated now."""
+
+    @property
+    @abc.abstractmethod
+    def max_slots(self) -> int:
+        """The most slots this pool may ever hold."""
+
+    @property
+    @abc.abstractmethod
+    def dtype(self) -> Any:
+        """The storage dtype; every write is cast to it explicitly."""
+
+    @abc.abstractmethod
+    def write(self, start: int, update: Any) -> None:
+        """Store `update` (`[1, H, n, D]`) into slots `[start, start + n)`, growing if needed."""
+
+    @abc.abstractmethod
+    def write_cells(self, cells: Sequence[int], update: Any) -> None:
+        """Store token i of `update` into slot `cells[i]`; the cells are distinct."""
+
+    @abc.abstractmethod
+    def read(self, start: int, length: int) -> Any:
+        """Slots `[start, start + length)` as `[1, H, length, D]`; past `slots` is refused."""

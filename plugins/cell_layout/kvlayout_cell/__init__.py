@@ -1,0 +1,1 @@
+"""The "cell" layout for kvlayout."""

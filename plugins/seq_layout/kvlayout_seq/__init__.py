@@ -1,0 +1,1 @@
+"""The "seq" layout for kvlayout."""

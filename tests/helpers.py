@@ -1,0 +1,82 @@
+"""Shared test builders: a tiny attention stack and its cache-free oracle.
+
+The stack has no rotary embedding on purpose: keys depend only on content, so
+any mistake in which keys a query sees changes the output. Each layer is
+`x + tanh(attend(q, k, v) @ Wo)`; the nonlinearity carries an early layer's
+error into every later one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from kvlayout.mlx import attend
+
+
+class TinyStack:
+    def __init__(self, n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, seed=0):
+        rng = np.random.default_rng(seed)
+        self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim = n_layers, n_heads, n_kv_heads, head_dim
+        self.d_model = d_model
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+        def w(rows, cols):
+            return mx.array(rng.normal(0, 1 / math.sqrt(rows), (rows, cols)).astype(np.float32))
+
+        self.layers = [
+            dict(
+                wq=w(d_model, n_heads * head_dim),
+                wk=w(d_model, n_kv_heads * head_dim),
+                wv=w(d_model, n_kv_heads * head_dim),
+                wo=w(n_heads * head_dim, d_model),
+            )
+            for _ in range(n_layers)
+        ]
+
+    def tokens(self, n: int, seed: int) -> mx.array:
+        """`n` random input vectors `[1, n, d_model]`, reproducible by seed."""
+        rng = np.random.default_rng(1000 + seed)
+        return mx.array(rng.normal(0, 1, (1, n, self.d_model)).astype(np.float32))
+
+    def _qkv(self, p, x):
+        T = x.shape[1]
+        q = (x @ p["wq"]).reshape(1, T, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)  # [1, Hq, T, D]
+        k = (x @ p["wk"]).reshape(1, T, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)  # [1, Hkv, T, D]
+        v = (x @ p["wv"]).reshape(1, T, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return q, k, v
+
+    def _out(self, p, x, o):
+        T = x.shape[1]
+        o = o.transpose(0, 2, 1, 3).reshape(1, T, self.n_heads * self.head_dim)
+        return x + mx.tanh(o @ p["wo"])
+
+    def forward_cached(self, cache, x: mx.array, positions: Sequence[int]) -> mx.array:
+        """Run `x` `[1, T, d]` through every layer via `cache.update_and_fetch`."""
+        for layer, p in enumerate(self.layers):
+            q, k, v = self._qkv(p, x)
+            spec = cache.update_and_fetch(layer, list(positions), k, v)
+            x = self._out(p, x, attend(q, spec, self.scale))
+        return x
+
+    def forward_reference(self, x: mx.array, windows: Sequence[int] = ()) -> mx.array:
+        """Cache-free forward over a whole sequence; windows[l] > 0 makes layer l sliding-window."""
+        T = x.shape[1]
+        i = np.arange(T)[:, None]
+        j = np.arange(T)[None, :]
+        for layer, p in enumerate(self.layers):
+            w = windows[layer] if layer < len(windows) else 0
+            allowed = j <= i
+            if w:
+                allowed &= j >= i - w + 1
+            q, k, v = self._qkv(p, x)
+            k = mx.repeat(k, self.n_heads // self.n_kv_heads, axis=1)
+            v = mx.repeat(v, self.n_heads // self.n_kv_heads, axis=1)
+            scores = (q @ k.transpose(0, 1, 3, 2)) * self.scale  # [1, Hq, T, T]
+            scores = mx.where(mx.array(allowed), scores, -mx.inf)
+            o = mx.softmax(scores, axis=-1) @ v
+            x = self._out(p, x, o)
+        return x
