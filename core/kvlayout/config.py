@@ -45,6 +45,10 @@ def _reject_unknown(cls: type, data: Mapping[str, Any]) -> None:
             f"{cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
             f"valid keys: {', '.join(valid)}"
         )
+    # A key left out of a TOML table is a config mistake too, not a TypeError.
+    missing = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in data]
+    if missing:
+        raise ConfigError(f"{cls.__name__}: missing required key(s) {', '.join(map(repr, missing))}")
 
 
 @attrs.frozen

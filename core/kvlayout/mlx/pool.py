@@ -75,7 +75,11 @@ class MLXPool(Pool):
             raise KVLayoutError(
                 f"write of {n} slot(s) at start={start} ends at {start + n}, past max_slots={self._max}"
             )
+        if n == 0:  # nothing to store: allocate nothing (as write_cells)
+            return
         self._grow_to(start + n)
+        # Assigning into self._buf keeps it the buffer's single reference, so MLX
+        # updates in place (O(bytes written)) unless a caller still holds a read().
         self._buf[:, :, start : start + n, :] = update.astype(self._dtype)
 
     def write_cells(self, cells: Sequence[int], update: mx.array) -> None:

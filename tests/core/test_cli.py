@@ -1,0 +1,72 @@
+"""`kvlayout plugins [--json]` lists the fake plugins and the one that failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlayout.cli import main
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "240")  # rich wraps at the terminal width
+
+
+def test_plugins_prints_a_table_of_layouts_and_the_failed_plugin(plugin_world, wide, capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    [good] = [line for line in out.splitlines() if "kvlayout-fake-good" in line]
+    for cell in ("fake", "good", "1.2.3", "a layout that works"):
+        assert cell in good
+    assert sum("kvlayout-fake-dup-" in line for line in out.splitlines()) == 2
+    [failed] = [line for line in out.splitlines() if "kvlayout-fake-broken" in line]
+    assert "failed" in failed and "broken" in failed and "0.0.1" in failed
+    assert "cannot find its native library" in failed
+
+
+def test_plugins_json_lists_layouts_and_failures(plugin_world, capsys):
+    assert main(["plugins", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    layouts = [entry for entry in payload["layouts"] if entry["backend"] == "fake"]
+    assert layouts == [
+        {"backend": "fake", "kind": "dup", "distribution": "kvlayout-fake-dup-a", "version": "1.0",
+         "summary": "one of two claims"},
+        {"backend": "fake", "kind": "dup", "distribution": "kvlayout-fake-dup-b", "version": "2.0",
+         "summary": "one of two claims"},
+        {"backend": "fake", "kind": "good", "distribution": "kvlayout-fake-good", "version": "1.2.3",
+         "summary": "a layout that works"},
+    ]
+    [failed] = [f for f in payload["failed"] if f["distribution"] == "kvlayout-fake-broken"]
+    assert failed["entry_point"] == "broken" and failed["version"] == "0.0.1"
+    assert "ImportError" in failed["error"] and "cannot find its native library" in failed["error"]
+
+
+def kvlayout_command() -> str:
+    beside = Path(sys.executable).parent / "kvlayout"
+    found = str(beside) if beside.exists() else shutil.which("kvlayout")
+    if found is None:
+        pytest.skip("the kvlayout command is not installed")
+    return found
+
+
+def test_the_installed_command_prints_json(plugin_world):
+    env = dict(os.environ, PYTHONPATH=str(plugin_world.root))
+    env.pop("KVLAYOUT_STRICT", None)
+    done = subprocess.run(
+        [kvlayout_command(), "plugins", "--json"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout)
+    assert set(payload) == {"layouts", "failed"}
+    assert ("fake", "good", "kvlayout-fake-good") in {
+        (e["backend"], e["kind"], e["distribution"]) for e in payload["layouts"]
+    }
+    assert "kvlayout-fake-broken" in {f["distribution"] for f in payload["failed"]}
+    assert "kvlayout-fake-broken" in done.stderr  # also reported on stderr

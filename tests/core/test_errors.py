@@ -1,0 +1,50 @@
+"""The error hierarchy: one root, and the standard bases callers already catch."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvlayout
+from kvlayout import errors
+
+EXPECTED_BASES = {
+    "ConfigError": (ValueError,),
+    "LayoutNotFound": (LookupError,),
+    "DuplicateLayout": (),
+    "StepError": (RuntimeError,),
+    "CapacityError": (),
+    "SequenceError": (ValueError,),
+}
+
+
+@pytest.mark.parametrize("name, bases", EXPECTED_BASES.items())
+def test_every_error_derives_from_the_root_and_its_standard_base(name, bases):
+    cls = getattr(errors, name)
+    assert issubclass(cls, errors.KVLayoutError)
+    for base in bases:
+        assert issubclass(cls, base)
+    assert getattr(kvlayout, name) is cls  # re-exported at the top level
+
+
+def test_the_root_is_an_exception_and_re_exported():
+    assert issubclass(errors.KVLayoutError, Exception)
+    assert kvlayout.KVLayoutError is errors.KVLayoutError
+
+
+def test_errors_that_are_not_value_errors_are_not_caught_as_such():
+    assert not issubclass(errors.StepError, ValueError)
+    assert not issubclass(errors.DuplicateLayout, LookupError)
+    assert not issubclass(errors.CapacityError, (ValueError, RuntimeError, LookupError))
+
+
+def test_a_config_error_is_caught_by_a_plain_value_error_handler():
+    with pytest.raises(ValueError):
+        kvlayout.CacheConfig(capacity=0, n_layers=1, layers=[kvlayout.LayerConfig(1, 8)])
+
+
+def test_every_error_class_of_the_module_is_covered_here():
+    declared = {
+        name for name, obj in vars(errors).items()
+        if isinstance(obj, type) and issubclass(obj, errors.KVLayoutError) and obj is not errors.KVLayoutError
+    }
+    assert declared == set(EXPECTED_BASES)
