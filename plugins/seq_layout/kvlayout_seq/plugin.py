@@ -1,10 +1,30 @@
-"""Entry point of kvlayout-seq: the hooks kvlayout calls."""
+"""Entry point of kvlayout-seq: the hooks kvlayout calls.
+
+The MLX face is imported only when a cache is built, so discovering the
+layout (`kvlayout plugins`, `available()`) never loads MLX.
+"""
 
 from __future__ import annotations
 
-from kvlayout import hookimpl
+from typing import Any
+
+from kvlayout import Builder, hookimpl
+
+
+def build_seq(config: Any):
+    """A SeqCache for `config` (a CacheConfig, or a mapping of its fields)."""
+    from kvlayout_seq.mlx_cache import SeqCache
+
+    return SeqCache(config)
 
 
 @hookimpl
-def kvlayout_builders():
-    return []  # the layout lands with its own issue
+def kvlayout_builders() -> list[Builder]:
+    return [
+        Builder(
+            backend_id="mlx",
+            kind="seq",
+            build=build_seq,
+            summary="one sequence; per layer flat (all history) or ring (sliding window); rewind",
+        )
+    ]

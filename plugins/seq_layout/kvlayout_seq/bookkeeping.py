@@ -1,0 +1,261 @@
+"""The seq layout's neutral bookkeeping: integers and numpy only, no tensors, no MLX.
+
+One logical `length` for the whole model. Each layer maps positions to pool
+slots through a policy:
+
+- flat: position p lives in slot p; a step writes one run at its start and
+  reads one run `[0, end)`.
+- ring: position p lives in slot `p % slots`, `slots = window + max_write - 1`,
+  so the `window - 1` keys a step needs from before its start survive its own
+  write of up to `max_write` tokens. Runs split in two where they wrap.
+
+Layers with the same (kind, window) share one policy object, hence one record
+of what their rings still hold.
+
+Invariants kept by every verb:
+- `0 <= floor <= length <= capacity`, where `floor` is the smallest length a
+  rewind may return to;
+- once every layer of a forward is served, a ring policy's slots hold every
+  position in `[retained, length)` (`retained` only moves forward, until
+  `clear`), so `floor` is where a next step still finds its whole window.
+
+Planning is pure; `commit` is the only step verb that changes state, and it is
+idempotent so every layer of one forward may commit the same step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvlayout.errors import CapacityError, KVLayoutError, StepError
+from kvlayout.faces import MaskKind, Run, SeqStepPlan
+
+
+def check_count(name: str, value: Any, minimum: int = 0) -> int:
+    """`value` as an int; bools, floats and anything below `minimum` are refused."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise KVLayoutError(f"{name}={value!r}: expected an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise KVLayoutError(f"{name}={value}: expected an integer >= {minimum}")
+    return int(value)
+
+
+def band_mask(length: int, read_len: int, window: int) -> np.ndarray:
+    """Bool `[length, read_len]`, True = attend: the last `length` keys are the queries.
+
+    Query i sits at key index `read_len - length + i` and sees keys j with
+    `j - i` in `[read_len - length - window + 1, read_len - length]`.
+    """
+    offset = read_len - length
+    d = np.arange(read_len)[None, :] - np.arange(length)[:, None]  # [T, S]: j - i
+    return (d <= offset) & (d >= offset - window + 1)
+
+
+class FlatPolicy:
+    """All history: slot == position."""
+
+    kind = "flat"
+    window = 0
+
+    def __init__(self, capacity: int):
+        self.slots = capacity
+        self.max_write = capacity
+
+    @property
+    def floor(self) -> int:
+        return 0
+
+    def plan(self, start: int, length: int) -> SeqStepPlan:
+        end = start + length
+        return SeqStepPlan(
+            start=start,
+            length=length,
+            writes=(Run(start, length),),
+            reads=(Run(0, end),),
+            read_start=0,
+            mask_kind=MaskKind.NONE if length == 1 else MaskKind.CAUSAL,
+        )
+
+    def commit(self, end: int) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
+class RingPolicy:
+    """A sliding window over `window + max_write - 1` recycled slots.
+
+    When the capacity is smaller than that, `capacity` slots suffice: no
+    position ever reaches the wrap, and the ring is a flat layer with a band.
+    """
+
+    kind = "ring"
+
+    def __init__(self, window: int, max_write: int, capacity: int):
+        self.window = window
+        self.max_write = max_write
+        self.slots = min(window + max_write - 1, capacity)
+        self.retained = 0  # the oldest position whose slot no later write reused
+
+    @property
+    def floor(self) -> int:
+        """The smallest length from which a next step still finds its window."""
+        return 0 if self.retained == 0 else self.retained + self.window - 1
+
+    def _runs(self, first: int, count: int) -> tuple[Run, ...]:
+        slot = first % self.slots
+        head = min(count, self.slots - slot)
+        if head == count:
+            return (Run(slot, count),)
+        return (Run(slot, head), Run(0, count - head))
+
+    def plan(self, start: int, length: int) -> SeqStepPlan:
+        end = start + length
+        read_start = max(0, start - self.window + 1)
+        read_len = end - read_start  # <= window - 1 + max_write == slots: one lap at most
+        if length == 1:
+            kind = MaskKind.NONE
+        elif read_len > self.window:
+            kind = MaskKind.EXPLICIT
+        else:
+            kind = MaskKind.CAUSAL
+        return SeqStepPlan(
+            start=start,
+            length=length,
+            writes=self._runs(start, length),
+            reads=self._runs(read_start, read_len),
+            read_start=read_start,
+            mask_kind=kind,
+            window=self.window,
+        )
+
+    def commit(self, end: int) -> None:
+        # Writing up to `end` reused the slots of positions below `end - slots`.
+        self.retained = max(self.retained, end - self.slots)
+
+    def clear(self) -> None:
+        self.retained = 0
+
+
+class SeqBook:
+    """The length and per-layer policies of one sequence; no tensors.
+
+    `policies` is one entry per layer, `(kind, window)` pairs; `max_write`
+    bounds one step on a ring layer (None: each ring layer's own window).
+    """
+
+    def __init__(self, capacity: int, policies: list[tuple[str, int]], max_write: int | None = None):
+        self.capacity = check_count("capacity", capacity, 1)
+        if not policies:
+            raise KVLayoutError("policies: expected one (kind, window) per layer, got none")
+        if max_write is not None:
+            max_write = check_count("max_write", max_write, 1)
+        shared: dict[tuple[str, int], FlatPolicy | RingPolicy] = {}
+        for kind, window in policies:
+            if (kind, window) in shared:
+                continue
+            if kind == "flat":
+                shared[kind, window] = FlatPolicy(self.capacity)
+            elif kind == "ring":
+                window = check_count("window", window, 1)
+                shared[kind, window] = RingPolicy(window, max_write or window, self.capacity)
+            else:
+                raise KVLayoutError(f"policy kind {kind!r}: expected flat or ring")
+        self.layers = [shared[p] for p in policies]
+        self.policies = list(shared.values())
+        # Every layer of a forward gets the same step, so the tightest ring bounds
+        # it at every layer: a step no ring can take is refused at the first layer,
+        # before any layer has written it.
+        self.max_step = min(p.max_write for p in self.policies)
+        self._tightest = min(self.policies, key=lambda p: p.max_write)
+        self.length = 0
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def floor(self) -> int:
+        """The smallest length `rewind` accepts: the highest over rings, 0 with none.
+
+        A ring of window w holding positions from r on can serve a next step
+        from `r + w - 1` on; after contiguous writes past its first lap that is
+        `length - max_write`, i.e. `length - w` with max_write unset.
+        """
+        return max((p.floor for p in self.policies), default=0)
+
+    def can_extend(self, n: int = 1) -> bool:
+        return self.length + check_count("n", n) <= self.capacity
+
+    def check_layer(self, layer: Any) -> int:
+        is_int = isinstance(layer, (int, np.integer)) and not isinstance(layer, (bool, np.bool_))
+        if not is_int or not 0 <= layer < self.n_layers:
+            raise StepError(f"layer={layer!r}: expected an integer in [0, {self.n_layers})")
+        return int(layer)
+
+    def plan(self, layer: int, start: int, length: int) -> SeqStepPlan:
+        """Where layer `layer` writes tokens `[start, start + length)` and what it reads.
+
+        Pure. Refuses (StepError / CapacityError) a layer out of range, an
+        empty step, a negative start, a gap after `length`, a start older than
+        a ring still holds, an end past `capacity`, or a step longer than a
+        ring layer's `max_write` (on every layer: see `max_step`). Every check
+        but the layer index reads only model-wide state, so a step is refused
+        at a forward's first layer or not at all.
+        """
+        layer = self.check_layer(layer)
+        if start < 0:
+            raise StepError(f"positions start at {start}: expected positions >= 0")
+        if length < 1:
+            raise StepError(f"a step of {length} token(s) at layer {layer}: expected at least 1")
+        if start > self.length:
+            raise StepError(
+                f"positions start at {start} but the cache holds {self.length}: "
+                f"a step must start at or below the length (no gap)"
+            )
+        if start < self.floor:
+            raise StepError(
+                f"positions start at {start}, older than a ring layer still holds: "
+                f"expected a start in [{self.floor}, {self.length}]"
+            )
+        if start + length > self.capacity:
+            raise CapacityError(
+                f"a step of {length} token(s) at position {start} ends at {start + length}, "
+                f"past capacity={self.capacity}"
+            )
+        if length > self.max_step:
+            ring = self._tightest
+            raise StepError(
+                f"a step of {length} token(s) at layer {layer}: expected at most "
+                f"max_write={ring.max_write} (the ring layers of window {ring.window} take no more)"
+            )
+        return self.layers[layer].plan(start, length)
+
+    def commit(self, plan: SeqStepPlan) -> None:
+        """Set the length to the step's end; every ring records the slots it reused.
+
+        Idempotent: committing the same step again changes nothing, so every
+        layer of a forward commits. Rings record the reuse at the first commit,
+        before their own layers are written: that only makes the floor
+        conservative in between. A step that starts below the length
+        truncates to its end, as `rewind` would.
+        """
+        for policy in self.policies:
+            policy.commit(plan.end)
+        self.length = plan.end
+
+    def rewind(self, new_len: int) -> bool:
+        """Truncate to `new_len`; False (nothing changes) past `length` or below `floor`."""
+        new_len = check_count("new_len", new_len)
+        if new_len > self.length or new_len < self.floor:
+            return False
+        self.length = new_len
+        return True
+
+    def clear(self) -> None:
+        for policy in self.policies:
+            policy.clear()
+        self.length = 0

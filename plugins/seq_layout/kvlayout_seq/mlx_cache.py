@@ -1,0 +1,200 @@
+"""SeqCache: the seq layout's MLX face.
+
+Each layer keeps K and V in one MLXPool each, `[1, H_kv, slots, D]`. A step
+is planned by the neutral SeqBook, which says which slot runs to write and
+which to read back; this module only moves bytes and builds the band mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from kvlayout.config import CacheConfig
+from kvlayout.errors import ConfigError, StepError
+from kvlayout.faces import AttendSpec, FacesBase, MaskKind, SeqStepPlan
+from kvlayout.mlx import MLXPool
+
+from kvlayout_seq.bookkeeping import SeqBook, band_mask
+
+
+def _as_config(config: Any) -> CacheConfig:
+    if isinstance(config, CacheConfig):
+        return config
+    if isinstance(config, Mapping):
+        return CacheConfig.from_mapping(config)
+    raise ConfigError(f"config: expected a CacheConfig or a mapping, got {type(config).__name__}")
+
+
+def _positions(positions: Any) -> np.ndarray:
+    """`positions` as an int64 vector; floats, bools and NaN are refused, naming the argument."""
+    if isinstance(positions, (list, tuple, range)):
+        bad = [
+            p for p in positions if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer))
+        ]
+        if bad:
+            raise StepError(f"positions: expected integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+        try:
+            arr = np.asarray(positions, dtype=np.int64)
+        except OverflowError:
+            raise StepError(f"positions: {max(positions, key=abs)} does not fit in 64 bits") from None
+    elif isinstance(positions, mx.array):
+        # Checking them needs their values: an mx.array of positions is evaluated here.
+        if not mx.issubdtype(positions.dtype, mx.integer):
+            raise StepError(f"positions: expected an integer array, got dtype {positions.dtype}")
+        arr = np.array(positions, dtype=np.int64)
+    elif isinstance(positions, np.ndarray):
+        if not np.issubdtype(positions.dtype, np.integer):
+            raise StepError(f"positions: expected an integer array, got dtype {positions.dtype}")
+        arr = positions.astype(np.int64)
+    else:
+        raise StepError(f"positions: expected a list or array of integers, got {type(positions).__name__}")
+    if arr.ndim != 1:
+        raise StepError(f"positions: expected one integer per token (1-d), got shape {arr.shape}")
+    return arr
+
+
+class SeqCache(FacesBase):
+    """One sequence over per-layer flat or ring pools; implements KVCache and SequenceControl.
+
+    Every refused call raises before any pool is written or any count moves,
+    so a refusal changes nothing.
+    """
+
+    def __init__(self, config: Any):
+        self.config = config = _as_config(config)
+        layers = [config.layer(i) for i in range(config.n_layers)]
+        self._book = SeqBook(
+            config.capacity,
+            [(lc.policy.kind, lc.policy.window) for lc in layers],
+            config.max_write,
+        )
+        self._shapes = [(lc.n_kv_heads, lc.head_dim) for lc in layers]
+        self.k_pools: list[MLXPool] = []
+        self.v_pools: list[MLXPool] = []
+        for (heads, dim), policy in zip(self._shapes, self._book.layers):
+            # Flat pools grow lazily; a ring is recycled from the first lap, so allocate it whole.
+            initial = min(config.initial_capacity, policy.slots) if policy.kind == "flat" else policy.slots
+            self.k_pools.append(MLXPool(initial, policy.slots, heads, dim, config.kv_dtype))
+            self.v_pools.append(MLXPool(initial, policy.slots, heads, dim, config.kv_dtype))
+
+    # SequenceControl
+
+    def as_control(self) -> SeqCache:
+        return self
+
+    @property
+    def capacity(self) -> int:
+        return self._book.capacity
+
+    @property
+    def length(self) -> int:
+        return self._book.length
+
+    @property
+    def n_layers(self) -> int:
+        return self._book.n_layers
+
+    @property
+    def max_step(self) -> int:
+        """The most tokens one step may carry: the narrowest ring's max_write, else capacity."""
+        return self._book.max_step
+
+    @property
+    def book(self) -> SeqBook:
+        """The neutral bookkeeping (length, policies, rewind floor); read it, don't drive it."""
+        return self._book
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.k_pools + self.v_pools)
+
+    def can_extend(self, n: int = 1) -> bool:
+        return self._book.can_extend(n)
+
+    def rewind(self, new_len: int) -> bool:
+        """Truncate to `new_len`; False (nothing changes) when longer than now or
+        older than a ring layer still holds. Pools keep their bytes: what lies
+        past the length is overwritten before it is read again."""
+        return self._book.rewind(new_len)
+
+    def clear(self) -> None:
+        self._book.clear()
+
+    # KVCache
+
+    def update_and_fetch(self, layer: int, positions: Sequence[int], k: mx.array, v: mx.array) -> AttendSpec:
+        """Store `k`, `v` (`[1, H_kv, T, D]`) at `positions`; return what the step attends.
+
+        `positions` are T consecutive integers starting at or below the length
+        (below overwrites: every layer of a forward writes the same ones).
+        Keys/values come back oldest first, `[1, H_kv, S, D]`.
+
+        The pools hold the only reference to their buffers, so the write is in
+        place, provided the caller drops the returned spec (a view of the
+        pool) before the next step; holding it makes that write copy the pool.
+        """
+        pos = _positions(positions)
+        layer, plan = self._plan(layer, pos, k, v)
+        k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
+        # Nothing below may raise: the plan was checked whole, pools were sized by the policy.
+        if len(plan.writes) == 1:
+            k_pool.write(plan.writes[0].slot, k)
+            v_pool.write(plan.writes[0].slot, v)
+        else:  # a ring write that wraps: the head of the step, then the rest from slot 0
+            for run, first in zip(plan.writes, _offsets(plan.writes)):
+                k_pool.write(run.slot, k[:, :, first : first + run.length, :])
+                v_pool.write(run.slot, v[:, :, first : first + run.length, :])
+        self._book.commit(plan)
+        keys = _gather(k_pool, plan)  # [1, H_kv, S, D]
+        values = _gather(v_pool, plan)
+        mask = None
+        if plan.mask_kind is MaskKind.EXPLICIT:
+            mask = mx.array(band_mask(plan.length, plan.read_len, plan.window))[None, None]  # [1, 1, T, S]
+        return AttendSpec(keys, values, plan.mask_kind, mask)
+
+    def _plan(self, layer: Any, pos: np.ndarray, k: Any, v: Any) -> tuple[int, SeqStepPlan]:
+        """Check the whole step (layer, K/V shapes, positions) and plan it; changes nothing."""
+        layer = self._book.check_layer(layer)
+        heads, dim = self._shapes[layer]
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.floating):
+                got = getattr(x, "dtype", type(x).__name__)
+                raise StepError(f"{name}: expected a floating mlx array, got {got}")
+            if x.ndim != 4 or x.shape[0] != 1 or x.shape[1] != heads or x.shape[3] != dim:
+                raise StepError(
+                    f"{name} shape {tuple(x.shape)}: expected [1, {heads}, T, {dim}] at layer {layer}"
+                )
+            if x.shape[2] != pos.size:
+                raise StepError(f"{name} holds {x.shape[2]} token(s) but positions name {pos.size}")
+        start = int(pos[0]) if pos.size else self.length
+        if pos.size and not np.array_equal(pos, np.arange(start, start + pos.size)):
+            raise StepError(
+                f"positions {_show(pos)}: expected {pos.size} consecutive integers starting at {start}"
+            )
+        return layer, self._book.plan(layer, start, pos.size)
+
+
+def _offsets(runs) -> list[int]:
+    """Where each run's tokens begin inside the step."""
+    out, total = [], 0
+    for run in runs:
+        out.append(total)
+        total += run.length
+    return out
+
+
+def _gather(pool: MLXPool, plan: SeqStepPlan) -> mx.array:
+    parts = [pool.read(run.slot, run.length) for run in plan.reads]
+    # One run is a view of the pool; a wrapped ring pays one copy of its window.
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def _show(pos: np.ndarray) -> str:
+    if pos.size <= 8:
+        return str(pos.tolist())
+    return f"[{', '.join(map(str, pos[:4].tolist()))}, ..., {pos[-1]}]"
+
