@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
-from kvlayout import hookimpl
+import numpy as np
+
+from kvlayout import Builder, hookimpl
+from kvlayout_cell.stepper import lowest_free
+
+
+def _build(config):
+    from kvlayout_cell.cache import CellCache  # MLX is imported only when a cache is built
+
+    return CellCache(config)
 
 
 @hookimpl
 def kvlayout_builders():
-    return []  # the layout lands with its own issue
+    return [
+        Builder(
+            backend_id="mlx",
+            kind="cell",
+            build=_build,
+            summary="many sequences over one pool of cells: shared prefixes, explicit masks",
+        )
+    ]
+
+
+@hookimpl(trylast=True)
+def kvlayout_choose_cells(free: np.ndarray, count: int) -> np.ndarray:
+    """Lowest free first, so a freed cell refills before the table grows; any other policy wins."""
+    return lowest_free(free, count)

@@ -1,0 +1,93 @@
+"""CellCache: the cell layout's MLX face over the neutral stepper.
+
+Every layer keeps a K and a V MLXPool spanning the whole cell table
+(`max_slots = capacity`), whatever its window: a ring layer differs only in
+its mask. A step's tokens are scattered into their cells with `write_cells`,
+and the layer attends to `[0, read_len)` under the step's explicit mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from kvlayout.config import CacheConfig
+from kvlayout.errors import StepError
+from kvlayout.faces import AttendSpec, FacesBase, MaskKind
+from kvlayout.mlx import MLXPool
+from kvlayout.registry import plugin_manager
+from kvlayout_cell.args import int_array, int_scalar
+from kvlayout_cell.stepper import CellStepper
+
+
+class CellCache(CellStepper, FacesBase):
+    """Many sequences over one pool of cells; the BatchControl and CellStepper faces.
+
+    `pm` is the plugin manager whose `kvlayout_choose_cells` and
+    `kvlayout_step_placed` hooks the cache calls (the process's by default;
+    tests pass a fresh one).
+    """
+
+    def __init__(self, config: CacheConfig, pm: Any = None):
+        self.config = config
+        layers = [config.layer(i) for i in range(config.n_layers)]
+        super().__init__(
+            config.capacity,
+            config.max_seqs,
+            [lc.policy.window for lc in layers],  # 0 for flat layers
+            plugin_manager() if pm is None else pm,
+        )
+        initial = min(config.initial_capacity, config.capacity)
+
+        def pool(lc):
+            return MLXPool(initial, config.capacity, lc.n_kv_heads, lc.head_dim, config.kv_dtype)
+
+        self.keys = [pool(lc) for lc in layers]
+        self.values = [pool(lc) for lc in layers]
+        self._mx_mask: dict[int, tuple[Any, mx.array]] = {}  # window -> (step, its mask as MLX)
+
+    def as_batch_control(self) -> CellCache:
+        return self
+
+    def as_cell_stepper(self) -> CellCache:
+        return self
+
+    def update_and_fetch(self, layer: int, positions: Sequence[int], k: mx.array, v: mx.array) -> AttendSpec:
+        layer = int_scalar("layer", layer, StepError, minimum=0)
+        if layer >= self.n_layers:
+            raise StepError(f"layer={layer}: expected a layer in [0, {self.n_layers})")
+        lc = self.config.layer(layer)
+        expected = (1, lc.n_kv_heads, None, lc.head_dim)  # [1, H_kv, T, D]
+        for name, x in (("k", k), ("v", v)):
+            shape = tuple(getattr(x, "shape", ()))
+            if not isinstance(x, mx.array) or len(shape) != 4 or any(
+                want is not None and got != want for got, want in zip(shape, expected)
+            ):
+                raise StepError(
+                    f"layer {layer}: {name} of shape {shape} ({type(x).__name__}): expected an mlx "
+                    f"array [1, {lc.n_kv_heads}, T, {lc.head_dim}]"
+                )
+        if k.shape != v.shape:
+            raise StepError(f"layer {layer}: k {tuple(k.shape)} and v {tuple(v.shape)}: expected one shape")
+        pos = int_array("positions", positions, StepError)
+        T = k.shape[2]
+        if pos.size != T:  # before placing, so a miscounted call claims no cell
+            raise StepError(f"layer {layer}: {pos.size} position(s) for k/v of {T} token(s)")
+
+        step = self.place_step(layer, pos)
+        # Cells of one step are distinct (placement checks it), as write_cells requires.
+        self.keys[layer].write_cells(step.cells, k)
+        self.values[layer].write_cells(step.cells, v)
+        keys = self.keys[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
+        values = self.values[layer].read(0, step.read_len)
+        return AttendSpec(keys, values, MaskKind.EXPLICIT, self._mask(layer, step))
+
+    def _mask(self, layer: int, step) -> mx.array:
+        """The step's mask as bool [1, 1, T, read_len], converted once per window per step."""
+        window = self._windows[layer]
+        held = self._mx_mask.get(window)
+        if held is None or held[0] is not step:
+            held = (step, mx.array(step.mask)[None, None])
+            self._mx_mask[window] = held
+        return held[1]

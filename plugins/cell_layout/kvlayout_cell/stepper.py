@@ -1,0 +1,162 @@
+"""The step protocol of the cell layout: declare, place once, reuse per layer.
+
+Still neutral (numpy and the plugin manager, no tensor type). One forward is
+one step:
+
+1. `declare_step(seq_ids)` names the sequence of each token (the admission
+   gate: False when the free cells are too few);
+2. the first layer served calls `place_step(layer, positions)`: the cells come
+   from the `kvlayout_choose_cells` hook and are claimed all together;
+3. every later layer reuses that placement; the CellStep (cells + mask) is
+   built once per distinct window and announced through
+   `kvlayout_step_placed`, then shared by every layer with that window.
+
+A step stays valid while the table's epoch is the one placement left: any verb
+(seq_new, seq_clone, seq_rm, clear) ends it, and so does a new declaration.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+from kvlayout.errors import ConfigError, SequenceError, StepError
+from kvlayout.faces import CellStep
+from kvlayout_cell.args import int_array, int_scalar
+from kvlayout_cell.table import CellTable
+
+
+@attrs.define(eq=False)
+class _Placed:
+    """A placed step: its tokens, their cells and which layers have been served."""
+
+    seq_ids: np.ndarray
+    positions: np.ndarray
+    cells: np.ndarray
+    read_len: int
+    epoch: int
+    served: set[int]
+    steps: dict[int, CellStep]  # window -> memoized step
+
+
+@attrs.define(eq=False)
+class _Declared:
+    seq_ids: np.ndarray
+    epoch: int
+
+
+class CellStepper(CellTable):
+    """A cell table that places steps for `len(windows)` layers (window 0 = flat)."""
+
+    def __init__(self, capacity: int, max_seqs: int, windows: Sequence[int], pm: Any):
+        super().__init__(capacity, max_seqs)
+        self._windows = tuple(int_scalar("window", w, ConfigError, minimum=0) for w in windows)
+        self._pm = pm
+        self._declared: _Declared | None = None
+        self._placed: _Placed | None = None
+
+    @property
+    def n_layers(self) -> int:
+        return len(self._windows)
+
+    def declare_step(self, seq_ids: Sequence[int]) -> bool:
+        """Name the sequence of each token of the next forward.
+
+        False (nothing changed, any previous step still standing) when fewer
+        than len(seq_ids) cells are free. Raises for an empty list
+        (StepError) or an id out of range or not live (SequenceError).
+        On True the previous step ends, whether or not every layer was served.
+        """
+        ids = int_array("seq_ids", seq_ids, SequenceError)
+        if ids.size == 0:
+            raise StepError("declare_step: expected at least one token's sequence id, got an empty list")
+        self.check_live_ids(ids)
+        if ids.size > self.free_cells:
+            return False
+        self._declared = _Declared(ids.copy(), self.epoch)
+        self._placed = None
+        return True
+
+    def place_step(self, layer: int, positions: Sequence[int]) -> CellStep:
+        """The step for `layer`: placed by the first layer served, reused by the others.
+
+        StepError (nothing changed; a standing declaration stays for a
+        corrected retry) for a layer out of range or already served, a step
+        with no declaration, a token count differing from it, a position not
+        newer than its sequence holds, or a bad `kvlayout_choose_cells` answer.
+        """
+        layer = int_scalar("layer", layer, StepError, minimum=0)
+        if layer >= self.n_layers:
+            raise StepError(f"layer={layer}: expected a layer in [0, {self.n_layers})")
+        pos = int_array("positions", positions, StepError)
+        placed = self._placed if self._placed is not None and self._placed.epoch == self.epoch else None
+        if placed is not None:
+            if layer in placed.served:
+                raise StepError(
+                    f"layer {layer} was already served in this step: expected each layer once "
+                    "per step; declare_step the next forward first"
+                )
+            if not np.array_equal(pos, placed.positions):
+                raise StepError(
+                    f"layer {layer}: positions {pos.tolist()!r:.80} differ from the step's "
+                    f"{placed.positions.tolist()!r:.80}, placed by an earlier layer"
+                )
+            placed.served.add(layer)
+            return self._step(placed, self._windows[layer])
+        declared = self._declared if self._declared is not None and self._declared.epoch == self.epoch else None
+        if declared is None:
+            why = " (a verb since the last declaration ended that step)" if self._declared or self._placed else ""
+            raise StepError(f"layer {layer}: no step declared{why}; expected declare_step(seq_ids) first")
+        if pos.size != declared.seq_ids.size:
+            raise StepError(
+                f"layer {layer}: {pos.size} position(s) for a step declared with "
+                f"{declared.seq_ids.size} token(s)"
+            )
+        self.check_tokens(declared.seq_ids, pos)
+        cells = self._choose(pos.size)
+        self.occupy(cells, declared.seq_ids, pos)  # the only mutation; everything above may refuse
+        placed = _Placed(declared.seq_ids, pos.copy(), cells, self.used_end, self.epoch, {layer}, {})
+        self._placed, self._declared = placed, None
+        return self._step(placed, self._windows[layer])
+
+    def _choose(self, count: int) -> np.ndarray:
+        """`count` distinct free cells from the hook; StepError quoting a bad answer."""
+        free = self.free_list()
+        answer = self._pm.hook.kvlayout_choose_cells(free=free, count=count)
+        expected = f"expected {count} distinct cells from the free list"
+        if answer is None:
+            raise StepError(f"kvlayout_choose_cells: no plugin answered; {expected}")
+        try:
+            cells = np.asarray(answer)
+        except Exception:
+            cells = np.asarray([])
+        ok = (
+            cells.ndim == 1
+            and cells.size == count
+            and (count == 0 or (np.issubdtype(cells.dtype, np.integer) and cells.dtype != np.bool_))
+        )
+        if ok:
+            cells = cells.astype(np.int64)
+            ok = np.unique(cells).size == count and self.are_free(cells)
+        if not ok:
+            raise StepError(f"kvlayout_choose_cells answered {answer!r:.120}: {expected}")
+        return cells
+
+    def _step(self, placed: _Placed, window: int) -> CellStep:
+        step = placed.steps.get(window)
+        if step is None:
+            mask = self.visible(placed.seq_ids, placed.positions, window, placed.cells)  # [T, read_len]
+            mask.flags.writeable = False  # shared by every layer with this window, and by observers
+            cells = placed.cells.astype(np.int32)
+            cells.flags.writeable = False
+            step = CellStep(length=placed.cells.size, read_len=placed.read_len, cells=cells, mask=mask)
+            placed.steps[window] = step
+            self._pm.hook.kvlayout_step_placed(step=step, window=window)
+        return step
+
+
+def lowest_free(free: np.ndarray, count: int) -> np.ndarray:
+    """The default placement: the lowest free cells, so a freed cell refills before the table grows."""
+    return free[:count]

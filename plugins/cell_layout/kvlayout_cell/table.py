@@ -1,0 +1,298 @@
+"""The cell table: which token each cell holds and which sequences own it.
+
+The neutral layer of the cell layout (integers and numpy only, no tensor type),
+in the manner of llama.cpp's kv-cells: a few parallel per-cell arrays plus
+per-sequence summaries kept in step by every verb.
+
+Invariants every verb keeps:
+
+- a cell is free iff `pos[c] == -1` iff it has no owner bit set;
+- every occupied cell is in `[0, used_end)`, and `used_end` is 0 or one past
+  the last occupied cell;
+- `count[s]` is the number of cells s owns and `newest[s]` the largest
+  position among them (-1 when it owns none);
+- an id is live from `seq_new`/`seq_clone` until a `seq_rm` leaves it owning
+  no cell; an id that is not live owns nothing.
+
+Every refusal is decided before anything is mutated, so a refused call leaves
+the table exactly as it was. Lack of cells or ids is an answer (False/None),
+never an exception.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvlayout.errors import ConfigError, SequenceError, StepError
+from kvlayout_cell.args import int_scalar
+
+_ONE = np.uint64(1)
+
+
+class CellTable:
+    def __init__(self, capacity: int, max_seqs: int):
+        self._capacity = int_scalar("capacity", capacity, ConfigError, minimum=1)
+        self._max_seqs = int_scalar("max_seqs", max_seqs, ConfigError, minimum=1)
+        self._words = (self._max_seqs + 63) // 64  # owner bitset width: any max_seqs works
+        self._epoch = 0
+        self.clear()
+
+    # -- state ---------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Free every cell and release every id."""
+        self._pos = np.full(self._capacity, -1, dtype=np.int64)  # [capacity], -1 = free
+        self._owners = np.zeros((self._capacity, self._words), dtype=np.uint64)  # [capacity, words] bitset
+        self._count = np.zeros(self._max_seqs, dtype=np.int64)  # cells owned, per id
+        self._newest = np.full(self._max_seqs, -1, dtype=np.int64)  # newest position held, per id
+        self._live = np.zeros(self._max_seqs, dtype=bool)
+        self._used_end = 0
+        self._n_free = self._capacity
+        self._free: np.ndarray | None = None  # ascending free cells, rebuilt lazily after a seq_rm
+        self._touch()
+
+    def _touch(self) -> None:
+        self._epoch += 1
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever the table does; whatever holds a view of it (a placed step) compares."""
+        return self._epoch
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def max_seqs(self) -> int:
+        return self._max_seqs
+
+    @property
+    def free_cells(self) -> int:
+        return self._n_free
+
+    @property
+    def used_end(self) -> int:
+        return self._used_end
+
+    def can_extend(self, n: int = 1) -> bool:
+        return self._n_free >= int_scalar("n", n, StepError, minimum=0)
+
+    # -- ids -----------------------------------------------------------------
+
+    def _check_id(self, name: str, seq_id: Any) -> int:
+        s = int_scalar(name, seq_id, SequenceError)
+        if not 0 <= s < self._max_seqs:
+            raise SequenceError(f"{name}={s}: expected an id in [0, {self._max_seqs})")
+        return s
+
+    def _check_live(self, name: str, seq_id: Any) -> int:
+        s = self._check_id(name, seq_id)
+        if not self._live[s]:
+            raise SequenceError(f"{name}={s}: expected a live sequence, got an id not in use")
+        return s
+
+    def _lowest_free_id(self) -> int | None:
+        ids = np.flatnonzero(~self._live)
+        return int(ids[0]) if ids.size else None
+
+    def seq_len(self, seq_id: int) -> int:
+        """Cells `seq_id` owns (0 for an id not live)."""
+        return int(self._count[self._check_id("seq_id", seq_id)])
+
+    def next_pos(self, seq_id: int) -> int:
+        """One past the newest position `seq_id` holds (0 when it holds none)."""
+        return int(self._newest[self._check_id("seq_id", seq_id)]) + 1
+
+    def seq_new(self) -> int | None:
+        """The lowest id not live, now live and empty; None when all are in use."""
+        s = self._lowest_free_id()
+        if s is None:
+            return None
+        self._live[s] = True
+        self._touch()
+        return s
+
+    def seq_clone(self, src: int, upto: int | None = None) -> int | None:
+        """A new id sharing src's cells with position < upto (all when None); no cell is copied.
+
+        Refused (SequenceError) when src is not live; None when no id is left.
+        """
+        src = self._check_live("src", src)
+        if upto is not None:
+            upto = int_scalar("upto", upto, SequenceError, minimum=0)
+        dst = self._lowest_free_id()
+        if dst is None:
+            return None
+        end = self._used_end
+        take = self._owned(src, end)  # [end]
+        if upto is not None:
+            take &= self._pos[:end] < upto
+        self._owners[:end, dst >> 6] |= take.astype(np.uint64) << np.uint64(dst & 63)
+        self._count[dst] = np.count_nonzero(take)
+        self._newest[dst] = self._pos[:end][take].max(initial=-1)
+        self._live[dst] = True
+        self._touch()
+        return dst
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
+        """Drop seq_id's claim on positions [p0, p1) (p1 None: to the end).
+
+        A cell with no owner left is freed and `used_end` shrinks past freed
+        tail cells; an id left owning nothing is released. Refused
+        (SequenceError) for an id not live or a malformed range.
+        """
+        s = self._check_live("seq_id", seq_id)
+        p0 = int_scalar("p0", p0, SequenceError, minimum=0)
+        if p1 is not None:
+            p1 = int_scalar("p1", p1, SequenceError, minimum=p0)
+        end = self._used_end
+        pos = self._pos[:end]
+        drop = self._owned(s, end) & (pos >= p0)  # [end]
+        if p1 is not None:
+            drop &= pos < p1
+        cells = np.flatnonzero(drop)
+        if cells.size:
+            self._owners[cells, s >> 6] &= ~(_ONE << np.uint64(s & 63))
+            freed = cells[~self._owners[cells].any(axis=1)]
+            self._pos[freed] = -1
+            self._n_free += freed.size
+            self._count[s] -= cells.size
+            if freed.size:
+                self._free = None
+                if freed[-1] == end - 1:  # the tail cell went: shrink past every free tail cell
+                    occupied = np.flatnonzero(self._pos[:end] >= 0)
+                    self._used_end = int(occupied[-1]) + 1 if occupied.size else 0
+            newest = self._newest[s]
+            if newest >= p0 and (p1 is None or newest < p1):  # the newest position went
+                self._newest[s] = self._pos[: self._used_end][self._owned(s, self._used_end)].max(initial=-1)
+        if self._count[s] == 0:
+            self._live[s] = False
+            self._newest[s] = -1
+        self._touch()
+
+    def _owned(self, s: int, end: int) -> np.ndarray:
+        """bool [end]: which of the cells [0, end) s owns."""
+        return (self._owners[:end, s >> 6] >> np.uint64(s & 63)) & _ONE != 0
+
+    # -- placement primitives (the step protocol lives in stepper.py) --------
+
+    def free_list(self) -> np.ndarray:
+        """The free cells, ascending (int64, read-only).
+
+        Kept between placements: a placement removes its cells, only a seq_rm
+        that frees cells forces a rebuild (one numpy pass over [0, used_end)).
+        """
+        if self._free is None:
+            end = self._used_end
+            free = np.concatenate(
+                [np.flatnonzero(self._pos[:end] < 0), np.arange(end, self._capacity)]
+            ).astype(np.int64)
+            free.flags.writeable = False
+            self._free = free
+        return self._free
+
+    def check_live_ids(self, seq_ids: np.ndarray) -> None:
+        """Refuse (SequenceError) an id out of range or not live, naming the first one."""
+        out = np.flatnonzero((seq_ids < 0) | (seq_ids >= self._max_seqs))
+        if out.size:
+            self._check_id(f"seq_ids[{out[0]}]", int(seq_ids[out[0]]))
+        dead = np.flatnonzero(~self._live[seq_ids])
+        if dead.size:
+            self._check_live(f"seq_ids[{dead[0]}]", int(seq_ids[dead[0]]))
+
+    def are_free(self, cells: np.ndarray) -> bool:
+        """Whether `cells` are all in range and free (O(len(cells)))."""
+        if cells.size and (cells.min() < 0 or cells.max() >= self._capacity):
+            return False
+        return bool((self._pos[cells] < 0).all())
+
+    def check_tokens(self, seq_ids: np.ndarray, positions: np.ndarray) -> None:
+        """Refuse (StepError) unless each token's position is newer than its sequence holds.
+
+        "Holds" includes the step's own earlier tokens, so a sequence's
+        positions must also rise within the step. Ids must be live.
+        """
+        if seq_ids.shape != positions.shape:
+            raise StepError(f"{positions.size} position(s) for {seq_ids.size} declared token(s)")
+        self.check_live_ids(seq_ids)
+        if positions.size and positions.min() < 0:
+            i = int(np.flatnonzero(positions < 0)[0])
+            raise StepError(f"positions[{i}]={positions[i]}: expected a position >= 0")
+        order = np.lexsort((np.arange(seq_ids.size), seq_ids))  # by sequence, then token order
+        s, p = seq_ids[order], positions[order]
+        first = np.ones(s.size, dtype=bool)
+        first[1:] = s[1:] != s[:-1]
+        prev = np.where(first, self._newest[s], np.roll(p, 1))
+        bad = np.flatnonzero(p <= prev)
+        if bad.size:
+            k = bad[0]
+            i, held = int(order[k]), int(prev[k])
+            raise StepError(
+                f"positions[{i}]={p[k]} for sequence {s[k]}: expected a position newer than "
+                f"{held}, which it already holds (next_pos {held + 1})"
+            )
+
+    def occupy(self, cells: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> None:
+        """Put token i (position positions[i], owner seq_ids[i]) in cells[i].
+
+        The caller has run `check_tokens`; the cells are checked here to be
+        distinct and free (StepError otherwise, nothing changed).
+        """
+        if cells.shape != seq_ids.shape:
+            raise StepError(f"{cells.size} cell(s) for {seq_ids.size} token(s)")
+        if cells.size == 0:
+            return
+        if cells.min() < 0 or cells.max() >= self._capacity:
+            raise StepError(f"cells {cells.tolist()!r:.80}: expected cells in [0, {self._capacity})")
+        if np.unique(cells).size != cells.size:
+            raise StepError(f"cells {cells.tolist()!r:.80}: expected distinct cells")
+        if (self._pos[cells] >= 0).any():
+            raise StepError(f"cells {cells.tolist()!r:.80}: expected free cells, got an occupied one")
+        self._pos[cells] = positions
+        # Each cell is distinct and had no owner, so plain fancy assignment sets one bit per cell.
+        self._owners[cells, seq_ids >> 6] = _ONE << (seq_ids & 63).astype(np.uint64)
+        self._count += np.bincount(seq_ids, minlength=self._max_seqs)
+        np.maximum.at(self._newest, seq_ids, positions)
+        self._used_end = max(self._used_end, int(cells.max()) + 1)
+        self._n_free -= cells.size
+        if self._free is not None:  # cells are a subset of the ascending free list
+            free = np.delete(self._free, np.searchsorted(self._free, cells))
+            free.flags.writeable = False
+            self._free = free
+        self._touch()
+
+    def visible(
+        self, seq_ids: np.ndarray, positions: np.ndarray, window: int = 0, placed: np.ndarray | None = None
+    ) -> np.ndarray:
+        """bool [T, used_end]: token i sees cell j iff j is occupied, owned by seq_ids[i],
+        pos_j <= positions[i], and (window > 0) pos_j >= positions[i] - window + 1.
+
+        Vectorized over tokens x cells. Only the owner words the step's
+        sequences live in are read, transposed to one contiguous byte row per
+        (word, byte) so each token gathers its row with a memcpy: no
+        [T, used_end] uint64 temporary and no strided gather.
+
+        `placed`: the cells these very tokens were just placed in (by
+        `occupy`, nothing since). Every other cell a token's sequence owns is
+        then older than the token (check_tokens saw to it), so a flat layer
+        needs the position test only on those T columns.
+        """
+        end = self._used_end
+        pos = self._pos[:end]  # [S]
+        words, word_of = np.unique(seq_ids >> 6, return_inverse=True)
+        packed = np.ascontiguousarray(self._owners[:end, words]).astype("<u8", copy=False)  # [S, W']
+        by_byte = np.ascontiguousarray(packed.view(np.uint8).T)  # [8 W', S]: bit b of word w in row 8w + b // 8
+        bit = seq_ids & 63
+        rows = by_byte[word_of.reshape(-1) * 8 + (bit >> 3)]  # [T, S]
+        mask = (rows & (np.uint8(1) << (bit & 7).astype(np.uint8))[:, None]) != 0  # owned; free cells own nothing
+        p = positions[:, None]  # [T, 1]
+        if window or placed is None:
+            mask &= pos[None, :] <= p
+        else:
+            mask[:, placed] &= pos[placed][None, :] <= p  # [T, T]: causal within the step
+        if window:
+            mask &= pos[None, :] >= p - (window - 1)
+        return mask

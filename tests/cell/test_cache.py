@@ -1,0 +1,158 @@
+"""The MLX face: scatter, read window, explicit mask, pools."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvlayout import CacheConfig, LayerConfig, LayerPolicy, MaskKind
+from kvlayout.errors import StepError
+from kvlayout.faces import BatchControl, CellStepper, KVCache
+from kvlayout.registry import make_plugin_manager
+from kvlayout_cell.cache import CellCache
+from tests.cell.support import snapshot
+
+H, D = 2, 4
+
+
+def cache(capacity=16, layers=None, n_layers=2, **kw) -> CellCache:
+    layers = layers or [LayerConfig(H, D)]
+    config = CacheConfig(capacity=capacity, n_layers=n_layers, layers=layers, kv_dtype=kw.pop("kv_dtype", "float32"), **kw)
+    return CellCache(config, make_plugin_manager())
+
+
+def kv(T, seed=0, dtype=mx.float32):
+    rng = np.random.default_rng(seed)
+    k = mx.array(rng.normal(size=(1, H, T, D)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.normal(size=(1, H, T, D)).astype(np.float32)).astype(dtype)
+    return k, v
+
+
+def serve(c, seq_ids, positions, seed=0):
+    """Declare and serve every layer; the specs, one per layer."""
+    assert c.declare_step(seq_ids)
+    k, v = kv(len(positions), seed)
+    return [c.update_and_fetch(layer, positions, k, v) for layer in range(c.n_layers)]
+
+
+def test_the_cache_shows_the_batch_and_stepper_faces_only():
+    c = cache()
+    assert c.as_batch_control() is c and c.as_cell_stepper() is c and c.as_control() is None
+    assert isinstance(c, BatchControl) and isinstance(c, CellStepper) and isinstance(c, KVCache)
+
+
+def test_a_prefill_scatters_the_input_and_masks_causally():
+    c = cache()
+    s0 = c.seq_new()
+    assert c.declare_step([s0] * 4)
+    k, v = kv(4)
+    spec = c.update_and_fetch(0, [0, 1, 2, 3], k, v)
+    assert spec.mask_kind is MaskKind.EXPLICIT
+    assert spec.keys.shape == (1, H, 4, D)
+    assert np.array_equal(np.array(spec.keys), np.array(k))
+    assert np.array_equal(np.array(spec.values), np.array(v))
+    assert spec.mask.dtype == mx.bool_ and spec.mask.shape == (1, 1, 4, 4)
+    assert np.array_equal(np.array(spec.mask)[0, 0], np.tril(np.ones((4, 4), dtype=bool)))
+
+
+def test_a_freed_cell_refills_below_a_live_one():
+    c = cache(initial_capacity=2)
+    a, b = c.seq_new(), c.seq_new()
+    serve(c, [a] * 3, [0, 1, 2])
+    serve(c, [b], [0], seed=1)
+    c.seq_rm(a)
+    assert c.declare_step([b])
+    k, v = kv(1, seed=2)
+    spec = c.update_and_fetch(0, [1], k, v)
+    assert c.place_step(1, [1]).cells.tolist() == [0]
+    assert spec.keys.shape[2] == 4
+    assert np.array(spec.mask)[0, 0, 0].tolist() == [True, False, False, True]
+    assert np.array_equal(np.array(spec.keys)[:, :, 0], np.array(k)[:, :, 0])
+    assert np.array_equal(np.array(spec.keys)[:, :, 3], np.array(kv(1, seed=1)[0])[:, :, 0])
+
+
+def test_a_windowed_layer_hides_older_cells_while_a_flat_one_does_not():
+    c = cache(layers=[LayerConfig(H, D, LayerPolicy("ring", 2)), LayerConfig(H, D)])
+    s0 = c.seq_new()
+    serve(c, [s0] * 3, [0, 1, 2])
+    ring, flat = serve(c, [s0], [3])
+    assert np.array(ring.mask)[0, 0, 0].tolist() == [False, False, True, True]
+    assert np.array(flat.mask)[0, 0, 0].tolist() == [True, True, True, True]
+    assert ring.keys.shape == flat.keys.shape == (1, H, 4, D)  # every pool spans the whole table
+
+
+def test_pools_grow_from_two_slots_and_keep_earlier_cells():
+    c = cache(capacity=16, initial_capacity=2)
+    s0 = c.seq_new()
+    assert c.keys[0].slots == 2 and c.keys[0].max_slots == 16
+    k0, v0 = kv(2, seed=0)
+    assert c.declare_step([s0] * 2)
+    c.update_and_fetch(0, [0, 1], k0, v0)
+    k1, v1 = kv(3, seed=1)
+    assert c.declare_step([s0] * 3)
+    spec = c.update_and_fetch(0, [2, 3, 4], k1, v1)
+    assert c.keys[0].slots == 8
+    assert np.array_equal(np.array(spec.keys), np.concatenate([np.array(k0), np.array(k1)], axis=2))
+    assert np.array_equal(np.array(spec.values), np.concatenate([np.array(v0), np.array(v1)], axis=2))
+
+
+def test_fp32_input_is_stored_as_bf16():
+    c = cache(kv_dtype="bfloat16")
+    s0 = c.seq_new()
+    assert c.declare_step([s0] * 2)
+    k, v = kv(2)
+    spec = c.update_and_fetch(0, [0, 1], k, v)
+    assert spec.keys.dtype == mx.bfloat16 and spec.values.dtype == mx.bfloat16
+    assert np.allclose(np.array(spec.keys.astype(mx.float32)), np.array(k), rtol=1e-2, atol=1e-2)
+
+
+def test_a_full_table_refuses_the_declaration_and_stays_full():
+    c = cache(capacity=4)
+    s0 = c.seq_new()
+    serve(c, [s0] * 4, [0, 1, 2, 3])
+    before = snapshot(c)
+    assert c.free_cells == 0 and not c.can_extend(1)
+    assert c.declare_step([s0]) is False
+    assert c.free_cells == 0 and snapshot(c) == before
+
+
+def test_a_miscounted_call_claims_no_cell_and_the_declaration_stands():
+    c = cache()
+    s0 = c.seq_new()
+    assert c.declare_step([s0] * 2)
+    k, v = kv(2)
+    before = snapshot(c)
+    with pytest.raises(StepError, match=r"3 position\(s\) for k/v of 2 token\(s\)"):
+        c.update_and_fetch(0, [0, 1, 2], k, v)
+    assert snapshot(c) == before
+    spec = c.update_and_fetch(0, mx.array([0, 1]), k, v)
+    assert spec.keys.shape[2] == 2
+
+
+@pytest.mark.parametrize("shape", [(1, H + 1, 2, D), (1, H, 2, D + 1), (2, H, 2, D), (H, 2, D)])
+def test_keys_of_the_wrong_shape_are_refused_before_placing(shape):
+    c = cache()
+    s0 = c.seq_new()
+    assert c.declare_step([s0] * 2)
+    before = snapshot(c)
+    with pytest.raises(StepError, match=rf"expected an mlx array \[1, {H}, T, {D}\]"):
+        c.update_and_fetch(0, [0, 1], mx.zeros(shape), mx.zeros(shape))
+    assert snapshot(c) == before
+
+
+def test_layers_of_one_window_share_one_mask_array():
+    c = cache(n_layers=3)
+    s0 = c.seq_new()
+    specs = serve(c, [s0] * 3, [0, 1, 2])
+    assert specs[0].mask is specs[1].mask is specs[2].mask
+
+
+def test_clear_frees_every_cell_and_id():
+    c = cache()
+    s0 = c.seq_new()
+    serve(c, [s0] * 3, [0, 1, 2])
+    c.clear()
+    assert (c.free_cells, c.used_end, c.seq_new()) == (16, 0, 0)
+    spec = serve(c, [0], [0])[0]
+    assert np.array(spec.mask)[0, 0, 0].tolist() == [True]

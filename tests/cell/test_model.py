@@ -1,0 +1,134 @@
+"""Model-level: batched, forked and re-placed runs equal each sequence's cache-free forward.
+
+Storage is float32, so every output must match `forward_reference` over the
+sequence alone to 1e-4, whatever else shares the step and whatever cells the
+tokens land in.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvlayout import CacheConfig, LayerConfig, LayerPolicy, hookimpl
+from kvlayout.registry import make_plugin_manager
+from kvlayout_cell.cache import CellCache
+from tests.helpers import TinyStack
+
+STACK = TinyStack(n_layers=3)
+
+
+def make_cache(pm=None, windows=(0, 0, 0), capacity=64) -> CellCache:
+    layers = [
+        LayerConfig(STACK.n_kv_heads, STACK.head_dim, LayerPolicy("ring", w) if w else LayerPolicy())
+        for w in windows
+    ]
+    config = CacheConfig(capacity=capacity, n_layers=3, layers=layers, kv_dtype="float32", initial_capacity=8)
+    return CellCache(config, make_plugin_manager() if pm is None else pm)
+
+
+def run_step(cache, parts):
+    """One forward over `[(seq, x [1, n, d], first_pos), ...]`; each part's output rows."""
+    seqs = [s for s, x, _ in parts for _ in range(x.shape[1])]
+    positions = [p + i for _, x, p in parts for i in range(x.shape[1])]
+    assert cache.declare_step(seqs)
+    out = STACK.forward_cached(cache, mx.concatenate([x for _, x, _ in parts], axis=1), positions)
+    splits = np.cumsum([x.shape[1] for _, x, _ in parts])[:-1].tolist()
+    return mx.split(out, splits, axis=1) if splits else [out]
+
+
+def solo(x, windows=()):
+    return STACK.forward_reference(x, windows)
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4, rtol=1e-4)
+
+
+class HighestFree:
+    @hookimpl
+    def kvlayout_choose_cells(self, free, count):
+        return free[::-1][:count]
+
+
+class Shuffled:
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    @hookimpl
+    def kvlayout_choose_cells(self, free, count):
+        return self.rng.choice(free, size=count, replace=False)
+
+
+def managers():
+    pms = {"lowest-free": make_plugin_manager()}
+    for name, policy in (("highest-free", HighestFree()), ("shuffled", Shuffled(7))):
+        pms[name] = make_plugin_manager()
+        pms[name].register(policy)
+    return pms
+
+
+@pytest.mark.parametrize("policy", ["lowest-free", "highest-free", "shuffled"])
+def test_two_prefills_and_a_batched_decode_equal_each_solo_run(policy):
+    cache = make_cache(managers()[policy])
+    a, b = STACK.tokens(6, seed=1), STACK.tokens(4, seed=2)
+    sa, sb = cache.seq_new(), cache.seq_new()
+    out_a, out_b = run_step(cache, [(sa, a[:, :5], 0), (sb, b[:, :3], 0)])
+    close(out_a, solo(a[:, :5]))
+    close(out_b, solo(b[:, :3]))
+    out_b, out_a = run_step(cache, [(sb, b[:, 3:], 3), (sa, a[:, 5:], 5)])
+    close(out_a, solo(a)[:, 5:])
+    close(out_b, solo(b)[:, 3:])
+
+
+@pytest.mark.parametrize("policy", ["lowest-free", "shuffled"])
+def test_a_fork_continues_its_trunk_exactly(policy):
+    cache = make_cache(managers()[policy])
+    trunk = STACK.tokens(5, seed=3)
+    tail_t, tail_f = STACK.tokens(2, seed=4), STACK.tokens(2, seed=5)
+    s = cache.seq_new()
+    run_step(cache, [(s, trunk, 0)])
+    f = cache.seq_clone(s)
+    free = cache.free_cells
+    out_t, out_f = run_step(cache, [(s, tail_t, 5), (f, tail_f, 5)])
+    assert cache.free_cells == free - 4  # the prefix was shared, not copied
+    close(out_t, solo(mx.concatenate([trunk, tail_t], axis=1))[:, 5:])
+    close(out_f, solo(mx.concatenate([trunk, tail_f], axis=1))[:, 5:])
+
+
+def test_a_fork_at_upto_continues_only_the_prefix():
+    cache = make_cache()
+    trunk, tail = STACK.tokens(5, seed=6), STACK.tokens(3, seed=7)
+    s = cache.seq_new()
+    run_step(cache, [(s, trunk, 0)])
+    f = cache.seq_clone(s, upto=2)
+    (out_f,) = run_step(cache, [(f, tail, 2)])
+    close(out_f, solo(mx.concatenate([trunk[:, :2], tail], axis=1))[:, 2:])
+
+
+def test_a_sequence_refilling_freed_cells_below_another_still_matches():
+    cache = make_cache(capacity=16)
+    a, b, c = STACK.tokens(6, seed=8), STACK.tokens(4, seed=9), STACK.tokens(5, seed=10)
+    sa, sb = cache.seq_new(), cache.seq_new()
+    run_step(cache, [(sa, a, 0), (sb, b[:, :2], 0)])
+    cache.seq_rm(sa)  # cells 0..5 free, b lives in 6..7
+    sc = cache.seq_new()
+    out_c, out_b = run_step(cache, [(sc, c, 0), (sb, b[:, 2:], 2)])
+    close(out_c, solo(c))
+    close(out_b, solo(b)[:, 2:])
+
+
+def test_mixed_windows_match_a_sliding_window_reference():
+    windows = (2, 0, 3)
+    cache = make_cache(windows=windows)
+    a, b = STACK.tokens(7, seed=11), STACK.tokens(5, seed=12)
+    sa, sb = cache.seq_new(), cache.seq_new()
+    out_a, out_b = run_step(cache, [(sa, a[:, :4], 0), (sb, b[:, :4], 0)])
+    close(out_a, solo(a[:, :4], windows))
+    for i in range(4, 7):
+        parts = [(sa, a[:, i : i + 1], i)] + ([(sb, b[:, i : i + 1], i)] if i < 5 else [])
+        outs = run_step(cache, parts)
+        close(outs[0], solo(a[:, : i + 1], windows)[:, i:])
+        if i < 5:
+            close(outs[1], solo(b[:, : i + 1], windows)[:, i:])

@@ -1,0 +1,228 @@
+"""The step protocol: declarations, refusals that change nothing, and the plugin seams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvlayout import hookimpl
+from kvlayout.errors import SequenceError, StepError
+from kvlayout.registry import make_plugin_manager
+from tests.cell.support import fill, snapshot, stepper
+
+
+def test_a_step_with_no_declaration_is_refused():
+    t = stepper()
+    t.seq_new()
+    with pytest.raises(StepError, match=r"no step declared; expected declare_step\(seq_ids\) first"):
+        t.place_step(0, [0])
+    assert t.free_cells == 16
+
+
+def test_a_token_count_differing_from_the_declaration_is_refused_and_the_declaration_stands():
+    t = stepper()
+    s0 = t.seq_new()
+    assert t.declare_step([s0, s0])
+    before = snapshot(t)
+    with pytest.raises(StepError, match=r"3 position\(s\) for a step declared with 2 token\(s\)"):
+        t.place_step(0, [0, 1, 2])
+    assert snapshot(t) == before
+    assert t.place_step(0, [0, 1]).cells.tolist() == [0, 1]
+
+
+def test_positions_must_rise_within_a_step():
+    t = stepper()
+    s0 = t.seq_new()
+    assert t.declare_step([s0, s0])
+    with pytest.raises(StepError, match=r"positions\[1\]=0 for sequence 0"):
+        t.place_step(0, [0, 0])
+    with pytest.raises(StepError, match=r"positions\[0\]=-1: expected a position >= 0"):
+        t.place_step(0, [-1, 0])
+    assert t.place_step(0, [0, 1]).cells.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("positions", [[0.0, 1.0], [0, True], np.array([0, np.nan]), np.array([True, False]), [[0, 1]], ["a", "b"]])
+def test_positions_that_are_not_integers_are_refused_by_name(positions):
+    t = stepper()
+    s0 = t.seq_new()
+    assert t.declare_step([s0, s0])
+    before = snapshot(t)
+    with pytest.raises(StepError, match="^positions"):
+        t.place_step(0, positions)
+    assert snapshot(t) == before
+    assert t.place_step(0, np.array([0, 1], dtype=np.int32)).cells.tolist() == [0, 1]
+
+
+def test_ids_that_are_not_integers_are_refused_by_name():
+    t = stepper()
+    t.seq_new()
+    for bad in ([0.0], [True], np.array([np.nan])):
+        with pytest.raises(SequenceError, match="seq_ids"):
+            t.declare_step(bad)
+    with pytest.raises(SequenceError, match="seq_id="):
+        t.seq_len(0.0)
+
+
+def test_an_empty_declaration_is_refused():
+    t = stepper()
+    t.seq_new()
+    with pytest.raises(StepError, match="expected at least one"):
+        t.declare_step([])
+
+
+def test_a_layer_out_of_range_is_refused():
+    t = stepper()
+    s0 = t.seq_new()
+    assert t.declare_step([s0])
+    with pytest.raises(StepError, match=r"layer=2: expected a layer in \[0, 2\)"):
+        t.place_step(2, [0])
+    assert t.place_step(1, [0]).cells.tolist() == [0]
+
+
+def test_a_declaration_beyond_the_free_cells_is_false_and_leaves_the_step_standing():
+    t = stepper(capacity=4)
+    s0 = t.seq_new()
+    assert t.declare_step([s0] * 3)
+    t.place_step(0, [0, 1, 2])
+    before = snapshot(t)
+    assert not t.can_extend(2) and t.can_extend(1)
+    assert t.declare_step([s0, s0]) is False
+    assert snapshot(t) == before
+    assert t.place_step(1, [0, 1, 2]).cells.tolist() == [0, 1, 2]  # the placed step still stands
+
+
+def test_a_verb_between_layers_ends_the_step():
+    t = stepper()
+    s0 = t.seq_new()
+    assert t.declare_step([s0, s0])
+    t.place_step(0, [0, 1])
+    t.seq_new()
+    before = snapshot(t)
+    with pytest.raises(StepError, match=r"no step declared \(a verb since the last declaration ended that step\)"):
+        t.place_step(1, [0, 1])
+    assert snapshot(t) == before
+
+
+def test_a_verb_after_a_declaration_ends_it_and_is_no_declaration_itself():
+    t = stepper()
+    s0 = t.seq_new()
+    fill(t, s0, range(2))
+    assert t.declare_step([s0])
+    t.seq_clone(s0)
+    with pytest.raises(StepError, match="no step declared"):
+        t.place_step(0, [2])
+
+
+def test_a_new_declaration_ends_a_step_whose_layers_were_not_all_served():
+    t = stepper()
+    s0 = t.seq_new()
+    assert t.declare_step([s0])
+    t.place_step(0, [0])
+    assert t.declare_step([s0])
+    st = t.place_step(0, [1])
+    assert st.cells.tolist() == [1]
+
+
+class Answer:
+    """A kvlayout_choose_cells policy that gives a fixed answer."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    @hookimpl
+    def kvlayout_choose_cells(self, free, count):
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [[0], [0, 0], [0, 1, 2], [5, 99], [0.0, 1.0], np.array([[0, 1]]), "no"],
+    ids=["too-few", "repeated", "too-many", "out-of-range", "floats", "2-d", "not-cells"],
+)
+def test_a_bad_choose_cells_answer_is_refused_naming_it_and_changes_nothing(answer):
+    pm = make_plugin_manager()
+    pm.register(Answer(answer))
+    t = stepper(pm=pm)
+    s0 = t.seq_new()
+    assert t.declare_step([s0, s0])
+    before = snapshot(t)
+    with pytest.raises(StepError, match=r"kvlayout_choose_cells answered .*: expected 2 distinct cells from the free list"):
+        t.place_step(0, [0, 1])
+    assert snapshot(t) == before
+
+
+def test_an_occupied_cell_is_a_bad_answer():
+    pm = make_plugin_manager()
+    policy = Answer(None)
+    pm.register(policy)
+    t = stepper(pm=pm)
+    s0 = t.seq_new()
+    fill(t, s0, range(2))
+    policy.answer = [1, 2]
+    assert t.declare_step([s0, s0])
+    with pytest.raises(StepError, match=r"answered \[1, 2\]"):
+        t.place_step(0, [2, 3])
+    policy.answer = None  # fall through to lowest free
+    assert t.place_step(0, [2, 3]).cells.tolist() == [2, 3]
+
+
+def test_a_manager_where_no_plugin_chooses_cells_refuses_the_step():
+    t = stepper(pm=make_plugin_manager(entry_points=False))
+    s0 = t.seq_new()
+    assert t.declare_step([s0])
+    with pytest.raises(StepError, match="no plugin answered"):
+        t.place_step(0, [0])
+    assert t.free_cells == 16
+
+
+def test_a_third_party_policy_wins_over_lowest_free():
+    class HighestFirst:
+        @hookimpl
+        def kvlayout_choose_cells(self, free, count):
+            return free[::-1][:count]
+
+    pm = make_plugin_manager()
+    pm.register(HighestFirst())
+    t = stepper(pm=pm)
+    s0 = t.seq_new()
+    st = fill(t, s0, range(3))
+    assert st.cells.tolist() == [15, 14, 13]
+    assert st.read_len == 16
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    @hookimpl
+    def kvlayout_step_placed(self, step, window):
+        self.calls.append((window, step))
+
+
+def test_observers_hear_once_per_window_per_step():
+    pm = make_plugin_manager()
+    recorder = Recorder()
+    pm.register(recorder)
+    t = stepper(windows=(0, 2, 0, 2), pm=pm)
+    s0 = t.seq_new()
+    assert t.declare_step([s0, s0])
+    served = [t.place_step(layer, [0, 1]) for layer in range(4)]
+    assert [w for w, _ in recorder.calls] == [0, 2]
+    assert recorder.calls[0][1] is served[0] is served[2]
+    assert recorder.calls[1][1] is served[1] is served[3]
+    fill(t, s0, [2])
+    assert [w for w, _ in recorder.calls] == [0, 2, 0, 2]
+
+
+def test_an_observer_cannot_change_a_shared_step():
+    pm = make_plugin_manager()
+    recorder = Recorder()
+    pm.register(recorder)
+    t = stepper(pm=pm)
+    s0 = t.seq_new()
+    fill(t, s0, range(2))
+    _, st = recorder.calls[0]
+    with pytest.raises(ValueError):
+        st.mask[0, 1] = True
+    with pytest.raises(ValueError):
+        st.cells[0] = 7
