@@ -62,12 +62,47 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    # Imported here so `kvlayout plugins` never pays for loading the model code.
+    from kvlayout.runner import config, engine, report
+
+    cfg = config.load_config(args.config)
+    if args.layout:
+        cfg = cfg.with_layout(args.layout)
+    job = engine.prepare(cfg)  # every user error surfaces here, before the progress bar
+    with report.progress_bar(job.planned_tokens, cfg.layout.key) as advance:
+        result = job.generate(progress=advance)
+    if args.json:
+        report.print_json(result)
+    else:
+        report.print_report(result)
+    return 0
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    from kvlayout.runner import presets
+
+    path = presets.write_preset(args.dir, args.preset, seed=args.seed)
+    print(f"wrote preset {args.preset!r} to {path}/ (config.json, model.safetensors)")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlayout", description="KV-cache layouts for MLX, as plugins.")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="list installed layouts and plugins that failed to load")
     plugins.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     plugins.set_defaults(func=_plugins)
+    run = sub.add_parser("run", help="generate with a model through the layout the config names")
+    run.add_argument("config", nargs="?", help="a TOML run config (default: the embedded one)")
+    run.add_argument("--layout", metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq")
+    run.add_argument("--json", action="store_true", help="outputs and totals as JSON on stdout")
+    run.set_defaults(func=_run)
+    init = sub.add_parser("init-model", help="write a built-in model in the Hugging Face layout")
+    init.add_argument("dir", help="directory to write config.json and model.safetensors into")
+    init.add_argument("--preset", default="tiny", help="which built-in model (default: tiny)")
+    init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    init.set_defaults(func=_init_model)
     return parser
 
 

@@ -1,0 +1,11 @@
+"""The runner: a Llama-family model generating through whichever layout the config names.
+
+`kvlayout run` reads a RunConfig (runner.config), loads a model (runner.loading,
+runner.presets), resolves the layout through the registry and drives it
+(runner.engine); runner.report prints what happened.
+"""
+
+from kvlayout.runner.config import RunConfig, load_config
+from kvlayout.runner.engine import RunResult, run
+
+__all__ = ["RunConfig", "RunResult", "load_config", "run"]

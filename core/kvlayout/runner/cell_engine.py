@@ -1,0 +1,236 @@
+"""Generation through a cell layout: continuous batching (BatchControl face).
+
+Token bookkeeping: a running sequence holds `tokens` (its prompt, then what
+it generated) of which the first `cached` are in the cache. A step feeds
+`tokens[cached:cached + k]`; when that reaches the end, the logits of the last
+fed token give the next token. Decoding is the case `pending == 1`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from kvlayout.errors import CapacityError
+from kvlayout.runner.records import Progress, Request, Sample, Sampling, Stats, take_token, unplanned
+from kvlayout.runner.sampling import sample_token
+
+
+@attrs.define(eq=False)
+class Running:
+    """A live sequence of the cell table.
+
+    `samples` holds one sample, or, while a request's prompt is being
+    prefilled, every sample that will fork from it once the prompt is in.
+    """
+
+    seq_id: int
+    request: Request
+    samples: list[Sample]
+    tokens: list[int]
+    admitted: int  # admission counter: the latest admitted is preempted first
+    cached: int = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.cached
+
+
+@attrs.define(eq=False)
+class Waiting:
+    """A queued unit of work: a fresh request (all its samples) or a preempted sample."""
+
+    request: Request
+    samples: list[Sample]
+    tokens: list[int]
+
+
+class CellEngine:
+    """Continuous batching over a BatchControl cache.
+
+    Each step is one forward carrying the next token of every decoding
+    sequence plus at most `chunk` prompt tokens, continuing the prefills
+    already admitted first and then admitting queued requests while the table
+    accepts the declaration (`declare_step` is the admission gate). A prompt is
+    prefilled once under one id; when it is in, its samples fork with
+    `seq_clone` and share those cells. A finished sequence's cells are freed
+    with `seq_rm`. When even the running sequences cannot take the step, the
+    most recently admitted one is preempted: its cells are freed and it goes
+    back to the front of the queue with the tokens it has, to be recomputed.
+    """
+
+    def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: Progress):
+        self.model, self.cache, self.bc = model, cache, control
+        self.eos, self.sampling, self.chunk = eos, sampling, chunk
+        self.stats, self.progress = stats, progress
+        self.running: list[Running] = []
+        self.queue: collections.deque[Waiting] = collections.deque()
+        self._admissions = 0
+
+    def run(self, requests: list[Request]) -> None:
+        max_seqs = self.bc.max_seqs
+        for r in requests:
+            # A request with more samples than ids prefills once per group of max_seqs.
+            for i in range(0, r.n, max_seqs):
+                self.queue.append(Waiting(r, r.samples[i : i + max_seqs], list(r.prompt)))
+        while self.running or self.queue:
+            plan = self._declare()
+            self._forward(plan)
+
+    # -- planning
+
+    def _ids_held(self) -> int:
+        """Sequence ids in use, counting the forks a prefilling prompt will need."""
+        return sum(len(s.samples) for s in self.running)
+
+    def _plan(self) -> list[tuple[Running, int]]:
+        """(sequence, tokens this step) for the running sequences, oldest first."""
+        budget = self.chunk
+        plan = []
+        for s in self.running:
+            if s.pending == 1:
+                plan.append((s, 1))
+            elif budget > 0:
+                k = min(s.pending, budget)
+                budget -= k
+                plan.append((s, k))
+        return plan
+
+    def _budget_left(self, plan: list[tuple[Running, int]]) -> int:
+        return self.chunk - sum(k for s, k in plan if s.pending > 1)
+
+    def _try(self, plan: list[tuple[Running, int]]) -> bool:
+        return self.bc.declare_step([s.seq_id for s, k in plan for _ in range(k)])
+
+    def _declare(self) -> list[tuple[Running, int]]:
+        """Declare the next step, preempting or admitting as the table allows."""
+        preempted = False
+        plan = self._plan()
+        while plan and not self._try(plan):
+            if len(self.running) == 1:
+                # check_capacity makes this unreachable: a lone sequence always fits.
+                s = self.running[0]
+                raise CapacityError(
+                    f"request {s.request.index} alone cannot take its next step "
+                    f"({self.bc.free_cells} free cells of {self.bc.capacity})"
+                )
+            self._preempt_latest()
+            preempted = True
+            plan = self._plan()
+        if preempted:
+            # Admitting now would only readmit what was just preempted.
+            return plan
+        refused = False
+        while self.queue:
+            w = self.queue[0]
+            if self._ids_held() + len(w.samples) > self.bc.max_seqs:
+                break
+            if len(w.tokens) > 1 and self._budget_left(plan) == 0:
+                break  # this step's prompt budget is spent
+            sid = self.bc.seq_new()
+            if sid is None:
+                break
+            s = Running(sid, w.request, w.samples, list(w.tokens), self._admissions)
+            self.running.append(s)
+            trial = self._plan()
+            if trial and trial[-1][0] is s and self._try(trial):
+                self.queue.popleft()
+                self._admissions += 1
+                plan = trial
+                continue
+            # Not this step: no prompt budget left, or not enough free cells.
+            self.running.pop()
+            self.bc.seq_rm(sid)  # an empty id is released by seq_rm
+            refused = True
+            break
+        if refused and plan and not self._try(plan):
+            # A verb ran since the last accepted declaration; re-declaring what
+            # was accepted cannot fail for cells, but never run undeclared.
+            raise CapacityError("the cell table refused a declaration it had just accepted")
+        if not plan:
+            raise CapacityError(
+                f"nothing can run: {len(self.queue)} queued, {self.bc.free_cells} free cells of "
+                f"{self.bc.capacity}, {self._ids_held()} of {self.bc.max_seqs} ids held"
+            )
+        return plan
+
+    def _preempt_latest(self) -> None:
+        # Forks of one prompt share its admission number; the last of them goes first.
+        victim = max(reversed(self.running), key=lambda s: s.admitted)
+        self.running.remove(victim)
+        self.bc.seq_rm(victim.seq_id)
+        # A prefilling prompt keeps all its samples; a fork keeps what it generated.
+        self.queue.appendleft(Waiting(victim.request, victim.samples, victim.tokens))
+        self.stats.preemptions += 1
+
+    # -- one forward
+
+    def _forward(self, plan: list[tuple[Running, int]]) -> None:
+        t0 = time.perf_counter()
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        completing: list[Running] = []
+        prefill = decode = 0
+        for s, k in plan:
+            tokens += s.tokens[s.cached : s.cached + k]
+            positions += range(s.cached, s.cached + k)
+            if k == s.pending:
+                rows.append(len(tokens) - 1)
+                completing.append(s)
+            if k == 1 and s.pending == 1 and len(s.tokens) > len(s.request.prompt):
+                decode += 1
+            else:
+                prefill += k
+        # At least one row even when no prompt completes: evaluating it forces the cache writes.
+        logits = self.model(tokens, positions, self.cache, rows=rows or [len(tokens) - 1])
+        logits = np.array(logits.astype(mx.float32))  # [R, V]; the step's sync point
+        for s, k in plan:
+            s.cached += k
+        self._note_held(len(plan))
+        for s, row in zip(completing, logits):
+            for fork in self._fork(s):
+                self._advance(fork, row)
+        self.stats.account(time.perf_counter() - t0, prefill, decode)
+
+    def _fork(self, s: Running) -> list[Running]:
+        """A prefilled prompt becomes one sequence per sample, sharing its cells."""
+        if len(s.samples) == 1:
+            return [s]
+        forks = [s]
+        rest, s.samples = s.samples[1:], s.samples[:1]
+        at = self.running.index(s) + 1
+        for sample in rest:
+            sid = self.bc.seq_clone(s.seq_id)
+            if sid is None:  # ids were reserved at admission, so only a layout's own limit gets here
+                self.queue.appendleft(Waiting(s.request, [sample], list(s.request.prompt)))
+                continue
+            f = Running(sid, s.request, [sample], list(s.tokens), s.admitted, s.cached)
+            self.running.insert(at, f)
+            at += 1
+            forks.append(f)
+        return forks
+
+    def _advance(self, s: Running, row: np.ndarray) -> None:
+        sample = s.samples[0]
+        token = sample_token(row, self.sampling.temperature, self.sampling.top_p, sample.rng)
+        finished = take_token(sample, token, s.request, self.eos)
+        if not (finished and sample.finish_reason == "stop"):
+            self.stats.generated_tokens += 1
+        if finished:
+            self.running.remove(s)
+            self.bc.seq_rm(s.seq_id)  # frees the cells no other sample shares
+            self.progress(1 + unplanned(sample, s.request))
+        else:
+            s.tokens.append(token)
+            self.progress(1)
+
+    def _note_held(self, batch: int) -> None:
+        held = self.bc.capacity - self.bc.free_cells
+        self.stats.peak_cells = max(self.stats.peak_cells, held)
+        self.stats.peak_tokens = max(self.stats.peak_tokens, sum(s.cached for s in self.running))
+        self.stats.max_batch = max(self.stats.max_batch, batch)

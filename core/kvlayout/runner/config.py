@@ -1,0 +1,275 @@
+"""The runner's TOML config: frozen attrs records, validated at construction.
+
+Every section is a record; an unknown key or a bad value raises ConfigError
+naming the dotted key (`cache.capcity`) and what is allowed, before any model
+is loaded. `load_config(None)` gives the embedded default, which is what
+`kvlayout run` with no argument runs.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from kvlayout.config import KV_DTYPES
+from kvlayout.errors import ConfigError
+
+DEFAULT_TOML = """\
+# The embedded default: the tiny preset, several requests sharing a system prompt.
+[layout]
+backend = "mlx"
+kind = "cell"
+
+[cache]
+capacity = 2048
+kv_dtype = "auto"        # float32 on the CPU device, float16 on a GPU
+
+[model]
+preset = "tiny"
+
+[sampling]
+temperature = 0.8        # 0 = greedy; sampled here so the two samples of a request differ
+top_p = 0.95
+seed = 0
+
+[engine]
+prefill_chunk = 64
+
+[[requests]]
+prompt = "You are a terse assistant. Answer in one line.\\nQ: what is a KV cache?\\nA:"
+max_tokens = 24
+n = 2
+
+[[requests]]
+prompt = "You are a terse assistant. Answer in one line.\\nQ: why share a prompt prefix?\\nA:"
+max_tokens = 24
+n = 2
+
+[[requests]]
+prompt = "You are a terse assistant. Answer in one line.\\nQ: what does a ring layer keep?\\nA:"
+max_tokens = 24
+n = 2
+
+[[requests]]
+prompt = "You are a terse assistant. Answer in one line.\\nQ: when is a sequence preempted?\\nA:"
+max_tokens = 24
+n = 2
+"""
+
+MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _fail(key: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r}: expected {expected}")
+
+
+def _int(key: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _fail(key, value, f"an integer >= {minimum}")
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(key, value, "a number")
+    return float(value)
+
+
+@attrs.frozen
+class LayoutSection:
+    backend: str = "mlx"
+    kind: str = "cell"
+
+    def __attrs_post_init__(self):
+        for name in ("backend", "kind"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise _fail(f"layout.{name}", value, "a non-empty string")
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}:{self.kind}"
+
+
+@attrs.frozen
+class CacheSection:
+    """CacheConfig fields the model does not imply (layer shapes and windows come from it)."""
+
+    capacity: int = 4096
+    kv_dtype: str = "auto"
+    initial_capacity: int = 512
+    max_seqs: int = 64
+    max_write: int | None = None
+
+    def __attrs_post_init__(self):
+        _int("cache.capacity", self.capacity, 1)
+        _int("cache.initial_capacity", self.initial_capacity, 0)
+        _int("cache.max_seqs", self.max_seqs, 1)
+        if self.max_write is not None:
+            _int("cache.max_write", self.max_write, 1)
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
+            raise _fail("cache.kv_dtype", self.kv_dtype, f"auto or one of {', '.join(KV_DTYPES)}")
+
+
+@attrs.frozen
+class ModelSection:
+    """A local HF directory (`path`) or a built-in preset (`preset`), exactly one."""
+
+    path: str | None = None
+    preset: str | None = None
+    dtype: str = "auto"  # auto: as stored
+    seed: int = 0  # a preset's weights
+
+    def __attrs_post_init__(self):
+        if (self.path is None) == (self.preset is None):
+            raise ConfigError(
+                "model: expected exactly one of model.path (a Hugging Face model directory) "
+                "or model.preset (\"tiny\")"
+            )
+        for name in ("path", "preset"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _fail(f"model.{name}", value, "a non-empty string")
+        if self.dtype not in MODEL_DTYPES:
+            raise _fail("model.dtype", self.dtype, f"one of {', '.join(MODEL_DTYPES)}")
+        _int("model.seed", self.seed, 0)
+
+
+@attrs.frozen
+class SamplingSection:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __attrs_post_init__(self):
+        if _number("sampling.temperature", self.temperature) < 0:
+            raise _fail("sampling.temperature", self.temperature, "a number >= 0 (0 = greedy)")
+        top_p = _number("sampling.top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise _fail("sampling.top_p", self.top_p, "a number in (0, 1]")
+        _int("sampling.seed", self.seed, 0)
+
+
+@attrs.frozen
+class EngineSection:
+    # Prompt tokens one step may carry across newly admitted requests (decode tokens come on top).
+    prefill_chunk: int = 64
+
+    def __attrs_post_init__(self):
+        _int("engine.prefill_chunk", self.prefill_chunk, 1)
+
+
+@attrs.frozen
+class RequestSpec:
+    """One request: a prompt (text or ids) and `n` samples of up to `max_tokens` tokens."""
+
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v
+    )
+    max_tokens: int = 32
+    n: int = 1
+    where: str = attrs.field(default="requests[?]", eq=False, repr=False)
+
+    def __attrs_post_init__(self):
+        w = self.where
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ConfigError(f"{w}: expected exactly one of prompt (text) or prompt_ids (a list of ints)")
+        if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt):
+            raise _fail(f"{w}.prompt", self.prompt, "a non-empty string")
+        if self.prompt_ids is not None:
+            if not isinstance(self.prompt_ids, tuple) or not self.prompt_ids:
+                raise _fail(f"{w}.prompt_ids", self.prompt_ids, "a non-empty list of token ids")
+            for i in self.prompt_ids:
+                _int(f"{w}.prompt_ids[]", i, 0)
+        _int(f"{w}.max_tokens", self.max_tokens, 1)
+        _int(f"{w}.n", self.n, 1)
+
+
+@attrs.frozen
+class RunConfig:
+    layout: LayoutSection = LayoutSection()
+    cache: CacheSection = CacheSection()
+    model: ModelSection = ModelSection(preset="tiny")
+    sampling: SamplingSection = SamplingSection()
+    engine: EngineSection = EngineSection()
+    requests: tuple[RequestSpec, ...] = ()
+    source: str = attrs.field(default="<default>", eq=False)
+    base_dir: Path = attrs.field(factory=Path.cwd, eq=False, repr=False)
+
+    def __attrs_post_init__(self):
+        if not self.requests:
+            raise ConfigError(f"{self.source}: no [[requests]]; add at least one with a prompt")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>", base_dir: Path | None = None) -> RunConfig:
+        sections = {
+            "layout": LayoutSection,
+            "cache": CacheSection,
+            "model": ModelSection,
+            "sampling": SamplingSection,
+            "engine": EngineSection,
+        }
+        _reject_unknown(data, [*sections, "requests"], "", source)
+        kwargs: dict[str, Any] = {}
+        for name, section in sections.items():
+            if name in data:
+                kwargs[name] = _section(section, data[name], name, source)
+        requests = data.get("requests", [])
+        if not isinstance(requests, list):
+            raise ConfigError(f"{source}: requests: expected an array of tables ([[requests]])")
+        kwargs["requests"] = tuple(
+            _section(RequestSpec, r, f"requests[{i}]", source, where=f"requests[{i}]")
+            for i, r in enumerate(requests)
+        )
+        return cls(**kwargs, source=source, base_dir=base_dir or Path.cwd())
+
+    def with_layout(self, key: str) -> RunConfig:
+        """`--layout backend:kind` overrides the config's layout."""
+        backend, sep, kind = key.partition(":")
+        if not sep:
+            raise ConfigError(f"--layout {key!r}: expected backend:kind, e.g. mlx:seq")
+        return attrs.evolve(self, layout=LayoutSection(backend, kind))
+
+    def model_dir(self) -> Path | None:
+        """The model directory; a relative path is taken from the config file's directory."""
+        if self.model.path is None:
+            return None
+        return (self.base_dir / Path(self.model.path).expanduser()).resolve()
+
+
+def _reject_unknown(data: Any, valid: list[str], prefix: str, source: str) -> None:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: {prefix or 'config'}: expected a table, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(
+            f"{source}: unknown key {key!r}; valid keys{' in [' + prefix + ']' if prefix else ''}: "
+            f"{', '.join(valid)}"
+        )
+
+
+def _section(cls: type, data: Any, prefix: str, source: str, **extra: Any):
+    valid = [f.name for f in attrs.fields(cls) if f.name != "where"]
+    _reject_unknown(data, valid, prefix, source)
+    try:
+        return cls(**data, **extra)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_config(path: str | Path | None = None) -> RunConfig:
+    """The config at `path`, or the embedded default when None."""
+    if path is None:
+        return RunConfig.from_mapping(tomllib.loads(DEFAULT_TOML), source="<embedded default>")
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file or no argument for the default")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+    return RunConfig.from_mapping(data, source=str(path), base_dir=path.resolve().parent)

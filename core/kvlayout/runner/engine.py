@@ -1,0 +1,164 @@
+"""Drive a model through whichever layout the config resolves.
+
+The engine knows layouts only by their faces. A cache with a BatchControl
+face (`as_batch_control()`) gets continuous batching (cell_engine); one with
+only a SequenceControl face (`as_control()`) runs one sequence at a time
+(seq_engine). Both fill the same records, so greedy outputs can be compared
+token for token.
+
+`prepare` raises every user error (layout not installed, model directory,
+capacity) before anything runs; `Job.generate` then generates.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import attrs
+import mlx.core as mx
+
+from kvlayout import registry
+from kvlayout.config import CacheConfig
+from kvlayout.errors import ConfigError, KVLayoutError
+from kvlayout.runner.cell_engine import CellEngine
+from kvlayout.runner.config import RunConfig
+from kvlayout.runner.records import (
+    Progress,
+    RunResult,
+    SampleResult,
+    Sampling,
+    Stats,
+    make_requests,
+)
+from kvlayout.runner.seq_engine import SeqEngine
+
+__all__ = ["Job", "RunResult", "load", "prepare", "run"]
+
+
+def check_capacity(cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
+    """Every request must fit alone: its prompt plus n × max_tokens cells."""
+    capacity = cfg.cache.capacity
+    for i, (r, prompt) in enumerate(zip(cfg.requests, prompts)):
+        need = len(prompt) + r.n * r.max_tokens
+        if need > capacity:
+            raise ConfigError(
+                f"requests[{i}] needs {len(prompt)} prompt + {r.n} x {r.max_tokens} max_tokens = "
+                f"{need} cells, more than cache.capacity={capacity}; raise cache.capacity to at least "
+                f"{need} or shorten the request"
+            )
+
+
+def default_kv_dtype(model_dtype: mx.Dtype) -> str:
+    """float32 on the CPU device (MLX's CPU half-precision attention is much slower); else half."""
+    if mx.default_device() == mx.cpu:
+        return "float32"
+    return "bfloat16" if model_dtype == mx.bfloat16 else "float16"
+
+
+def cache_config(cfg: RunConfig, args, kv_dtype: str) -> CacheConfig:
+    layers = args.layer_configs()
+    if len(set(layers)) == 1:
+        layers = layers[:1]
+    return CacheConfig(
+        capacity=cfg.cache.capacity,
+        n_layers=args.num_hidden_layers,
+        layers=layers,
+        kv_dtype=kv_dtype,
+        initial_capacity=min(cfg.cache.initial_capacity, cfg.cache.capacity),
+        max_write=cfg.cache.max_write,
+        max_seqs=cfg.cache.max_seqs,
+    )
+
+
+def load(cfg: RunConfig):
+    """(model, args, tokenizer, name) for the config's [model] section."""
+    from kvlayout.runner.loading import load_model
+    from kvlayout.runner.presets import build_preset
+
+    dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
+    if cfg.model.preset is not None:
+        model, args, tok = build_preset(cfg.model.preset, seed=cfg.model.seed)
+        if dtype is not None:
+            model.set_dtype({"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[dtype])
+        return model, args, tok, f"preset:{cfg.model.preset}"
+    model_dir = cfg.model_dir()
+    model, args, tok = load_model(model_dir, dtype)
+    return model, args, tok, str(model_dir)
+
+
+@attrs.define
+class Job:
+    """A validated run, ready to generate: every user error was raised by `prepare`."""
+
+    cfg: RunConfig
+    builder: Any
+    model: Any
+    args: Any
+    tokenizer: Any
+    model_name: str
+    prompts: list[list[int]]
+    kv_dtype: str
+    cache: Any
+
+    @property
+    def planned_tokens(self) -> int:
+        return sum(r.n * r.max_tokens for r in self.cfg.requests)
+
+    def generate(self, progress: Progress | None = None) -> RunResult:
+        cfg, args, tok, cache = self.cfg, self.args, self.tokenizer, self.cache
+        requests = make_requests(
+            self.prompts, [r.max_tokens for r in cfg.requests], [r.n for r in cfg.requests], cfg.sampling.seed
+        )
+        stats = Stats(layout=self.builder.key, kv_dtype=self.kv_dtype, model=self.model_name)
+        sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
+        eos = frozenset(tok.eos_ids)
+        progress = progress or (lambda n: None)
+        t0 = time.perf_counter()
+        bc = cache.as_batch_control()
+        if bc is not None:
+            CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress).run(requests)
+        else:
+            # A ring layer takes at most its window (or max_write) tokens per step.
+            limits = [cfg.engine.prefill_chunk, *(w for w in args.windows if w)]
+            if cfg.cache.max_write:
+                limits.append(cfg.cache.max_write)
+            SeqEngine(self.model, cache, cache.as_control(), eos, sampling, min(limits), stats, progress).run(requests)
+        stats.wall_s = time.perf_counter() - t0
+        outputs = [
+            [SampleResult(list(s.generated), tok.decode(s.generated), s.finish_reason) for s in r.samples]
+            for r in requests
+        ]
+        texts = [r.prompt if r.prompt is not None else tok.decode(p) for r, p in zip(cfg.requests, self.prompts)]
+        return RunResult(requests, outputs, stats, texts)
+
+
+def prepare(cfg: RunConfig, loaded=None) -> Job:
+    """Resolve the layout, load the model, check every request fits, build the cache.
+
+    `loaded` reuses a (model, args, tokenizer, name) from `load`. Every user
+    error (layout not installed, model directory, capacity) is raised here,
+    before anything is generated.
+    """
+    builder = registry.resolve(cfg.layout.backend, cfg.layout.kind)  # LayoutNotFound before loading
+    model, args, tok, name = loaded if loaded is not None else load(cfg)
+    prompts = [list(r.prompt_ids) if r.prompt_ids is not None else tok.encode(r.prompt) for r in cfg.requests]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ConfigError(f"requests[{i}].prompt encodes to no tokens; give a longer prompt")
+        bad = [t for t in p if t >= args.vocab_size]
+        if bad:
+            raise ConfigError(f"requests[{i}].prompt_ids: id {bad[0]} is outside the vocabulary (size {args.vocab_size})")
+    check_capacity(cfg, prompts)
+    kv_dtype = default_kv_dtype(model.dtype) if cfg.cache.kv_dtype == "auto" else cfg.cache.kv_dtype
+    cache = builder.build(cache_config(cfg, args, kv_dtype))
+    if cache.as_batch_control() is None and cache.as_control() is None:
+        raise KVLayoutError(
+            f"layout {builder.key} offers neither a batch nor a sequence control face; the runner cannot drive it"
+        )
+    return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache)
+
+
+def run(cfg: RunConfig, progress: Progress | None = None, loaded=None) -> RunResult:
+    """Generate every request of `cfg`; `loaded` reuses a (model, args, tokenizer, name)."""
+    return prepare(cfg, loaded).generate(progress)

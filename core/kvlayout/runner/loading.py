@@ -1,0 +1,99 @@
+"""Load (and write) a model directory in the Hugging Face layout.
+
+A directory holds `config.json` and one or more `*.safetensors` files (a
+sharded checkpoint is just several); tensors keep their HF names. Every
+failure is a ConfigError naming the file or the tensor and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from kvlayout.errors import ConfigError
+from kvlayout.runner.model import Model, ModelArgs
+from kvlayout.runner.tokenizer import load_tokenizer
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ConfigError(
+            f"model directory {str(model_dir)!r} does not exist; set [model] path to a Hugging Face "
+            "model directory, or create one with `kvlayout init-model DIR --preset tiny`"
+        )
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing; a model directory needs config.json and *.safetensors")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def read_weights(model_dir: Path) -> dict[str, mx.array]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir}: no *.safetensors file; a model directory needs its weights")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            shard = mx.load(str(f))
+        except Exception as exc:  # mlx raises plain RuntimeError/ValueError on a bad file
+            raise ConfigError(f"{f}: cannot read safetensors ({exc})") from exc
+        for name in shard.keys() & weights.keys():
+            raise ConfigError(f"{f}: tensor {name!r} also appears in another shard")
+        weights.update(shard)
+    return weights
+
+
+def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) -> dict[str, mx.array]:
+    """The checkpoint's tensors, exactly the model's parameters, or a ConfigError naming one."""
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}  # precomputed, unused
+    if model.args.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(expected.keys() - weights.keys())
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(f"{source}: missing tensor {missing[0]!r}{more}; the checkpoint does not match config.json")
+    unexpected = sorted(weights.keys() - expected.keys())
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ConfigError(
+            f"{source}: unexpected tensor {unexpected[0]!r}{more}; the checkpoint does not match config.json"
+        )
+    for name, param in expected.items():
+        if tuple(weights[name].shape) != tuple(param.shape):
+            raise ConfigError(
+                f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
+                f"config.json implies {tuple(param.shape)}"
+            )
+    return weights
+
+
+def load_model(model_dir: Path, dtype: str | None = None):
+    """(model, args, tokenizer) from an HF directory; `dtype` casts the weights (None: as stored)."""
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_hf(read_config(model_dir), source=str(model_dir / "config.json"))
+    model = Model(args)
+    weights = check_weights(model, read_weights(model_dir), str(model_dir))
+    if dtype is not None:
+        weights = {k: v.astype(DTYPES[dtype]) for k, v in weights.items()}
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model, args, load_tokenizer(model_dir, args.eos_token_id)
+
+
+def save_model(model_dir: Path, hf_config: Mapping[str, Any], weights: Mapping[str, mx.array]) -> None:
+    """Write config.json and model.safetensors under their HF names."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(dict(hf_config), indent=2) + "\n")
+    mx.save_safetensors(str(model_dir / "model.safetensors"), dict(weights), metadata={"format": "pt"})

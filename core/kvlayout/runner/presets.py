@@ -1,0 +1,86 @@
+"""Built-in models with seeded random weights, so nothing is ever downloaded.
+
+`tiny` is a 2-layer Llama over the byte vocabulary: small enough that
+`kvlayout run` takes seconds on two CPU cores, and its weights are scaled so
+that logits are far from ties (greedy outputs are then stable across layouts,
+which the tests compare token for token).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from kvlayout.errors import ConfigError
+from kvlayout.runner.loading import check_weights, save_model
+from kvlayout.runner.model import Model, ModelArgs
+from kvlayout.runner.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_VOCAB, ByteTokenizer
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": BYTE_VOCAB,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+        "bos_token_id": BYTE_BOS,
+        "eos_token_id": BYTE_EOS,
+        "torch_dtype": "float32",
+    },
+}
+
+
+def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
+    """The HF config.json of a preset, with `overrides` applied (tests vary the family)."""
+    if name not in PRESETS:
+        raise ConfigError(f"model preset {name!r} is unknown; available: {', '.join(PRESETS)}")
+    return {**PRESETS[name], **overrides}
+
+
+def random_weights(hf_config: dict[str, Any], seed: int = 0) -> dict[str, mx.array]:
+    """Seeded float32 weights under HF names for the model `hf_config` describes."""
+    model = Model(ModelArgs.from_hf(hf_config, source="preset"))
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, p in sorted(tree_flatten(model.parameters())):
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * rng.standard_normal(p.shape)
+        elif name.endswith(".bias"):
+            w = 0.1 * rng.standard_normal(p.shape)
+        elif "embed_tokens" in name:
+            w = rng.standard_normal(p.shape)
+        else:
+            # 2/sqrt(fan_in): larger than HF's init so logits spread and greedy has no near-ties.
+            w = 2.0 / math.sqrt(p.shape[-1]) * rng.standard_normal(p.shape)
+        weights[name] = mx.array(w.astype(np.float32))
+    return weights
+
+
+def build_preset(name: str, seed: int = 0, **overrides: Any):
+    """(model, args, tokenizer) of a preset, in memory."""
+    cfg = preset_config(name, **overrides)
+    args = ModelArgs.from_hf(cfg, source=f"preset {name}")
+    model = Model(args)
+    weights = check_weights(model, random_weights(cfg, seed), f"preset {name}")
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model, args, ByteTokenizer(args.eos_token_id)
+
+
+def write_preset(model_dir: Path, name: str = "tiny", seed: int = 0, **overrides: Any) -> Path:
+    """`kvlayout init-model DIR --preset NAME`: the preset in the HF layout."""
+    cfg = preset_config(name, **overrides)
+    save_model(model_dir, cfg, random_weights(cfg, seed))
+    return Path(model_dir)

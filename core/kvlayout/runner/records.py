@@ -1,0 +1,151 @@
+"""The records a run keeps: requests and their samples, step statistics, results.
+
+A sample owns its random generator, so what it generates never depends on
+which sequences shared its steps. The engines (seq_engine, cell_engine) fill
+these; engine.run returns them as a RunResult.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import attrs
+import numpy as np
+
+from kvlayout.runner.sampling import sample_rng
+
+Progress = Callable[[int], None]  # advance by this many tokens of the planned total
+
+
+@attrs.define
+class Sample:
+    """One sample of a request: what it generated and why it stopped."""
+
+    request: int
+    index: int
+    rng: np.random.Generator = attrs.field(repr=False)
+    generated: list[int] = attrs.field(factory=list)
+    finish_reason: str | None = None
+
+
+@attrs.define
+class Request:
+    """A request as the engines see it: prompt ids, limits, and its samples in order."""
+
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    n: int
+    samples: list[Sample] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class SampleResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+    def to_json(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason}
+
+
+@attrs.define
+class Stats:
+    """What a run measured. Step time is split between prefill and decode by fed tokens."""
+
+    layout: str = ""
+    kv_dtype: str = ""
+    model: str = ""
+    steps: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens fed
+    decode_tokens: int = 0  # sampled tokens fed back
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    wall_s: float = 0.0
+    peak_cells: int = 0  # cells the cache held at once
+    # Tokens the live sequences held at once, each counting its whole history
+    # (shared prefix included): what private copies would need.
+    peak_tokens: int = 0
+    preemptions: int = 0
+    max_batch: int = 0  # most sequences in one step
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    def to_json(self) -> dict:
+        out = attrs.asdict(self)
+        out["prefill_tok_s"] = self.prefill_tok_s
+        out["decode_tok_s"] = self.decode_tok_s
+        return out
+
+    def account(self, seconds: float, prefill: int, decode: int) -> None:
+        self.steps += 1
+        self.prefill_tokens += prefill
+        self.decode_tokens += decode
+        fed = prefill + decode
+        self.prefill_s += seconds * prefill / fed
+        self.decode_s += seconds * decode / fed
+
+
+@attrs.frozen
+class RunResult:
+    requests: list[Request] = attrs.field(repr=False)
+    outputs: list[list[SampleResult]]
+    stats: Stats
+    prompts: list[str]
+
+    def to_json(self) -> dict:
+        return {
+            "layout": self.stats.layout,
+            "kv_dtype": self.stats.kv_dtype,
+            "model": self.stats.model,
+            "requests": [
+                {
+                    "index": r.index,
+                    "prompt": self.prompts[r.index],
+                    "prompt_tokens": len(r.prompt),
+                    "samples": [s.to_json() for s in self.outputs[r.index]],
+                }
+                for r in self.requests
+            ],
+            "stats": self.stats.to_json(),
+        }
+
+
+@attrs.frozen
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def make_requests(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], ns: Sequence[int], seed: int) -> list[Request]:
+    reqs = []
+    for i, (prompt, mt, n) in enumerate(zip(prompts, max_tokens, ns)):
+        r = Request(i, list(prompt), mt, n)
+        r.samples = [Sample(i, j, sample_rng(seed, i, j)) for j in range(n)]
+        reqs.append(r)
+    return reqs
+
+
+def take_token(sample: Sample, token: int, request: Request, eos: frozenset[int]) -> bool:
+    """Record a sampled token; True when the sample is finished (EOS is not kept)."""
+    if token in eos:
+        sample.finish_reason = "stop"
+        return True
+    sample.generated.append(token)
+    if len(sample.generated) >= request.max_tokens:
+        sample.finish_reason = "length"
+        return True
+    return False
+
+
+def unplanned(sample: Sample, request: Request) -> int:
+    """Planned tokens a finished sample will never generate (for the progress total)."""
+    return request.max_tokens - len(sample.generated)

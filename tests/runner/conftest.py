@@ -1,0 +1,97 @@
+"""Shared builders for the runner tests: tiny model directories and a cache-free oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvlayout.faces import AttendSpec, MaskKind
+from kvlayout.runner import engine
+from kvlayout.runner.config import RunConfig
+from kvlayout.runner.loading import load_model
+from kvlayout.runner.presets import write_preset
+
+# A shared "system prompt" and distinct tails, as byte-tokenizer prompts.
+SYSTEM = "You are a terse assistant. Answer in one line.\n"
+QUESTIONS = ["Q: what is a KV cache?\nA:", "Q: why fork?\nA:", "Q: what does a ring keep?\nA:"]
+
+
+class NoCache:
+    """The trivial KV face: the step's own K/V are all there is, so the caller
+    must feed the whole sequence every time. Ring layers get their window as
+    an explicit mask built from the positions alone."""
+
+    def __init__(self, windows: Sequence[int]):
+        self.windows = windows
+
+    def update_and_fetch(self, layer, positions, k, v):
+        w = self.windows[layer]
+        if not w:
+            return AttendSpec(k, v, MaskKind.CAUSAL)
+        p = np.asarray(positions)
+        mask = (p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - w)  # [T, T]
+        return AttendSpec(k, v, MaskKind.EXPLICIT, mx.array(mask)[None, None])
+
+
+def oracle_greedy(model, prompt: Sequence[int], max_tokens: int, eos: frozenset[int]) -> tuple[list[int], str]:
+    """Greedy generation recomputing the whole sequence for every token."""
+    tokens, out = list(prompt), []
+    while True:
+        logits = model(tokens, range(len(tokens)), NoCache(model.args.windows), rows=[len(tokens) - 1])
+        tok = int(np.argmax(np.array(logits[0])))
+        if tok in eos:
+            return out, "stop"
+        out.append(tok)
+        if len(out) == max_tokens:
+            return out, "length"
+        tokens.append(tok)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_preset(tmp_path_factory.mktemp("tiny"), "tiny")
+
+
+@pytest.fixture(scope="session")
+def ring_dir(tmp_path_factory) -> Path:
+    """The tiny model with a sliding window on its first layer (HF layer_types)."""
+    return write_preset(
+        tmp_path_factory.mktemp("ring"),
+        "tiny",
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_dir):
+    model, args, tok = load_model(tiny_dir)
+    return model, args, tok, str(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def ring_loaded(ring_dir):
+    model, args, tok = load_model(ring_dir)
+    return model, args, tok, str(ring_dir)
+
+
+def make_config(model_dir: Path, layout: str = "mlx:cell", requests: list[dict] | None = None, **sections: Any) -> RunConfig:
+    backend, kind = layout.split(":")
+    data: dict[str, Any] = {
+        "layout": {"backend": backend, "kind": kind},
+        "cache": {"capacity": 1024, "kv_dtype": "float32"},
+        "model": {"path": str(model_dir)},
+        "sampling": {"temperature": 0.0},
+        "requests": requests or [{"prompt": SYSTEM + q, "max_tokens": 12, "n": 2} for q in QUESTIONS],
+    }
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values}
+    return RunConfig.from_mapping(data, source="test")
+
+
+def token_ids(result: engine.RunResult) -> list[list[list[int]]]:
+    return [[s.token_ids for s in samples] for samples in result.outputs]

@@ -1,0 +1,68 @@
+"""The runner's TOML config: the embedded default, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlayout.errors import ConfigError
+from kvlayout.runner.config import RunConfig, load_config
+
+
+def test_the_embedded_default_is_the_tiny_preset_with_forked_requests_sharing_a_system_prompt():
+    cfg = load_config(None)
+    assert cfg.model.preset == "tiny" and cfg.layout.key == "mlx:cell"
+    assert len(cfg.requests) >= 3 and all(r.n == 2 for r in cfg.requests)
+    first_line = {r.prompt.split("\n")[0] for r in cfg.requests}
+    assert len(first_line) == 1
+
+
+def _mapping(**over):
+    data = {"model": {"preset": "tiny"}, "requests": [{"prompt": "hi", "max_tokens": 4}]}
+    data.update(over)
+    return data
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        (_mapping(cache={"capcity": 10}), "cache.capcity"),
+        (_mapping(sampling={"temp": 1.0}), "sampling.temp"),
+        (_mapping(modle={}), "modle"),
+        (_mapping(requests=[{"prompt": "hi", "max_token": 3}]), "requests[0].max_token"),
+    ],
+)
+def test_an_unknown_key_is_named_with_the_valid_ones(data, key):
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping(data, source="x.toml")
+    assert f"unknown key '{key}'; valid keys" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        (_mapping(cache={"capacity": 0}), "cache.capacity=0"),
+        (_mapping(cache={"kv_dtype": "int8"}), "cache.kv_dtype='int8'"),
+        (_mapping(sampling={"top_p": 0}), "sampling.top_p=0"),
+        (_mapping(model={"preset": "tiny", "path": "m"}), "exactly one of model.path"),
+        (_mapping(requests=[{"max_tokens": 3}]), "requests[0]: expected exactly one of prompt"),
+        (_mapping(requests=[{"prompt": "a", "n": 0}]), "requests[0].n=0"),
+        (_mapping(requests=[]), "no [[requests]]"),
+    ],
+)
+def test_a_bad_value_names_the_key(data, needle):
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping(data, source="x.toml")
+    assert needle in str(info.value) and "x.toml" in str(info.value)
+
+
+def test_a_relative_model_path_is_taken_from_the_config_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\npath = "models/tiny"\n[[requests]]\nprompt = "hi"\n')
+    assert load_config(path).model_dir() == (tmp_path / "models" / "tiny").resolve()
+
+
+def test_layout_override_needs_backend_and_kind():
+    cfg = load_config(None)
+    assert cfg.with_layout("mlx:seq").layout.key == "mlx:seq"
+    with pytest.raises(ConfigError, match="backend:kind"):
+        cfg.with_layout("seq")
