@@ -102,3 +102,15 @@ def plugin_world(fake_dists) -> FakeDists:
 def rng() -> np.random.Generator:
     """A seeded generator, so every test's random data is reproducible."""
     return np.random.default_rng(0)
+
+
+# -- hypothesis profiles -------------------------------------------------------
+# "ci" is the default: the stateful machines (tests/*/test_stateful.py) run
+# 200 examples of up to 30 steps each. `pytest --hypothesis-profile=long`
+# (hypothesis's own pytest option) runs 5000 examples of up to 60 steps.
+# An explicit @settings on a test still wins over the profile.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("ci", max_examples=200, stateful_step_count=30, deadline=None)
+_hypothesis_settings.register_profile("long", max_examples=5000, stateful_step_count=60, deadline=None)
+_hypothesis_settings.load_profile("ci")

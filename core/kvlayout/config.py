@@ -162,6 +162,15 @@ class CacheConfig:
         _reject_unknown(cls, data)
         return cls(**data)
 
+    @classmethod
+    def coerce(cls, config: Any) -> CacheConfig:
+        """`config` if it is a CacheConfig, built from it if a mapping; ConfigError otherwise."""
+        if isinstance(config, CacheConfig):
+            return config
+        if isinstance(config, Mapping):
+            return cls.from_mapping(config)
+        raise ConfigError(f"config: expected a CacheConfig or a mapping, got {type(config).__name__}")
+
     def to_mapping(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "capacity": self.capacity,

@@ -21,7 +21,7 @@ import pluggy
 
 from kvlayout import hookspecs
 from kvlayout.builder import Builder
-from kvlayout.errors import DuplicateLayout, KVLayoutError, LayoutNotFound
+from kvlayout.errors import ConfigError, DuplicateLayout, KVLayoutError, LayoutNotFound
 
 ENTRY_POINT_GROUP = "kvlayout"
 
@@ -112,7 +112,13 @@ def _describe(builders: list[Builder]) -> str:
 
 
 def resolve(backend_id: str, kind: str, pm: PluginManager | None = None) -> Builder:
-    """The one Builder for (backend_id, kind); LayoutNotFound or DuplicateLayout otherwise."""
+    """The one Builder for (backend_id, kind); LayoutNotFound or DuplicateLayout otherwise.
+
+    ConfigError for a backend_id or kind that is not a non-empty string.
+    """
+    for name, value in (("backend_id", backend_id), ("kind", kind)):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{name}={value!r}: expected a non-empty string, e.g. resolve('mlx', 'cell')")
     builders = available(pm)
     key = f"{backend_id}:{kind}"
     matches = [b for b in builders if b.key == key]

@@ -8,6 +8,8 @@ is loaded. `load_config(None)` gives the embedded default, which is what
 
 from __future__ import annotations
 
+import math
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping
@@ -74,7 +76,13 @@ def _int(key: str, value: Any, minimum: int) -> None:
 def _number(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(key, value, "a number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float range
+        number = math.inf
+    if not math.isfinite(number):  # TOML has nan and inf; neither is a temperature or a top_p
+        raise _fail(key, value, "a finite number")
+    return number
 
 
 @attrs.frozen
@@ -265,6 +273,8 @@ def load_config(path: str | Path | None = None) -> RunConfig:
     """The config at `path`, or the embedded default when None."""
     if path is None:
         return RunConfig.from_mapping(tomllib.loads(DEFAULT_TOML), source="<embedded default>")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path={path!r}: expected a TOML file path (str or Path), or None for the default")
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file or no argument for the default")

@@ -27,6 +27,11 @@ def int_array(name: str, values: Any, error: type[KVLayoutError]) -> np.ndarray:
         raise error(f"{name}: expected a 1-d sequence of integers, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
+    wide = []
+    if arr.dtype == object or arr.dtype == np.uint64:  # only these can hold an int past int64
+        wide = [x for x in arr.tolist() if isinstance(x, int) and not -(2**63) <= x < 2**63]
+    if wide:  # a Python int numpy kept as object, or a uint64 that int64 would wrap negative
+        raise error(f"{name}: {wide[0]} does not fit in 64 bits: expected int64 integers")
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise error(f"{name}: expected integers, got dtype {arr.dtype} ({arr.tolist()!r:.80})")
     return arr.astype(np.int64, copy=False)

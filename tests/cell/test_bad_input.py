@@ -1,0 +1,279 @@
+"""Bad input to every verb of the cell layout: a KVLayoutError naming the argument, nothing changed.
+
+The cache under test holds three sequences sharing a prefix and has a step
+declared (or declared and placed on layer 0). Every row calls one entry point
+with one bad argument; afterwards every observable number (free cells,
+used_end, each id's seq_len and next_pos, every pool byte) is as before, and
+the standing step can still be served, which shows the declaration survived.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvlayout import CacheConfig, LayerConfig, LayerPolicy
+from kvlayout.errors import KVLayoutError, SequenceError, StepError
+from kvlayout.registry import make_plugin_manager
+from kvlayout_cell.cache import CellCache
+
+H, D = 2, 4
+WINDOWS = (0, 2, 0)  # flat, ring of 2, flat
+MAX_SEQS = 4
+NEXT = [4, 4]  # the declared step: one token each for ids 0 and 1, at their next positions
+
+
+def kv(T, seed=0, dtype=mx.float32, heads=H, dim=D):
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.normal(size=(1, heads, T, dim)).astype(np.float32)).astype(dtype)
+
+
+def make(phase: str) -> CellCache:
+    """ids 0 (positions 0..3), 1 (shares 0..1, owns 2..3), 2 (live, empty); 3 not live.
+
+    phase "declared": a step for ids [0, 1] is declared; "placed": layer 0 has
+    served it too; "none": no step declared.
+    """
+    layers = [LayerConfig(H, D, LayerPolicy("ring", w) if w else LayerPolicy()) for w in WINDOWS]
+    c = CellCache(
+        CacheConfig(capacity=16, n_layers=3, layers=layers, kv_dtype="float32", initial_capacity=4, max_seqs=MAX_SEQS),
+        make_plugin_manager(),
+    )
+    s0 = c.seq_new()
+    assert c.declare_step([s0] * 4)
+    for layer in range(3):
+        c.update_and_fetch(layer, [0, 1, 2, 3], kv(4, 1), kv(4, 2))
+    s1 = c.seq_clone(s0, upto=2)
+    assert c.declare_step([s1, s1])
+    for layer in range(3):
+        c.update_and_fetch(layer, [2, 3], kv(2, 3), kv(2, 4))
+    assert c.seq_new() == 2
+    if phase != "none":
+        assert c.declare_step([0, 1])
+    if phase == "placed":
+        c.update_and_fetch(0, NEXT, kv(2, 5), kv(2, 6))
+    return c
+
+
+def state(c: CellCache) -> dict:
+    """Everything a caller can observe, pools as numpy."""
+    return dict(
+        free=c.free_cells,
+        used_end=c.used_end,
+        can_extend=[c.can_extend(n) for n in range(c.capacity + 2)],
+        ids=[(c.seq_len(s), c.next_pos(s)) for s in range(c.max_seqs)],
+        slots=[p.slots for p in c.keys + c.values],
+        pools=[np.array(p.read(0, p.slots)) for p in c.keys + c.values],
+    )
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert {k: v for k, v in a.items() if k != "pools"} == {k: v for k, v in b.items() if k != "pools"}
+    for x, y in zip(a["pools"], b["pools"], strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def finish(c: CellCache, phase: str) -> None:
+    """Serve the standing step's remaining layers: the refusal left the declaration in place."""
+    if phase == "none":
+        return
+    for layer in range(1 if phase == "placed" else 0, c.n_layers):
+        spec = c.update_and_fetch(layer, NEXT, kv(2, 5), kv(2, 6))
+        assert spec.keys.shape[2] == c.used_end
+    assert [c.next_pos(0), c.next_pos(1)] == [5, 5]
+
+
+HUGE = 2**70
+BIG = 2**62
+U64 = 2**63
+
+# entry point -> rows: (id, phase, args, error, regex the message must match)
+VERBS = {
+    "seq_clone": [
+        ("src a string", ("0",), SequenceError, "src='0'"),
+        ("src a float", (0.0,), SequenceError, "src=0.0"),
+        ("src NaN", (math.nan,), SequenceError, "src=nan"),
+        ("src None", (None,), SequenceError, "src=None"),
+        ("src a bool", (True,), SequenceError, "src=True"),
+        ("src negative", (-1,), SequenceError, "src=-1"),
+        ("src past max_seqs", (MAX_SEQS,), SequenceError, "src=4"),
+        ("src 2**62", (BIG,), SequenceError, f"src={BIG}"),
+        ("src 2**70", (HUGE,), SequenceError, f"src={HUGE}"),
+        ("src not live", (3,), SequenceError, "src=3"),
+        ("upto negative", (0, -1), SequenceError, "upto=-1"),
+        ("upto a float", (0, 2.0), SequenceError, "upto=2.0"),
+        ("upto inf", (0, math.inf), SequenceError, "upto=inf"),
+        ("upto a string", (0, "2"), SequenceError, "upto='2'"),
+        ("upto a numpy float", (0, np.float64(2)), SequenceError, "upto="),
+    ],
+    "seq_rm": [
+        ("id a string", ("0",), SequenceError, "seq_id='0'"),
+        ("id NaN", (math.nan,), SequenceError, "seq_id=nan"),
+        ("id None", (None,), SequenceError, "seq_id=None"),
+        ("id negative", (-1,), SequenceError, "seq_id=-1"),
+        ("id 2**70", (HUGE,), SequenceError, f"seq_id={HUGE}"),
+        ("id not live", (3,), SequenceError, "seq_id=3"),
+        ("p0 negative", (0, -1), SequenceError, "p0=-1"),
+        ("p0 a float", (0, 1.0), SequenceError, "p0=1.0"),
+        ("p0 NaN", (0, math.nan), SequenceError, "p0=nan"),
+        ("p0 None", (0, None), SequenceError, "p0=None"),
+        ("p1 below p0", (0, 3, 2), SequenceError, "p1=2"),
+        ("p1 negative", (0, 0, -1), SequenceError, "p1=-1"),
+        ("p1 inf", (0, 0, math.inf), SequenceError, "p1=inf"),
+        ("p1 a string", (0, 0, "4"), SequenceError, "p1='4'"),
+    ],
+    "seq_len": [
+        ("id a float", (0.0,), SequenceError, "seq_id=0.0"),
+        ("id negative", (-1,), SequenceError, "seq_id=-1"),
+        ("id past max_seqs", (MAX_SEQS,), SequenceError, "seq_id=4"),
+        ("id 2**70", (HUGE,), SequenceError, f"seq_id={HUGE}"),
+        ("id None", (None,), SequenceError, "seq_id=None"),
+    ],
+    "next_pos": [
+        ("id NaN", (math.nan,), SequenceError, "seq_id=nan"),
+        ("id a string", ("1",), SequenceError, "seq_id='1'"),
+        ("id 2**62", (BIG,), SequenceError, f"seq_id={BIG}"),
+    ],
+    "can_extend": [
+        ("n negative", (-1,), StepError, "n=-1"),
+        ("n a float", (1.0,), StepError, "n=1.0"),
+        ("n NaN", (math.nan,), StepError, "n=nan"),
+        ("n None", (None,), StepError, "n=None"),
+        ("n a string", ("1",), StepError, "n='1'"),
+    ],
+    "declare_step": [
+        ("empty", ([],), StepError, "seq_ids is empty"),
+        ("None", (None,), SequenceError, "seq_ids"),
+        ("a string", ("01",), SequenceError, "seq_ids"),
+        ("an int", (0,), SequenceError, "seq_ids"),
+        ("2-d", ([[0, 1]],), SequenceError, "seq_ids"),
+        ("floats", ([0.0, 1.0],), SequenceError, "seq_ids"),
+        ("NaN", (np.array([0, np.nan]),), SequenceError, "seq_ids"),
+        ("inf", ([0, math.inf],), SequenceError, "seq_ids"),
+        ("bools", ([True, False],), SequenceError, "seq_ids"),
+        ("mlx floats", (mx.array([0.0]),), SequenceError, "seq_ids"),
+        ("negative id", ([0, -1],), SequenceError, r"seq_ids\[1\]=-1"),
+        ("id past max_seqs", ([0, MAX_SEQS],), SequenceError, r"seq_ids\[1\]=4"),
+        ("id 2**62", ([BIG],), SequenceError, rf"seq_ids\[0\]={BIG}"),
+        ("id 2**63", ([U64],), SequenceError, rf"seq_ids.*(?<!-)\b{U64}\b"),
+        ("id 2**63 as uint64", (np.array([U64], dtype=np.uint64),), SequenceError, rf"seq_ids.*(?<!-)\b{U64}\b"),
+        ("id 2**70", ([HUGE],), SequenceError, rf"seq_ids.*{HUGE}"),
+        ("id not live", ([0, 3],), SequenceError, r"seq_ids\[1\]=3"),
+    ],
+    "place_step": [
+        ("layer a string", ("0", NEXT), StepError, "layer='0'"),
+        ("layer a float", (0.0, NEXT), StepError, "layer=0.0"),
+        ("layer None", (None, NEXT), StepError, "layer=None"),
+        ("layer negative", (-1, NEXT), StepError, "layer=-1"),
+        ("layer past n_layers", (3, NEXT), StepError, "layer=3"),
+        ("layer 2**70", (HUGE, NEXT), StepError, f"layer={HUGE}"),
+        ("positions empty", (0, []), StepError, r"0 position\(s\)"),
+        ("positions miscounted", (0, [4]), StepError, r"1 position\(s\)"),
+        ("positions None", (0, None), StepError, "positions"),
+        ("positions a string", (0, "44"), StepError, "positions"),
+        ("positions an int", (0, 4), StepError, "positions"),
+        ("positions 2-d", (0, [NEXT]), StepError, "positions"),
+        ("positions floats", (0, [4.0, 4.0]), StepError, "positions"),
+        ("positions NaN", (0, np.array([4, np.nan])), StepError, "positions"),
+        ("positions inf", (0, [4, math.inf]), StepError, "positions"),
+        ("positions bools", (0, [True, True]), StepError, "positions"),
+        ("positions mlx floats", (0, mx.array([4.0, 4.0])), StepError, "positions"),
+        ("positions negative", (0, [-1, 4]), StepError, r"positions\[0\]=-1"),
+        ("positions not newer", (0, [3, 4]), StepError, r"positions\[0\]=3"),
+        ("positions 2**63", (0, [U64, U64 + 1]), StepError, rf"positions.*(?<!-)\b{U64}\b"),
+        ("positions 2**63 as uint64", (0, np.array([U64, U64], dtype=np.uint64)), StepError, rf"positions.*(?<!-)\b{U64}\b"),
+        ("positions 2**70", (0, [HUGE, HUGE]), StepError, rf"positions.*{HUGE}"),
+    ],
+}
+
+PLACED = {  # refusals once layer 0 has placed the step
+    "place_step": [
+        ("layer served twice", (0, NEXT), StepError, "layer 0 was already served"),
+        ("positions differ from the placed ones", (1, [5, 5]), StepError, r"positions \[5, 5\]"),
+        ("positions floats", (1, [4.0, 4.0]), StepError, "positions"),
+    ],
+}
+
+NONE = {  # refusals with no step declared
+    "place_step": [("undeclared", (0, NEXT), StepError, "no step declared")],
+}
+
+ROWS = [
+    pytest.param(phase, verb, args, error, message, id=f"{verb}: {name}" + ("" if phase == "declared" else f" ({phase})"))
+    for phase, table in (("declared", VERBS), ("placed", PLACED), ("none", NONE))
+    for verb, rows in table.items()
+    for name, args, error, message in rows
+]
+
+
+@pytest.mark.parametrize("phase, verb, args, error, message", ROWS)
+def test_a_bad_argument_is_refused_by_name_and_changes_nothing(phase, verb, args, error, message):
+    c = make(phase)
+    before = state(c)
+    with pytest.raises(error) as info:
+        getattr(c, verb)(*args)
+    assert isinstance(info.value, KVLayoutError)
+    assert re.search(message, str(info.value)), str(info.value)
+    assert_same(state(c), before)
+    finish(c, phase)
+
+
+K, V = kv(2, 5), kv(2, 6)
+
+UPDATE = [
+    ("layer a string", ("0", NEXT, K, V), "layer='0'"),
+    ("layer negative", (-1, NEXT, K, V), "layer=-1"),
+    ("layer past n_layers", (3, NEXT, K, V), "layer=3"),
+    ("layer 2**70", (HUGE, NEXT, K, V), f"layer={HUGE}"),
+    ("layer NaN", (math.nan, NEXT, K, V), "layer=nan"),
+    ("k int32", (0, NEXT, kv(2, dtype=mx.int32), V), r"\bk\b.*int32"),
+    ("v int32", (0, NEXT, K, kv(2, dtype=mx.int32)), r"\bv\b.*int32"),
+    ("k bool", (0, NEXT, kv(2, dtype=mx.bool_), V), r"\bk\b.*bool"),
+    ("v complex", (0, NEXT, K, kv(2, dtype=mx.complex64)), r"\bv\b.*complex64"),
+    ("k numpy", (0, NEXT, np.array(K), V), r"\bk\b"),
+    ("v None", (0, NEXT, K, None), r"\bv\b"),
+    ("k a list", (0, NEXT, [[1.0]], V), r"\bk\b"),
+    ("k 3-d", (0, NEXT, K[0], V), r"\bk\b"),
+    ("k wrong heads", (0, NEXT, kv(2, heads=H + 1), V), r"\bk\b"),
+    ("v wrong head_dim", (0, NEXT, K, kv(2, dim=D + 1)), r"\bv\b"),
+    ("k batch of 2", (0, NEXT, mx.concatenate([K, K]), V), r"\bk\b"),
+    ("k and v token counts differ", (0, NEXT, K, kv(3)), r"\bk\b.*\bv\b"),
+    ("k/v count differs from positions", (0, NEXT, kv(3), kv(3)), r"position\(s\)"),
+    ("empty step", (0, [], kv(0), kv(0)), r"0 position\(s\)"),
+    ("positions None", (0, None, K, V), "positions"),
+    ("positions floats", (0, [4.0, 4.0], K, V), "positions"),
+    ("positions NaN", (0, np.array([np.nan, 4]), K, V), "positions"),
+    ("positions inf", (0, [math.inf, 4], K, V), "positions"),
+    ("positions negative", (0, [-1, 4], K, V), r"positions\[0\]=-1"),
+    ("positions not newer", (0, [4, 3], K, V), r"positions\[1\]=3"),
+    ("positions 2**63", (0, [U64, U64], K, V), rf"positions.*(?<!-)\b{U64}\b"),
+    ("positions 2**70", (0, [HUGE, 4], K, V), rf"positions.*{HUGE}"),
+]
+
+
+@pytest.mark.parametrize("phase", ["declared", "placed"])
+@pytest.mark.parametrize("args, message", [pytest.param(*r[1:], id=r[0]) for r in UPDATE])
+def test_a_bad_update_and_fetch_is_refused_by_name_before_anything_is_written(phase, args, message):
+    c = make(phase)
+    if phase == "placed":
+        if args[0] == 0:
+            args = (1, *args[1:])  # layer 0 is served already: try layer 1
+        if "position" in message:  # now compared with the placed step's positions first
+            message = "position"
+    before = state(c)
+    with pytest.raises(KVLayoutError) as info:
+        c.update_and_fetch(*args)
+    assert isinstance(info.value, (StepError, SequenceError)), type(info.value)
+    assert re.search(message, str(info.value)), str(info.value)
+    assert_same(state(c), before)
+    finish(c, phase)
+
+
+@pytest.mark.parametrize("config", [None, "capacity=8", 8, [("capacity", 8)]], ids=["None", "a string", "an int", "a list"])
+def test_a_cache_built_from_something_not_a_config_is_refused_by_name(config):
+    with pytest.raises(KVLayoutError, match="config"):
+        CellCache(config, make_plugin_manager())

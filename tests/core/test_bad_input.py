@@ -1,0 +1,285 @@
+"""Bad input to every core entry point: a KVLayoutError naming the argument, nothing changed.
+
+One table per entry point (config records, MLXPool, registry, runner config).
+Each row is a call with one wrong argument: a wrong type, shape or dtype, a
+negative or huge number, NaN/inf, None, a string. The config records are
+frozen values (a refused construction leaves nothing behind); the pool and
+the registry are compared before and after.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvlayout import CacheConfig, ConfigError, KVLayoutError, LayerConfig, LayerPolicy, LayoutNotFound
+from kvlayout.mlx import MLXPool
+from kvlayout.registry import available, build, make_plugin_manager, resolve
+from kvlayout.runner.config import RunConfig, load_config
+
+H, D = 2, 3
+L = LayerConfig(H, D)
+
+
+def raises_naming(error, name, call):
+    """`call()` raises `error` (a KVLayoutError subclass) whose message names `name`."""
+    assert issubclass(error, KVLayoutError)
+    with pytest.raises(error) as info:
+        call()
+    assert name in str(info.value), f"{name!r} not named in: {info.value}"
+    return info.value
+
+
+# -- config records ----------------------------------------------------------
+
+GOOD_CACHE = dict(capacity=8, n_layers=2, layers=[L])
+
+CONFIG = {
+    "policy kind None": (LayerPolicy, dict(kind=None), "LayerPolicy.kind"),
+    "policy kind a list": (LayerPolicy, dict(kind=["ring"]), "LayerPolicy.kind"),
+    "policy window a float": (LayerPolicy, dict(kind="ring", window=2.0), "LayerPolicy.window"),
+    "policy window NaN": (LayerPolicy, dict(kind="ring", window=math.nan), "LayerPolicy.window"),
+    "policy window negative": (LayerPolicy, dict(kind="ring", window=-1), "LayerPolicy.window"),
+    "policy window a string": (LayerPolicy, dict(kind="ring", window="4"), "LayerPolicy.window"),
+    "flat with a window": (LayerPolicy, dict(kind="flat", window=2**70), "LayerPolicy.window"),
+    "heads zero": (LayerConfig, dict(n_kv_heads=0, head_dim=D), "LayerConfig.n_kv_heads"),
+    "heads a float": (LayerConfig, dict(n_kv_heads=2.0, head_dim=D), "LayerConfig.n_kv_heads"),
+    "head_dim None": (LayerConfig, dict(n_kv_heads=H, head_dim=None), "LayerConfig.head_dim"),
+    "head_dim a bool": (LayerConfig, dict(n_kv_heads=H, head_dim=True), "LayerConfig.head_dim"),
+    "policy a string": (LayerConfig, dict(n_kv_heads=H, head_dim=D, policy="ring"), "LayerConfig.policy"),
+    "policy mapping with an unknown key": (
+        LayerConfig, dict(n_kv_heads=H, head_dim=D, policy={"kind": "ring", "window": 2, "size": 3}), "size"),
+    "capacity a string": (CacheConfig, {**GOOD_CACHE, "capacity": "8"}, "CacheConfig.capacity"),
+    "capacity negative": (CacheConfig, {**GOOD_CACHE, "capacity": -1}, "CacheConfig.capacity"),
+    "capacity inf": (CacheConfig, {**GOOD_CACHE, "capacity": math.inf}, "CacheConfig.capacity"),
+    "capacity None": (CacheConfig, {**GOOD_CACHE, "capacity": None}, "CacheConfig.capacity"),
+    "n_layers zero": (CacheConfig, {**GOOD_CACHE, "n_layers": 0}, "CacheConfig.n_layers"),
+    "layers None": (CacheConfig, {**GOOD_CACHE, "layers": None}, "CacheConfig.layers"),
+    "layers a string": (CacheConfig, {**GOOD_CACHE, "layers": "flat"}, "CacheConfig.layers"),
+    "layers of ints": (CacheConfig, {**GOOD_CACHE, "layers": [2, 3]}, "CacheConfig.layers"),
+    "layers miscounted": (CacheConfig, {**GOOD_CACHE, "layers": [L, L, L]}, "CacheConfig.layers"),
+    "layers empty": (CacheConfig, {**GOOD_CACHE, "layers": []}, "CacheConfig.layers"),
+    "kv_dtype int8": (CacheConfig, {**GOOD_CACHE, "kv_dtype": "int8"}, "CacheConfig.kv_dtype"),
+    "kv_dtype an mlx dtype": (CacheConfig, {**GOOD_CACHE, "kv_dtype": mx.float16}, "CacheConfig.kv_dtype"),
+    "kv_dtype None": (CacheConfig, {**GOOD_CACHE, "kv_dtype": None}, "CacheConfig.kv_dtype"),
+    "initial_capacity negative": (CacheConfig, {**GOOD_CACHE, "initial_capacity": -1}, "CacheConfig.initial_capacity"),
+    "max_write zero": (CacheConfig, {**GOOD_CACHE, "max_write": 0}, "CacheConfig.max_write"),
+    "max_write a float": (CacheConfig, {**GOOD_CACHE, "max_write": 2.5}, "CacheConfig.max_write"),
+    "max_seqs zero": (CacheConfig, {**GOOD_CACHE, "max_seqs": 0}, "CacheConfig.max_seqs"),
+    "max_seqs a numpy float": (CacheConfig, {**GOOD_CACHE, "max_seqs": np.float64(4)}, "CacheConfig.max_seqs"),
+    "from_mapping unknown key": (CacheConfig.from_mapping, dict(data={**GOOD_CACHE, "capacty": 8}), "capacty"),
+    "from_mapping missing key": (CacheConfig.from_mapping, dict(data={"capacity": 8, "layers": [{"n_kv_heads": 1, "head_dim": 2}]}), "n_layers"),
+    "from_mapping of a list": (CacheConfig.from_mapping, dict(data=[("capacity", 8)]), "CacheConfig"),
+    "from_mapping of None": (CacheConfig.from_mapping, dict(data=None), "CacheConfig"),
+    "layer missing head_dim": (CacheConfig.from_mapping, dict(data={**GOOD_CACHE, "layers": [{"n_kv_heads": 1}]}), "head_dim"),
+    "layer(i) out of range": (CacheConfig(**GOOD_CACHE).layer, dict(i=2), "layer index 2"),
+    "layer(i) negative": (CacheConfig(**GOOD_CACHE).layer, dict(i=-1), "layer index -1"),
+    "layer(i) a float": (CacheConfig(**GOOD_CACHE).layer, dict(i=0.0), "layer index 0.0"),
+}
+
+
+@pytest.mark.parametrize("make, kwargs, name", CONFIG.values(), ids=CONFIG.keys())
+def test_a_bad_config_value_is_refused_naming_the_field(make, kwargs, name):
+    raises_naming(ConfigError, name, lambda: make(**kwargs))
+
+
+# -- MLXPool -----------------------------------------------------------------
+
+
+def _f32(n, heads=H, dim=D, dtype=mx.float32):
+    return mx.ones((1, heads, n, dim), dtype=dtype)
+
+
+POOL = {
+    "write: start negative": ("write", (-1, _f32(1)), "start=-1"),
+    "write: start a float": ("write", (1.0, _f32(1)), "start=1.0"),
+    "write: start a string": ("write", ("1", _f32(1)), "start='1'"),
+    "write: start None": ("write", (None, _f32(1)), "start=None"),
+    "write: start a bool": ("write", (True, _f32(1)), "start=True"),
+    "write: start 2**62": ("write", (2**62, _f32(1)), f"start={2**62}"),
+    "write: start 2**70": ("write", (2**70, _f32(1)), f"start={2**70}"),
+    "write: start NaN": ("write", (math.nan, _f32(1)), "start=nan"),
+    "write: past max_slots": ("write", (15, _f32(2)), "start=15"),
+    "write: int update": ("write", (0, mx.ones((1, H, 1, D), dtype=mx.int32)), "update"),
+    "write: bool update": ("write", (0, mx.ones((1, H, 1, D), dtype=mx.bool_)), "update"),
+    "write: complex update": ("write", (0, mx.ones((1, H, 1, D), dtype=mx.complex64)), "update"),
+    "write: numpy update": ("write", (0, np.ones((1, H, 1, D), np.float32)), "update"),
+    "write: None update": ("write", (0, None), "update"),
+    "write: 3-d update": ("write", (0, mx.ones((H, 1, D))), "update"),
+    "write: wrong heads": ("write", (0, _f32(1, heads=H + 1)), "update"),
+    "write: wrong head_dim": ("write", (0, _f32(1, dim=D + 1)), "update"),
+    "write: batch of 2": ("write", (0, mx.ones((2, H, 1, D))), "update"),
+    "write_cells: float cells": ("write_cells", ([0.0], _f32(1)), "cells"),
+    "write_cells: NaN cells": ("write_cells", (np.array([np.nan]), _f32(1)), "cells"),
+    "write_cells: inf cells": ("write_cells", ([math.inf], _f32(1)), "cells"),
+    "write_cells: bool cells": ("write_cells", ([True], _f32(1)), "cells"),
+    "write_cells: negative cell": ("write_cells", ([-1], _f32(1)), "cells"),
+    "write_cells: cell 2**62": ("write_cells", ([2**62], _f32(1)), "cells"),
+    "write_cells: cell 2**63": ("write_cells", ([2**63], _f32(1)), "cells"),
+    "write_cells: cell 2**70": ("write_cells", ([2**70], _f32(1)), "cells"),
+    "write_cells: cell past max": ("write_cells", ([16], _f32(1)), "cells"),
+    "write_cells: repeated cell": ("write_cells", ([3, 3], _f32(2)), "cells"),
+    "write_cells: miscounted": ("write_cells", ([3, 4], _f32(1)), "cells"),
+    "write_cells: 2-d cells": ("write_cells", ([[3]], _f32(1)), "cells"),
+    "write_cells: a string": ("write_cells", ("3", _f32(1)), "cells"),
+    "write_cells: None cells": ("write_cells", (None, _f32(1)), "cells"),
+    "write_cells: mlx float cells": ("write_cells", (mx.array([1.5]), _f32(1)), "cells"),
+    "write_cells: int update": ("write_cells", ([3], mx.ones((1, H, 1, D), dtype=mx.int32)), "update"),
+    "write_cells: wrong heads": ("write_cells", ([3], _f32(1, heads=1)), "update"),
+    "write_cells: empty cells, one token": ("write_cells", ([], _f32(1)), "cells"),
+    "read: start negative": ("read", (-1, 1), "start=-1"),
+    "read: length negative": ("read", (0, -1), "length=-1"),
+    "read: start a float": ("read", (0.5, 1), "start=0.5"),
+    "read: length None": ("read", (0, None), "length=None"),
+    "read: length a string": ("read", (0, "2"), "length='2'"),
+    "read: past the allocated slots": ("read", (7, 2), "start=7"),
+    "read: length 2**70": ("read", (0, 2**70), f"{2**70}"),
+    "read: start NaN": ("read", (math.nan, 1), "start=nan"),
+}
+
+
+def pool_state(pool: MLXPool) -> dict:
+    data = pool.read(0, pool.slots)
+    return dict(slots=pool.slots, max_slots=pool.max_slots, dtype=pool.dtype, bits=np.array(data.view(mx.uint16)))
+
+
+@pytest.mark.parametrize("method, args, name", POOL.values(), ids=POOL.keys())
+def test_a_bad_pool_call_is_refused_naming_the_argument_and_leaves_the_pool_as_it_was(method, args, name):
+    pool = MLXPool(8, 16, H, D, "float16")
+    pool.write(0, mx.array(np.random.default_rng(0).normal(size=(1, H, 8, D)).astype(np.float16)))
+    before = pool_state(pool)
+    raises_naming(KVLayoutError, name, lambda: getattr(pool, method)(*args))
+    after = pool_state(pool)
+    assert {k: before[k] for k in ("slots", "max_slots", "dtype")} == {k: after[k] for k in ("slots", "max_slots", "dtype")}
+    np.testing.assert_array_equal(before["bits"], after["bits"])
+
+
+POOL_NEW = {
+    "max_slots zero": ((0, 0, H, D), "max_slots=0"),
+    "max_slots a float": ((0, 4.0, H, D), "max_slots=4.0"),
+    "initial_slots negative": ((-1, 4, H, D), "initial_slots=-1"),
+    "n_heads None": ((0, 4, None, D), "n_heads=None"),
+    "head_dim a string": ((0, 4, H, "3"), "head_dim='3'"),
+    "dtype int32": ((0, 4, H, D, "int32"), "dtype 'int32'"),
+    "dtype an mlx int": ((0, 4, H, D, mx.int32), "dtype"),
+}
+
+
+@pytest.mark.parametrize("args, name", POOL_NEW.values(), ids=POOL_NEW.keys())
+def test_a_bad_pool_construction_is_refused_naming_the_argument(args, name):
+    raises_naming(KVLayoutError, name, lambda: MLXPool(*args))
+
+
+# -- registry ----------------------------------------------------------------
+
+GOOD_CONFIG = CacheConfig(capacity=8, n_layers=1, layers=[L], kv_dtype="float32")
+
+REGISTRY = {
+    "resolve: unknown kind": (resolve, ("mlx", "paged"), LayoutNotFound, "mlx:paged"),
+    "resolve: backend None": (resolve, (None, "cell"), ConfigError, "backend_id"),
+    "resolve: backend an int": (resolve, (3, "cell"), ConfigError, "backend_id"),
+    "resolve: kind empty": (resolve, ("mlx", ""), ConfigError, "kind"),
+    "resolve: kind a list": (resolve, ("mlx", ["cell"]), ConfigError, "kind"),
+    "resolve: key in one string": (resolve, ("mlx:cell", "cell"), LayoutNotFound, "mlx:cell:cell"),
+    "build: unknown layout": (build, ("mlx", "paged", GOOD_CONFIG), LayoutNotFound, "mlx:paged"),
+    "build: cell config None": (build, ("mlx", "cell", None), ConfigError, "config"),
+    "build: cell config a string": (build, ("mlx", "cell", "capacity=8"), ConfigError, "config"),
+    "build: cell config a bad mapping": (build, ("mlx", "cell", {"capacity": 8}), ConfigError, "n_layers"),
+    "build: seq config None": (build, ("mlx", "seq", None), ConfigError, "config"),
+    "build: seq config a bad mapping": (build, ("mlx", "seq", {"capacity": -8, "n_layers": 1, "layers": [{"n_kv_heads": 1, "head_dim": 2}]}), ConfigError, "capacity"),
+}
+
+
+@pytest.mark.parametrize("call, args, error, name", REGISTRY.values(), ids=REGISTRY.keys())
+def test_a_bad_registry_call_is_refused_naming_the_argument(call, args, error, name):
+    pm = make_plugin_manager()
+    before = [(b.key, b.distribution) for b in available(pm)]
+    raises_naming(error, name, lambda: call(*args, pm=pm))
+    assert [(b.key, b.distribution) for b in available(pm)] == before
+
+
+# -- runner config -----------------------------------------------------------
+
+
+def _run(**sections):
+    data = {"model": {"preset": "tiny"}, "requests": [{"prompt": "hi", "max_tokens": 4}]}
+    data.update(sections)
+    return data
+
+
+RUNNER = {
+    "top level None": (None, "config"),
+    "top level a list": ([], "config"),
+    "layout a string": (_run(layout="mlx:cell"), "layout"),
+    "layout.kind an int": (_run(layout={"kind": 3}), "layout.kind"),
+    "layout.backend empty": (_run(layout={"backend": ""}), "layout.backend"),
+    "cache.capacity a string": (_run(cache={"capacity": "2048"}), "cache.capacity"),
+    "cache.capacity a float": (_run(cache={"capacity": 2048.0}), "cache.capacity"),
+    "cache.capacity negative": (_run(cache={"capacity": -1}), "cache.capacity"),
+    "cache.capacity inf": (_run(cache={"capacity": math.inf}), "cache.capacity"),
+    "cache.max_seqs None": (_run(cache={"max_seqs": None}), "cache.max_seqs"),
+    "cache.max_write zero": (_run(cache={"max_write": 0}), "cache.max_write"),
+    "cache.kv_dtype int8": (_run(cache={"kv_dtype": "int8"}), "cache.kv_dtype"),
+    "cache.kv_dtype a list": (_run(cache={"kv_dtype": ["float16"]}), "cache.kv_dtype"),
+    "model both path and preset": (_run(model={"preset": "tiny", "path": "x"}), "model.path"),
+    "model.preset an int": (_run(model={"preset": 1}), "model.preset"),
+    "model.dtype int8": (_run(model={"preset": "tiny", "dtype": "int8"}), "model.dtype"),
+    "model.seed negative": (_run(model={"preset": "tiny", "seed": -1}), "model.seed"),
+    "sampling.temperature a string": (_run(sampling={"temperature": "hot"}), "sampling.temperature"),
+    "sampling.temperature negative": (_run(sampling={"temperature": -0.5}), "sampling.temperature"),
+    "sampling.temperature NaN": (_run(sampling={"temperature": math.nan}), "sampling.temperature"),
+    "sampling.temperature inf": (_run(sampling={"temperature": math.inf}), "sampling.temperature"),
+    "sampling.temperature past float range": (_run(sampling={"temperature": 10**400}), "sampling.temperature"),
+    "sampling.top_p NaN": (_run(sampling={"top_p": math.nan}), "sampling.top_p"),
+    "sampling.top_p zero": (_run(sampling={"top_p": 0}), "sampling.top_p"),
+    "sampling.top_p a bool": (_run(sampling={"top_p": True}), "sampling.top_p"),
+    "sampling.seed a float": (_run(sampling={"seed": 1.0}), "sampling.seed"),
+    "engine.prefill_chunk zero": (_run(engine={"prefill_chunk": 0}), "engine.prefill_chunk"),
+    "engine None": (_run(engine=None), "engine"),
+    "requests a table": (_run(requests={"prompt": "hi"}), "requests"),
+    "requests empty": (_run(requests=[]), "requests"),
+    "request None": (_run(requests=[None]), "requests[0]"),
+    "request prompt empty": (_run(requests=[{"prompt": ""}]), "requests[0].prompt"),
+    "request prompt an int": (_run(requests=[{"prompt": 5}]), "requests[0].prompt"),
+    "request prompt_ids a string": (_run(requests=[{"prompt_ids": "123"}]), "requests[0].prompt_ids"),
+    "request prompt_ids floats": (_run(requests=[{"prompt_ids": [1.0]}]), "requests[0].prompt_ids"),
+    "request prompt_ids negative": (_run(requests=[{"prompt_ids": [-1]}]), "requests[0].prompt_ids"),
+    "request prompt_ids empty": (_run(requests=[{"prompt_ids": []}]), "requests[0].prompt_ids"),
+    "request max_tokens zero": (_run(requests=[{"prompt": "hi", "max_tokens": 0}]), "requests[0].max_tokens"),
+    "request n a string": (_run(requests=[{"prompt": "hi", "n": "2"}]), "requests[0].n"),
+}
+
+
+@pytest.mark.parametrize("data, name", RUNNER.values(), ids=RUNNER.keys())
+def test_a_bad_runner_mapping_is_refused_naming_the_dotted_key(data, name):
+    raises_naming(ConfigError, name, lambda: RunConfig.from_mapping(data, source="x.toml"))
+
+
+TOML = {
+    "not TOML": ("[cache\ncapacity = 1", "x.toml"),
+    "a string capacity": ('[cache]\ncapacity = "big"\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n', "cache.capacity"),
+    "a float capacity": ('[cache]\ncapacity = 1e3\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n', "cache.capacity"),
+    "a nan temperature": ('[sampling]\ntemperature = nan\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n', "sampling.temperature"),
+    "an inf temperature": ('[sampling]\ntemperature = inf\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n', "sampling.temperature"),
+    "requests as a table": ('[model]\npreset = "tiny"\n[requests]\nprompt = "hi"\n', "requests"),
+    "a huge prompt id": ('[model]\npreset = "tiny"\n[[requests]]\nprompt_ids = [1, -9223372036854775808]\n', "requests[0].prompt_ids"),
+}
+
+
+@pytest.mark.parametrize("text, name", TOML.values(), ids=TOML.keys())
+def test_a_bad_toml_file_is_refused_naming_the_key(tmp_path, text, name):
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    raises_naming(ConfigError, name, lambda: load_config(path))
+
+
+@pytest.mark.parametrize("path", [5, 1.5, ["x.toml"], b"\xff.toml"], ids=["int", "float", "list", "undecodable bytes"])
+def test_a_config_path_that_is_not_a_path_is_refused_by_name(path):
+    raises_naming(ConfigError, "path", lambda: load_config(path))
+
+
+def test_a_missing_config_file_is_refused_naming_it(tmp_path):
+    raises_naming(ConfigError, "nothere.toml", lambda: load_config(tmp_path / "nothere.toml"))

@@ -1,0 +1,152 @@
+"""Bad input to every entry point of the seq layout: a KVLayoutError naming the argument, nothing changed.
+
+The cache is flat + ring(4) with max_write=2 at length 10 (the ring has
+wrapped: steps may start in [8, 10]). Every row makes one call with one bad
+argument; afterwards the length, the rewind floor, every ring's record and
+every pool byte are as before, and the corrected step still goes through.
+Protocol refusals of well-formed steps (a gap, older than the ring holds,
+past capacity, longer than max_write) are in test_refusals.py.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvlayout import ConfigError, KVLayoutError, StepError
+from kvlayout_seq.mlx_cache import SeqCache
+
+from tests.seq.support import D, H, assert_same, forward, kv, make_cache, snapshot
+
+HUGE, BIG, U64 = 2**70, 2**62, 2**63
+
+
+@pytest.fixture
+def cache():
+    cache = make_cache(windows=(0, 4), capacity=12, max_write=2)
+    k, v = kv(10)
+    forward(cache, 0, k, v, chunk=2)
+    assert (cache.length, cache.book.floor) == (10, 8)
+    return cache
+
+
+def one(n=1, seed=9, heads=H, dim=D, dtype=mx.float32):
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.normal(size=(1, heads, n, dim)).astype(np.float32)).astype(dtype)
+
+
+def still_works(cache) -> None:
+    """The corrected step goes through on every layer."""
+    for layer in range(cache.n_layers):
+        cache.update_and_fetch(layer, [10], one(), one())
+    assert cache.length == 11
+
+
+K, V = one(), one(seed=10)
+
+UPDATE = {
+    "layer a string": (("0", [10], K, V), "layer='0'"),
+    "layer a float": ((0.0, [10], K, V), "layer=0.0"),
+    "layer None": ((None, [10], K, V), "layer=None"),
+    "layer NaN": ((math.nan, [10], K, V), "layer=nan"),
+    "layer 2**70": ((HUGE, [10], K, V), f"layer={HUGE}"),
+    "positions None": ((0, None, K, V), "positions"),
+    "positions an int": ((0, 10, K, V), "positions"),
+    "positions a string": ((0, "10", K, V), "positions"),
+    "positions a set": ((0, {10}, K, V), "positions"),
+    "positions empty": ((0, [], one(0), one(0)), "positions is empty"),
+    "positions inf in a list": ((0, [math.inf], K, V), "positions.*inf"),
+    "positions NaN in a list": ((0, [math.nan], K, V), "positions.*nan"),
+    "positions numpy inf": ((0, np.array([np.inf]), K, V), "positions.*float64"),
+    "positions numpy float32": ((0, np.array([10], np.float32), K, V), "positions.*float32"),
+    "positions mlx float16": ((0, mx.array([10], dtype=mx.float16), K, V), "positions.*float16"),
+    "positions 2**62": ((0, [BIG], K, V), f"positions start at {BIG}"),
+    "positions 2**63": ((0, [U64], K, V), rf"positions.*(?<!-)\b{U64}\b"),
+    "positions 2**63 as uint64": ((0, np.array([U64], np.uint64), K, V), rf"positions.*(?<!-)\b{U64}\b"),
+    "positions 2**63 as mlx uint64": ((0, mx.array(np.array([U64], np.uint64)), K, V), rf"positions.*(?<!-)\b{U64}\b"),
+    "positions -2**70": ((0, [-HUGE], K, V), "positions"),
+    "positions negative": ((0, [-1], K, V), "start at -1"),
+    "positions a numpy bool": ((0, [np.bool_(True)], K, V), "positions.*True"),
+    "k int32": ((0, [10], one(dtype=mx.int32), V), r"\bk\b.*int32"),
+    "k bool": ((0, [10], one(dtype=mx.bool_), V), r"\bk\b.*bool"),
+    "v uint8": ((0, [10], K, one(dtype=mx.uint8)), r"\bv\b.*uint8"),
+    "v complex": ((0, [10], K, one(dtype=mx.complex64)), r"\bv\b.*complex64"),
+    "k None": ((0, [10], None, V), r"\bk\b"),
+    "k a list": ((0, [10], [[[[0.0] * D] * 1] * H], V), r"\bk\b"),
+    "v numpy": ((0, [10], K, np.array(V)), r"\bv\b"),
+    "k 3-d": ((0, [10], K[0], V), r"\bk\b"),
+    "k batch of 2": ((0, [10], mx.concatenate([K, K]), V), r"\bk\b"),
+    "v wrong heads": ((0, [10], K, one(heads=H + 1)), r"\bv\b"),
+    "k wrong head_dim": ((1, [10], one(dim=D + 1), V), r"\bk\b"),
+    "k two tokens, positions one": ((0, [10], one(2), one(2)), r"\bk\b.*2 token"),
+    "v two tokens, k one": ((0, [10], K, one(2)), r"\bv\b.*2 token"),
+}
+
+
+@pytest.mark.parametrize("args, message", UPDATE.values(), ids=UPDATE.keys())
+def test_a_bad_update_and_fetch_is_refused_by_name_and_changes_nothing(cache, args, message):
+    before = snapshot(cache)
+    with pytest.raises(StepError) as info:
+        cache.update_and_fetch(*args)
+    assert re.search(message, str(info.value)), str(info.value)
+    assert_same(snapshot(cache), before)
+    still_works(cache)
+
+
+VERBS = {
+    "rewind: a string": ("rewind", ("8",), "new_len='8'"),
+    "rewind: a float": ("rewind", (8.0,), "new_len=8.0"),
+    "rewind: NaN": ("rewind", (math.nan,), "new_len=nan"),
+    "rewind: inf": ("rewind", (math.inf,), "new_len=inf"),
+    "rewind: None": ("rewind", (None,), "new_len=None"),
+    "rewind: a bool": ("rewind", (True,), "new_len=True"),
+    "rewind: negative": ("rewind", (-1,), "new_len=-1"),
+    "rewind: -2**70": ("rewind", (-HUGE,), f"new_len=-{HUGE}"),
+    "rewind: a numpy float": ("rewind", (np.float64(9),), "new_len="),
+    "can_extend: a string": ("can_extend", ("1",), "n='1'"),
+    "can_extend: a float": ("can_extend", (1.0,), "n=1.0"),
+    "can_extend: NaN": ("can_extend", (math.nan,), "n=nan"),
+    "can_extend: None": ("can_extend", (None,), "n=None"),
+    "can_extend: negative": ("can_extend", (-1,), "n=-1"),
+}
+
+
+@pytest.mark.parametrize("verb, args, message", VERBS.values(), ids=VERBS.keys())
+def test_a_bad_count_is_refused_by_name_and_changes_nothing(cache, verb, args, message):
+    before = snapshot(cache)
+    with pytest.raises(KVLayoutError) as info:
+        getattr(cache, verb)(*args)
+    assert isinstance(info.value, StepError), type(info.value)
+    assert message in str(info.value), str(info.value)
+    assert_same(snapshot(cache), before)
+    still_works(cache)
+
+
+@pytest.mark.parametrize("verb, args", [("rewind", (2**70,)), ("can_extend", (2**70,)), ("rewind", (11,))])
+def test_a_count_too_large_is_an_answer_not_an_error(cache, verb, args):
+    before = snapshot(cache)
+    assert getattr(cache, verb)(*args) is False
+    assert_same(snapshot(cache), before)
+
+
+LAYER = {"n_kv_heads": H, "head_dim": D}
+
+CONFIGS = {
+    "None": (None, "config"),
+    "a string": ("capacity=8", "config"),
+    "a list": ([("capacity", 8)], "config"),
+    "capacity zero": ({"capacity": 0, "n_layers": 1, "layers": [LAYER]}, "capacity"),
+    "capacity 2**70 as a float": ({"capacity": float(HUGE), "n_layers": 1, "layers": [LAYER]}, "capacity"),
+    "an unknown key": ({"capacity": 8, "n_layers": 1, "layers": [LAYER], "window": 4}, "window"),
+    "a ring without a window": ({"capacity": 8, "n_layers": 1, "layers": [{**LAYER, "policy": {"kind": "ring"}}]}, "window"),
+}
+
+
+@pytest.mark.parametrize("config, message", CONFIGS.values(), ids=CONFIGS.keys())
+def test_a_cache_from_a_bad_config_is_refused_by_name(config, message):
+    with pytest.raises(ConfigError, match=message):
+        SeqCache(config)
