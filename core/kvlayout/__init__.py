@@ -9,13 +9,16 @@ from kvlayout.errors import (
     KVLayoutError,
     LayoutNotFound,
     SequenceError,
+    StateError,
     StepError,
 )
-from kvlayout.faces import AttendSpec, CellStep, MaskKind
+from kvlayout.faces import AttendGroups, AttendSpec, CellStep, MaskKind
 from kvlayout.hookspecs import hookimpl
+from kvlayout.persist import load
 from kvlayout.registry import available, build, plugin_manager, resolve
 
 __all__ = [
+    "AttendGroups",
     "AttendSpec",
     "Builder",
     "CacheConfig",
@@ -29,10 +32,12 @@ __all__ = [
     "LayoutNotFound",
     "MaskKind",
     "SequenceError",
+    "StateError",
     "StepError",
     "available",
     "build",
     "hookimpl",
+    "load",
     "plugin_manager",
     "resolve",
 ]

@@ -11,8 +11,15 @@ import attrs
 class Builder:
     """How to build one layout; `build(config)` returns a cache.
 
-    A plugin fills the first four fields; the registry fills `distribution`
-    and `version` with the package that provided the record.
+    A plugin fills the first four fields, and `load` if its caches can be
+    saved; the registry fills `distribution` and `version` with the package
+    that provided the record.
+
+    `load(state_file)` rebuilds a cache from a `kvlayout.persist.StateFile`
+    its `cache.save(path)` wrote; `kvlayout.load(path)` finds the Builder by
+    the file's layout key and calls it. It is a field here, not a hook, so a
+    saved file reaches exactly the layout that resolves its key (with the
+    registry's clash detection), never whichever plugin answers first.
     """
 
     backend_id: str
@@ -21,6 +28,7 @@ class Builder:
     summary: str = ""
     distribution: str | None = None
     version: str | None = None
+    load: Callable[[Any], Any] | None = attrs.field(default=None, repr=False)
 
     @property
     def key(self) -> str:

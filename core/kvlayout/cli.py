@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
@@ -66,16 +68,30 @@ def _run(args: argparse.Namespace) -> int:
     # Imported here so `kvlayout plugins` never pays for loading the model code.
     from kvlayout.runner import config, engine, report
 
+    from kvlayout.runner.recovery import Interrupted
+    from kvlayout.runner.resume import StopOnCtrlC
+
     cfg = config.load_config(args.config)
     if args.layout:
         cfg = cfg.with_layout(args.layout)
-    job = engine.prepare(cfg)  # every user error surfaces here, before the progress bar
-    with report.progress_bar(job.planned_tokens, cfg.layout.key) as advance:
-        result = job.generate(progress=advance)
+    job = engine.prepare(cfg, resume=args.resume)  # every user error surfaces here, before the progress bar
+    save = args.save_state
+    # With --save-state, a first Ctrl-C stops the run after its current step and saves it.
+    stop = StopOnCtrlC() if save else None
+    again = f"continue with: kvlayout run {args.config or ''} --resume {save}".replace("  ", " ")
+    try:
+        with stop or contextlib.nullcontext(), report.progress_bar(job.planned_tokens, cfg.layout.key) as advance:
+            result = job.generate(progress=advance, stop=stop, save_state=save)
+    except Interrupted:  # Ctrl-C inside a forward (the step was aborted first)
+        print(f"kvlayout: interrupted; state saved to {save}; {again}" if save else "kvlayout: interrupted", file=sys.stderr)
+        return 130
     if args.json:
         report.print_json(result)
     else:
         report.print_report(result)
+    if not result.complete:
+        print(f"kvlayout: stopped early; state saved to {save}; {again}", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -84,6 +100,36 @@ def _init_model(args: argparse.Namespace) -> int:
 
     path = presets.write_preset(args.dir, args.preset, seed=args.seed)
     print(f"wrote preset {args.preset!r} to {path}/ (config.json, model.safetensors)")
+    return 0
+
+
+def bench_dir() -> Path:
+    """`bench/` of the repository this package was installed from (an editable install)."""
+    return Path(__file__).resolve().parents[2] / "bench"
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    suite_py = bench_dir() / "suite.py"
+    if not suite_py.is_file():
+        print(
+            f"kvlayout: error: the benchmark suite is not here: expected {suite_py}; `kvlayout bench` runs "
+            "from a source checkout (pip install -e . from the repository), not from a built wheel",
+            file=sys.stderr,
+        )
+        return 2
+    spec = importlib.util.spec_from_file_location("kvlayout_bench_suite", suite_py)
+    suite = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = suite  # attrs classes in the suite look their module up
+    spec.loader.exec_module(suite)
+    mode = "quick" if args.quick else "full" if args.full else "default"
+    rows = [r for r in args.rows.split(",") if r] if args.rows else None
+    unknown = [r for r in rows or [] if r not in suite.ROWS]
+    if unknown:
+        print(f"kvlayout: error: --rows {','.join(unknown)}: expected some of {', '.join(suite.ROWS)}", file=sys.stderr)
+        return 2
+    suite.run_suite(mode, rows, Path(args.out) if args.out else None)
     return 0
 
 
@@ -97,12 +143,27 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?", help="a TOML run config (default: the embedded one)")
     run.add_argument("--layout", metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq")
     run.add_argument("--json", action="store_true", help="outputs and totals as JSON on stdout")
+    run.add_argument(
+        "--save-state",
+        metavar="DIR",
+        help="write the cache and the pending requests to DIR at the end, or on Ctrl-C (after the current step)",
+    )
+    run.add_argument("--resume", metavar="DIR", help="continue the run --save-state saved in DIR (same config)")
     run.set_defaults(func=_run)
     init = sub.add_parser("init-model", help="write a built-in model in the Hugging Face layout")
     init.add_argument("dir", help="directory to write config.json and model.safetensors into")
     init.add_argument("--preset", default="tiny", help="which built-in model (default: tiny)")
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     init.set_defaults(func=_init_model)
+    bench = sub.add_parser(
+        "bench", help="kvlayout beside mlx-lm on the same work (the suite in the repository's bench/)"
+    )
+    bench.add_argument("--out", metavar="DIR", help="also write bench.json and bench.png into DIR")
+    size = bench.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a short smoke-test run (small sizes, 2 repeats)")
+    size.add_argument("--full", action="store_true", help="the issue's full sizes (much longer)")
+    bench.add_argument("--rows", metavar="NAMES", help="comma-separated subset of the rows (default: all)")
+    bench.set_defaults(func=_bench)
     return parser
 
 

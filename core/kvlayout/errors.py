@@ -27,3 +27,8 @@ class CapacityError(KVLayoutError):
 
 class SequenceError(KVLayoutError, ValueError):
     """A sequence id is out of range or not live."""
+
+
+class StateError(KVLayoutError):
+    """A saved state file is truncated, corrupted, of another format version, or does
+    not match the installed layout or the expected config; nothing was loaded."""

@@ -72,17 +72,51 @@ class CellStep:
 
 
 @attrs.frozen(eq=False)
+class AttendGroups:
+    """A sparse step's tokens in G groups, each with the only cells it may attend.
+
+    Prepared once per window per step (the index arrays are shared by every
+    layer with that window); `keys`/`values` are the layer's own.
+
+    - `tokens` int32 `[G, Qg]`: the step's token indices of each group; a
+      group with fewer tokens repeats its last one (its output is dropped).
+    - `cells` int32 `[G, Kg]`: the cells (indices on the cell axis of `keys`)
+      each group may attend; a shorter group pads with any valid cell, masked.
+    - `mask` bool `[G, 1, Qg, Kg]` (True = attend), or None when every slot
+      is visible (no key padding and no query sees less than its group).
+    - `out` int32 `[T]`: where token t's output sits among the `G * Qg`
+      grouped query slots (group-major).
+    - `keys`/`values` `[1, H_kv, S, D]`, S > every cell: what the cells index.
+      Row-contiguous arrays (a layout passes its whole pool buffer) let the
+      gather read them as `[H_kv * S, D]` rows with no copy.
+    """
+
+    tokens: Any
+    cells: Any
+    mask: Any
+    out: Any
+    keys: Any = None
+    values: Any = None
+
+
+@attrs.frozen(eq=False)
 class AttendSpec:
     """Keys and values a layer attends to, and how to mask them.
 
     `keys`/`values` are `[1, H_kv, S, D]`; `mask` is a bool `[1, 1, T, S]`
     array for EXPLICIT only, None otherwise.
+
+    `groups` (optional, additive): when a layout sets it, `attend()` computes
+    the same result as the dense EXPLICIT mask by attending each group of
+    tokens to its own cells only (one batched SDPA over the groups); the
+    dense fields stay valid, so any consumer may ignore `groups`.
     """
 
     keys: Any
     values: Any
     mask_kind: MaskKind
     mask: Any = None
+    groups: AttendGroups | None = None
 
 
 @runtime_checkable
@@ -141,6 +175,25 @@ class KVCache(Protocol):
     """The op face every MLX layout implements; `k`, `v` are `[1, H_kv, T, D]`."""
 
     def update_and_fetch(self, layer: int, positions: Sequence[int], k: Any, v: Any) -> AttendSpec: ...
+
+
+@runtime_checkable
+class StepAbort(Protocol):
+    """Atomic steps: `abort_step()` undoes the open step of a forward that failed part way.
+
+    True: the state is what it was before the step's first layer (see each
+    layout for what an overwrite below the length keeps); False: no step was
+    open, nothing changed. Both shipped layouts implement it.
+    """
+
+    def abort_step(self) -> bool: ...
+
+
+@runtime_checkable
+class Persistent(Protocol):
+    """Save and restore: `save(path)` writes the cache atomically; `kvlayout.load(path)` reads it back."""
+
+    def save(self, path: Any) -> Any: ...
 
 
 class FacesBase:

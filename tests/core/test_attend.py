@@ -6,8 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout import AttendSpec, MaskKind
+from kvlayout import AttendGroups, AttendSpec, MaskKind
 from kvlayout.mlx import attend
+from kvlayout.mlx.attention import attend_groups
 
 H_Q, H_KV, D = 4, 2, 8
 SCALE = D**-0.5
@@ -95,3 +96,41 @@ def test_narrow_storage_is_computed_in_the_query_dtype(rng):
     assert out.dtype == mx.float32
     allowed = np.array([[j <= 2 + i for j in range(5)] for i in range(3)])
     np.testing.assert_allclose(np.array(out), reference(q, k16, v16, allowed), atol=1e-5)
+
+
+def test_groups_attend_each_group_to_its_own_cells_only(rng):
+    # 5 tokens in 2 groups over a store of 9 cells; the dense equivalent is `allowed`.
+    q, k, v = qkv(rng, 5, 9)
+    tokens = np.array([[0, 3, 3], [1, 2, 4]], dtype=np.int32)  # group 0 pads with its last token
+    cells = np.array([[2, 5, 0], [1, 7, 8]], dtype=np.int32)  # group 0 pads with a masked cell
+    gmask = np.array([[[1, 0, 0], [1, 1, 0], [1, 1, 0]], [[1, 0, 0], [1, 1, 0], [1, 1, 1]]], dtype=bool)
+    out = np.array([0, 3, 4, 1, 5], dtype=np.int32)
+    allowed = np.zeros((5, 9), dtype=bool)
+    for g in range(2):
+        for i in range(3):
+            for j in range(3):
+                if gmask[g, i, j]:
+                    allowed[tokens[g, i], cells[g, j]] = True
+    groups = AttendGroups(
+        mx.array(tokens), mx.array(cells), mx.array(gmask)[:, None], mx.array(out), mx.array(k), mx.array(v)
+    )
+    got = np.array(attend_groups(mx.array(q), groups, SCALE))
+    np.testing.assert_allclose(got, reference(q, k, v, allowed), atol=1e-5)
+    # a spec carrying groups takes that path; its dense fields are the same computation
+    spec = AttendSpec(mx.array(k), mx.array(v), MaskKind.EXPLICIT, mx.array(allowed[None, None]), groups)
+    np.testing.assert_allclose(np.array(attend(mx.array(q), spec, SCALE)), got, atol=1e-6)
+    np.testing.assert_allclose(run(q, k, v, MaskKind.EXPLICIT, allowed), got, atol=1e-5)
+
+
+def test_groups_without_a_mask_attend_every_gathered_cell(rng):
+    q, k, v = qkv(rng, 2, 6)
+    cells = np.array([[0, 2, 4], [1, 3, 5]], dtype=np.int32)
+    groups = AttendGroups(
+        mx.array(np.array([[1], [0]], dtype=np.int32)), mx.array(cells), None,
+        mx.array(np.array([1, 0], dtype=np.int32)), mx.array(k.astype(np.float16)), mx.array(v.astype(np.float16)),
+    )
+    allowed = np.array([[0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0]], dtype=bool)
+    got = attend_groups(mx.array(q), groups, SCALE)
+    assert got.dtype == mx.float32
+    ref = reference(q, k.astype(np.float16), v.astype(np.float16), allowed)
+    np.testing.assert_allclose(np.array(got), ref, atol=1e-5)

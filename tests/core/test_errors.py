@@ -14,6 +14,7 @@ EXPECTED_BASES = {
     "StepError": (RuntimeError,),
     "CapacityError": (),
     "SequenceError": (ValueError,),
+    "StateError": (),
 }
 
 

@@ -12,11 +12,11 @@ import collections
 import time
 
 import attrs
-import mlx.core as mx
 import numpy as np
 
 from kvlayout.errors import CapacityError
 from kvlayout.runner.records import Progress, Request, Sample, Sampling, Stats, take_token, unplanned
+from kvlayout.runner.recovery import ForwardFailed, guarded_forward
 from kvlayout.runner.sampling import sample_token
 
 
@@ -61,6 +61,11 @@ class CellEngine:
     with `seq_rm`. When even the running sequences cannot take the step, the
     most recently admitted one is preempted: its cells are freed and it goes
     back to the front of the queue with the tokens it has, to be recomputed.
+
+    A forward that raises is aborted in the cache (`abort_step`) and each
+    sequence it carried is retried once, alone; one that fails again
+    finishes with finish_reason "error" and the others carry on (see
+    recovery.py).
     """
 
     def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: Progress):
@@ -71,15 +76,52 @@ class CellEngine:
         self.queue: collections.deque[Waiting] = collections.deque()
         self._admissions = 0
 
-    def run(self, requests: list[Request]) -> None:
+    def run(self, requests: list[Request], stop=None) -> bool:
+        """Generate every request; False when `stop()` ended the run early (see `loop`)."""
+        self.enqueue(requests)
+        return self.loop(stop)
+
+    def enqueue(self, requests: list[Request]) -> None:
         max_seqs = self.bc.max_seqs
         for r in requests:
             # A request with more samples than ids prefills once per group of max_seqs.
             for i in range(0, r.n, max_seqs):
                 self.queue.append(Waiting(r, r.samples[i : i + max_seqs], list(r.prompt)))
+
+    def loop(self, stop=None) -> bool:
+        """Step until nothing is running or queued: True. `stop()`, asked before every
+        step, ends the loop early (False) between two steps, where `running`, `queue`
+        and the cache agree and can be saved."""
         while self.running or self.queue:
+            if stop is not None and stop():
+                return False
             plan = self._declare()
-            self._forward(plan)
+            try:
+                self._forward(plan)
+            except ForwardFailed as exc:
+                self._retry_alone(plan, exc)
+        return True
+
+    def _retry_alone(self, plan: list[tuple[Running, int]], exc: ForwardFailed) -> None:
+        """The step failed and was aborted: each of its sequences gets one retry, alone."""
+        self.stats.failed_forwards += 1
+        for s, k in plan:
+            # The aborted step's cells are free again, so each part fits.
+            if not self.bc.declare_step([s.seq_id] * k):
+                raise CapacityError(f"request {s.request.index}: the retry of an aborted step did not fit") from exc
+            try:
+                self._forward([(s, k)])
+            except ForwardFailed as again:
+                self.stats.failed_forwards += 1
+                self._fail(s, again)
+
+    def _fail(self, s: Running, exc: ForwardFailed) -> None:
+        """Finish every sample of `s` with finish_reason "error"; free its cells."""
+        self.running.remove(s)
+        self.bc.seq_rm(s.seq_id)
+        for sample in s.samples:
+            sample.finish_reason, sample.error = "error", str(exc)
+            self.progress(unplanned(sample, s.request))
 
     # -- planning
 
@@ -187,8 +229,8 @@ class CellEngine:
             else:
                 prefill += k
         # At least one row even when no prompt completes: evaluating it forces the cache writes.
-        logits = self.model(tokens, positions, self.cache, rows=rows or [len(tokens) - 1])
-        logits = np.array(logits.astype(mx.float32))  # [R, V]; the step's sync point
+        # A failure is aborted in the cache (ForwardFailed) before any counter below moves.
+        logits = guarded_forward(self.model, self.cache, tokens, positions, rows or [len(tokens) - 1])  # [R, V]
         for s, k in plan:
             s.cached += k
         self._note_held(len(plan))

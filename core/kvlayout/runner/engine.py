@@ -23,6 +23,7 @@ from kvlayout.config import CacheConfig
 from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.runner.cell_engine import CellEngine
 from kvlayout.runner.config import RunConfig
+from kvlayout.runner.recovery import Interrupted
 from kvlayout.runner.records import (
     Progress,
     RunResult,
@@ -100,12 +101,24 @@ class Job:
     prompts: list[list[int]]
     kv_dtype: str
     cache: Any
+    resumed: Any = None  # a resume.RunState when prepared with resume=DIR
 
     @property
     def planned_tokens(self) -> int:
         return sum(r.n * r.max_tokens for r in self.cfg.requests)
 
-    def generate(self, progress: Progress | None = None) -> RunResult:
+    def generate(self, progress: Progress | None = None, stop=None, save_state=None) -> RunResult:
+        """Generate every request (the unfinished ones, when resumed).
+
+        `stop()`, asked before every step, ends the run early between two
+        steps (`RunResult.complete` False). `save_state` (a directory) gets
+        the cache and the run's state when the run ends, early or not, and
+        when a Ctrl-C interrupts a forward (the step is aborted first, then
+        `recovery.Interrupted` propagates); `prepare(cfg, resume=DIR)`
+        continues from it.
+        """
+        from kvlayout.runner import resume
+
         cfg, args, tok, cache = self.cfg, self.args, self.tokenizer, self.cache
         requests = make_requests(
             self.prompts, [r.max_tokens for r in cfg.requests], [r.n for r in cfg.requests], cfg.sampling.seed
@@ -114,31 +127,49 @@ class Job:
         sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
         eos = frozenset(tok.eos_ids)
         progress = progress or (lambda n: None)
+        if self.resumed is not None:
+            stats = self.resumed.apply_samples(requests, Stats)
+            progress(self.resumed.done_tokens(requests))
         t0 = time.perf_counter()
         bc = cache.as_batch_control()
         if bc is not None:
-            CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress).run(requests)
+            engine = CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress)
         else:
             # A ring layer takes at most its window (or max_write) tokens per step.
             limits = [cfg.engine.prefill_chunk, *(w for w in args.windows if w)]
             if cfg.cache.max_write:
                 limits.append(cfg.cache.max_write)
-            SeqEngine(self.model, cache, cache.as_control(), eos, sampling, min(limits), stats, progress).run(requests)
-        stats.wall_s = time.perf_counter() - t0
+            engine = SeqEngine(self.model, cache, cache.as_control(), eos, sampling, min(limits), stats, progress)
+        try:
+            if self.resumed is not None:
+                self.resumed.apply_engine(engine, requests)
+                complete = engine.loop(stop) if bc is not None else engine.run(requests, stop)
+            else:
+                complete = engine.run(requests, stop)
+        except Interrupted:
+            if save_state is not None:
+                stats.wall_s += time.perf_counter() - t0
+                resume.save_run(save_state, self, requests, engine, stats, complete=False)
+            raise
+        stats.wall_s += time.perf_counter() - t0
+        if save_state is not None:
+            resume.save_run(save_state, self, requests, engine, stats, complete)
         outputs = [
-            [SampleResult(list(s.generated), tok.decode(s.generated), s.finish_reason) for s in r.samples]
+            [SampleResult(list(s.generated), tok.decode(s.generated), s.finish_reason or "pending", s.error) for s in r.samples]
             for r in requests
         ]
         texts = [r.prompt if r.prompt is not None else tok.decode(p) for r, p in zip(cfg.requests, self.prompts)]
-        return RunResult(requests, outputs, stats, texts)
+        return RunResult(requests, outputs, stats, texts, complete)
 
 
-def prepare(cfg: RunConfig, loaded=None) -> Job:
+def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     """Resolve the layout, load the model, check every request fits, build the cache.
 
     `loaded` reuses a (model, args, tokenizer, name) from `load`. Every user
     error (layout not installed, model directory, capacity) is raised here,
-    before anything is generated.
+    before anything is generated. `resume` (a directory `generate(save_state=)`
+    wrote) loads the cache and the run's state from it instead of starting
+    afresh; StateError when it was saved by a run with another config.
     """
     builder = registry.resolve(cfg.layout.backend, cfg.layout.kind)  # LayoutNotFound before loading
     model, args, tok, name = loaded if loaded is not None else load(cfg)
@@ -151,12 +182,18 @@ def prepare(cfg: RunConfig, loaded=None) -> Job:
             raise ConfigError(f"requests[{i}].prompt_ids: id {bad[0]} is outside the vocabulary (size {args.vocab_size})")
     check_capacity(cfg, prompts)
     kv_dtype = default_kv_dtype(model.dtype) if cfg.cache.kv_dtype == "auto" else cfg.cache.kv_dtype
-    cache = builder.build(cache_config(cfg, args, kv_dtype))
+    if resume is not None:
+        from kvlayout.runner import resume as resuming
+
+        fp = resuming.fingerprint(cfg, prompts, kv_dtype)
+        resumed, cache = resuming.load_run(resume, fp, cache_config(cfg, args, kv_dtype))
+    else:
+        resumed, cache = None, builder.build(cache_config(cfg, args, kv_dtype))
     if cache.as_batch_control() is None and cache.as_control() is None:
         raise KVLayoutError(
             f"layout {builder.key} offers neither a batch nor a sequence control face; the runner cannot drive it"
         )
-    return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache)
+    return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache, resumed)
 
 
 def run(cfg: RunConfig, progress: Progress | None = None, loaded=None) -> RunResult:

@@ -25,7 +25,8 @@ class Sample:
     index: int
     rng: np.random.Generator = attrs.field(repr=False)
     generated: list[int] = attrs.field(factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", or "error" (a forward failed twice)
+    error: str | None = None  # the failure's message when finish_reason is "error"
 
 
 @attrs.define
@@ -43,10 +44,14 @@ class Request:
 class SampleResult:
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: str  # "stop", "length", "error", or "pending" (the run stopped first; resume it)
+    error: str | None = None
 
     def to_json(self) -> dict:
-        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason}
+        out = {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
 
 
 @attrs.define
@@ -69,6 +74,7 @@ class Stats:
     peak_tokens: int = 0
     preemptions: int = 0
     max_batch: int = 0  # most sequences in one step
+    failed_forwards: int = 0  # forwards that raised and were aborted (abort_step), retried or not
 
     @property
     def prefill_tok_s(self) -> float:
@@ -99,6 +105,7 @@ class RunResult:
     outputs: list[list[SampleResult]]
     stats: Stats
     prompts: list[str]
+    complete: bool = True  # False: stopped early (Ctrl-C with --save-state); samples left unfinished
 
     def to_json(self) -> dict:
         return {

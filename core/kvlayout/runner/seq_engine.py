@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import time
 
-import mlx.core as mx
-import numpy as np
-
 from kvlayout.errors import CapacityError
 from kvlayout.runner.records import Progress, Request, Sample, Sampling, Stats, take_token, unplanned
+from kvlayout.runner.recovery import ForwardFailed, Interrupted, guarded_forward
 from kvlayout.runner.sampling import sample_token
 
 
@@ -18,23 +16,54 @@ class SeqEngine:
     Every sample regenerates from its prompt: the cache is cleared before each.
     A step writes at most `chunk` tokens (a ring layer takes at most its window
     per step unless the config sets max_write).
+
+    A forward that raises is aborted in the cache (`abort_step`) and retried
+    once; failing again, the sample finishes with finish_reason "error" and
+    the next one runs (see recovery.py).
+
+    `current` (request, sample) and `cached` name the sample the cache holds
+    and how many of its tokens are in it, so a stopped run can resume it.
     """
 
     def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: Progress):
         self.model, self.cache, self.control = model, cache, control
         self.eos, self.sampling, self.chunk = eos, sampling, chunk
         self.stats, self.progress = stats, progress
+        self.current: tuple[int, int] | None = None
+        self.cached = 0
 
-    def run(self, requests: list[Request]) -> None:
+    def run(self, requests: list[Request], stop=None) -> bool:
+        """Generate every unfinished sample; False when `stop()`, asked before every step,
+        ended the run early (between two steps: the state can be saved and resumed)."""
         for r in requests:
             for s in r.samples:
-                self._generate(r, s)
+                if s.finish_reason is None and not self._generate(r, s, stop):
+                    return False
+        return True
 
-    def _generate(self, r: Request, s: Sample) -> None:
-        self.control.clear()
-        tokens = list(r.prompt)
-        cached = 0
+    def _realign(self, cached: int) -> None:
+        """After a failed forward the cache holds `cached` tokens of the sample.
+
+        abort_step saw to it unless every layer had written the step (the
+        failure came later, e.g. in the LM head): that step is complete and
+        not aborted, so the length is rewound to `cached` (never below the
+        floor: a step ends at most max_write past its start).
+        """
+        if self.control.length > cached:
+            self.control.rewind(cached)
+
+    def _generate(self, r: Request, s: Sample, stop=None) -> bool:
+        if self.current == (r.index, s.index):
+            cached = self.cached  # resuming: the cache holds this sample's first `cached` tokens
+        else:
+            self.control.clear()
+            cached = 0
+        self.current, self.cached = (r.index, s.index), cached
+        tokens = list(r.prompt) + list(s.generated)
+        retried = False
         while True:
+            if stop is not None and stop():
+                return False
             k = min(len(tokens) - cached, self.chunk)
             if not self.control.can_extend(k):
                 raise CapacityError(
@@ -44,10 +73,24 @@ class SeqEngine:
             positions = range(cached, cached + k)
             done = cached + k == len(tokens)
             # One row even mid-prompt: evaluating it forces this step's cache writes.
-            logits = self.model(tokens[cached : cached + k], positions, self.cache, rows=[k - 1])
-            row = np.array(logits.astype(mx.float32))  # the sync point of the step
+            try:
+                row = guarded_forward(self.model, self.cache, tokens[cached : cached + k], positions, [k - 1])
+            except Interrupted:
+                self._realign(cached)
+                raise
+            except ForwardFailed as exc:  # aborted: the cache is back at `cached`
+                self._realign(cached)
+                self.stats.failed_forwards += 1
+                if not retried:
+                    retried = True
+                    continue
+                s.finish_reason, s.error = "error", str(exc)
+                self.progress(unplanned(s, r))
+                return True
+            retried = False
             decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) else 0
             cached += k
+            self.cached = cached
             finished = False
             if done:
                 token = sample_token(row[0], self.sampling.temperature, self.sampling.top_p, s.rng)
@@ -63,4 +106,4 @@ class SeqEngine:
                 self.stats.generated_tokens += 1 if not (finished and s.finish_reason == "stop") else 0
                 self.progress(1 + (unplanned(s, r) if finished else 0))
             if finished:
-                return
+                return True

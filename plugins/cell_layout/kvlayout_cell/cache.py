@@ -4,20 +4,30 @@ Every layer keeps a K and a V MLXPool spanning the whole cell table
 (`max_slots = capacity`), whatever its window: a ring layer differs only in
 its mask. A step's tokens are scattered into their cells with `write_cells`,
 and the layer attends to `[0, read_len)` under the step's explicit mask.
+
+When that mask is sparse (many sequences, few shared cells) the spec also
+carries `groups`: the step's tokens grouped by sequence, each with only the
+cells it may see, so `attend()` does work proportional to what each token
+attends. The choice is made once per window per step by the cost rule in
+`kvlayout_cell.groups`; `attention_path` forces either side.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
+import attrs
 import mlx.core as mx
 
 from kvlayout.config import CacheConfig
 from kvlayout.errors import StepError
-from kvlayout.faces import AttendSpec, FacesBase, MaskKind
+from kvlayout.faces import AttendGroups, AttendSpec, FacesBase, MaskKind
 from kvlayout.mlx import MLXPool
 from kvlayout.registry import plugin_manager
+from kvlayout_cell import persist
 from kvlayout_cell.args import int_array, int_scalar
+from kvlayout_cell.groups import plan_groups
 from kvlayout_cell.stepper import CellStepper
 
 
@@ -27,10 +37,16 @@ class CellCache(CellStepper, FacesBase):
     `pm` is the plugin manager whose `kvlayout_choose_cells` and
     `kvlayout_step_placed` hooks the cache calls (the process's by default;
     tests pass a fresh one).
+
+    `attention_path`: "auto" (default: grouped attention when the rule in
+    `kvlayout_cell.groups` finds it cheaper), "dense" or "grouped" (forced;
+    results are identical either way, up to float rounding).
     """
 
+    attention_path: str = "auto"
+
     def __init__(self, config: CacheConfig, pm: Any = None):
-        self.config = config
+        self.config = config = CacheConfig.coerce(config)  # a mapping is built; anything else refused
         layers = [config.layer(i) for i in range(config.n_layers)]
         super().__init__(
             config.capacity,
@@ -46,12 +62,29 @@ class CellCache(CellStepper, FacesBase):
         self.keys = [pool(lc) for lc in layers]
         self.values = [pool(lc) for lc in layers]
         self._mx_mask: dict[int, tuple[Any, mx.array]] = {}  # window -> (step, its mask as MLX)
+        self._mx_groups: dict[int, tuple[Any, str, AttendGroups | None]] = {}  # window -> (step, path, groups)
 
     def as_batch_control(self) -> CellCache:
         return self
 
     def as_cell_stepper(self) -> CellCache:
         return self
+
+    # Save and restore (kvlayout_cell.persist has the format).
+
+    def save(self, path) -> Path:
+        """Write the whole cache (occupied cells only) to `path`, atomically; `kvlayout.load` reads it."""
+        return persist.save_cache(self, path)
+
+    def save_seq(self, seq_id: int, path) -> Path:
+        """Write one live sequence's positions and K/V to `path`, atomically (a llama.cpp slot)."""
+        return persist.save_seq(self, seq_id, path)
+
+    def load_seq(self, path) -> int | None:
+        """A sequence `save_seq` wrote, as a new id in fresh cells; None (nothing changed) when
+        the free cells or ids are too few. StateError for a bad file or an incompatible cache
+        (layers, policies and kv_dtype must match; capacity and max_seqs may differ)."""
+        return persist.load_seq(self, path)
 
     def update_and_fetch(self, layer: int, positions: Sequence[int], k: mx.array, v: mx.array) -> AttendSpec:
         layer = int_scalar("layer", layer, StepError, minimum=0)
@@ -68,6 +101,8 @@ class CellCache(CellStepper, FacesBase):
                     f"layer {layer}: {name} of shape {shape} ({type(x).__name__}): expected an mlx "
                     f"array [1, {lc.n_kv_heads}, T, {lc.head_dim}]"
                 )
+            if not mx.issubdtype(x.dtype, mx.floating):  # before placing: the pool would refuse it after
+                raise StepError(f"layer {layer}: {name} of dtype {x.dtype}: expected a floating mlx array")
         if k.shape != v.shape:
             raise StepError(f"layer {layer}: k {tuple(k.shape)} and v {tuple(v.shape)}: expected one shape")
         pos = int_array("positions", positions, StepError)
@@ -81,7 +116,34 @@ class CellCache(CellStepper, FacesBase):
         self.values[layer].write_cells(step.cells, v)
         keys = self.keys[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
         values = self.values[layer].read(0, step.read_len)
-        return AttendSpec(keys, values, MaskKind.EXPLICIT, self._mask(layer, step))
+        groups = self._groups(layer, step)
+        if groups is not None:
+            # The whole pool buffer (a row-contiguous view): the grouped gather then copies
+            # only the rows it takes. Dropped with the spec, like the read above.
+            slots = self.keys[layer].slots
+            groups = attrs.evolve(
+                groups, keys=self.keys[layer].read(0, slots), values=self.values[layer].read(0, slots)
+            )  # [1, H_kv, slots, D] each
+        return AttendSpec(keys, values, MaskKind.EXPLICIT, self._mask(layer, step), groups)
+
+    def _groups(self, layer: int, step) -> AttendGroups | None:
+        """The step's grouping for this layer's window (None: dense), planned once per window per step."""
+        window = self._windows[layer]
+        path = self.attention_path
+        held = self._mx_groups.get(window)
+        if held is None or held[0] is not step or held[1] != path:
+            plan = plan_groups(self._placed.seq_ids, step.mask, path)  # the step place_step just served
+            groups = None
+            if plan is not None:
+                groups = AttendGroups(
+                    tokens=mx.array(plan.tokens),  # int32 [G, Qg]
+                    cells=mx.array(plan.cells),  # int32 [G, Kg]
+                    mask=None if plan.mask is None else mx.array(plan.mask)[:, None],  # bool [G, 1, Qg, Kg]
+                    out=mx.array(plan.out),  # int32 [T]
+                )
+            held = (step, path, groups)
+            self._mx_groups[window] = held
+        return held[2]
 
     def _mask(self, layer: int, step) -> mx.array:
         """The step's mask as bool [1, 1, T, read_len], converted once per window per step."""

@@ -14,6 +14,12 @@ def _build(config):
     return CellCache(config)
 
 
+def _load(state_file):
+    from kvlayout_cell.persist import load_cache
+
+    return load_cache(state_file)
+
+
 @hookimpl
 def kvlayout_builders():
     return [
@@ -22,6 +28,7 @@ def kvlayout_builders():
             kind="cell",
             build=_build,
             summary="many sequences over one pool of cells: shared prefixes, explicit masks",
+            load=_load,
         )
     ]
 

@@ -39,6 +39,7 @@ class _Placed:
     epoch: int
     served: set[int]
     steps: dict[int, CellStep]  # window -> memoized step
+    before: tuple = ()  # the table's summaries from before the placement, for abort_step
 
 
 @attrs.define(eq=False)
@@ -71,7 +72,7 @@ class CellStepper(CellTable):
         """
         ids = int_array("seq_ids", seq_ids, SequenceError)
         if ids.size == 0:
-            raise StepError("declare_step: expected at least one token's sequence id, got an empty list")
+            raise StepError("declare_step: seq_ids is empty: expected at least one token's sequence id")
         self.check_live_ids(ids)
         if ids.size > self.free_cells:
             return False
@@ -116,10 +117,34 @@ class CellStepper(CellTable):
             )
         self.check_tokens(declared.seq_ids, pos)
         cells = self._choose(pos.size)
+        before = self.before_occupy(declared.seq_ids)
         self.occupy(cells, declared.seq_ids, pos)  # the only mutation; everything above may refuse
-        placed = _Placed(declared.seq_ids, pos.copy(), cells, self.used_end, self.epoch, {layer}, {})
+        placed = _Placed(declared.seq_ids, pos.copy(), cells, self.used_end, self.epoch, {layer}, {}, before)
         self._placed, self._declared = placed, None
         return self._step(placed, self._windows[layer])
+
+    def abort_step(self) -> bool:
+        """Undo the open step, as if it had never been placed; False when none is open.
+
+        The open step is the one the first `place_step` after a declaration
+        placed, served on every layer or not, until a new declaration or any
+        verb (`seq_new`, `seq_clone`, `seq_rm`, `clear`, `load_seq`) ends it.
+        Aborting it releases exactly the cells it claimed and puts back every
+        sequence's `seq_len` and `next_pos`, the free count, `used_end` and
+        the free list. Afterwards no declaration stands: declare the next
+        forward again. With no open step nothing changes (a standing
+        declaration that was never placed stays) and the answer is False.
+
+        The pools are not rolled back: the layers that ran before a failure
+        wrote K/V into the released cells, which are free again, so their
+        content is dead, overwritten before any mask lets it be read.
+        """
+        placed = self._placed
+        if placed is None or placed.epoch != self.epoch:
+            return False
+        self._placed = self._declared = None
+        self.release(placed.cells, placed.seq_ids, placed.before)
+        return True
 
     def _choose(self, count: int) -> np.ndarray:
         """`count` distinct free cells from the hook; StepError quoting a bad answer."""

@@ -296,3 +296,104 @@ class CellTable:
         if window:
             mask &= pos[None, :] >= p - (window - 1)
         return mask
+
+    # -- undoing a placement (abort_step, in stepper.py, decides when) -------
+
+    def before_occupy(self, seq_ids: np.ndarray) -> tuple:
+        """What `occupy(cells, seq_ids, ...)` will change beyond the cells themselves.
+
+        Taken just before `occupy`, it lets `release` put every summary back.
+        The free list is held by reference: `occupy` replaces it, never edits it.
+        """
+        ids = np.unique(seq_ids)
+        return ids, self._newest[ids].copy(), self._used_end, self._free
+
+    def release(self, cells: np.ndarray, seq_ids: np.ndarray, before: tuple) -> None:
+        """Undo `occupy(cells, seq_ids, ...)`, given `before_occupy(seq_ids)` from just before it.
+
+        Valid only while nothing else changed the table in between (the caller
+        compares epochs). The cells were free, so they go back to free with no
+        owner; each owner's count and newest position, `used_end`, the free
+        count and the free list return to what they were. Liveness is
+        untouched: occupy never changes it. The epoch moves on.
+        """
+        ids, newest, used_end, free = before
+        self._pos[cells] = -1
+        self._owners[cells] = 0
+        self._count -= np.bincount(seq_ids, minlength=self._max_seqs)
+        self._newest[ids] = newest
+        self._used_end = used_end
+        self._n_free += cells.size
+        self._free = free
+        self._touch()
+
+    # -- saving and restoring (the file format lives in persist.py) ----------
+
+    @property
+    def owner_words(self) -> int:
+        """uint64 words per cell in the owner bitset."""
+        return self._words
+
+    def live_ids(self) -> np.ndarray:
+        """The live ids, ascending."""
+        return np.flatnonzero(self._live)
+
+    def occupied(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cells, positions, owner words) of every occupied cell, ascending; copies.
+
+        Together with `live_ids` this is the whole table: counts, newest
+        positions, `used_end` and the free list follow from it.
+        """
+        cells = np.flatnonzero(self._pos[: self._used_end] >= 0)
+        return cells, self._pos[cells].copy(), self._owners[cells].copy()
+
+    def seq_cells(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cells, positions) seq_id owns, by position; SequenceError for an id not live."""
+        s = self._check_live("seq_id", seq_id)
+        end = self._used_end
+        cells = np.flatnonzero(self._owned(s, end))
+        pos = self._pos[cells]
+        order = np.argsort(pos, kind="stable")
+        return cells[order], pos[order]
+
+    def restore(self, cells: np.ndarray, pos: np.ndarray, owners: np.ndarray, live: np.ndarray, error: type) -> None:
+        """Become the table `occupied()` and `live_ids()` described; `error` (nothing changed) if they
+        break an invariant: a cell out of range or repeated, a negative position, a cell with no owner
+        or an owner out of range or not live, a sequence holding one position twice."""
+        n = cells.shape[0] if cells.ndim == 1 else -1
+        if n < 0 or pos.shape != (n,) or owners.shape != (n, self._words):
+            raise error(f"cells {cells.shape}, positions {pos.shape}, owners {owners.shape}: expected [n], [n], [n, {self._words}]")
+        if n and (cells.min() < 0 or cells.max() >= self._capacity or np.unique(cells).size != n):
+            raise error(f"cells: expected distinct cells in [0, {self._capacity})")
+        if n and pos.min() < 0:
+            raise error("positions: expected positions >= 0")
+        if live.ndim != 1 or (live.size and (live.min() < 0 or live.max() >= self._max_seqs)):
+            raise error(f"live ids: expected ids in [0, {self._max_seqs})")
+        is_live = np.zeros(self._max_seqs, dtype=bool)
+        is_live[live] = True
+        count = np.zeros(self._max_seqs, dtype=np.int64)
+        newest = np.full(self._max_seqs, -1, dtype=np.int64)
+        any_owner = np.zeros(n, dtype=bool)
+        for w in range(self._words):
+            for b in range(64):
+                s = w * 64 + b
+                owned = (owners[:, w] >> np.uint64(b)) & _ONE != 0
+                if not owned.any():
+                    continue
+                if s >= self._max_seqs or not is_live[s]:
+                    raise error(f"owners: sequence {s} owns cells but is {'out of range' if s >= self._max_seqs else 'not live'}")
+                held = pos[owned]
+                if np.unique(held).size != held.size:
+                    raise error(f"sequence {s} holds one position in two cells")
+                count[s], newest[s] = held.size, held.max()
+                any_owner |= owned
+        if not any_owner.all():
+            raise error("owners: every occupied cell needs an owner")
+        self.clear()
+        self._pos[cells] = pos
+        self._owners[cells] = owners
+        self._count, self._newest, self._live = count, newest, is_live
+        self._used_end = int(cells.max()) + 1 if n else 0
+        self._n_free = self._capacity - n
+        self._free = None
+        self._touch()

@@ -33,12 +33,12 @@ from kvlayout.errors import CapacityError, KVLayoutError, StepError
 from kvlayout.faces import MaskKind, Run, SeqStepPlan
 
 
-def check_count(name: str, value: Any, minimum: int = 0) -> int:
-    """`value` as an int; bools, floats and anything below `minimum` are refused."""
+def check_count(name: str, value: Any, minimum: int = 0, error: type[KVLayoutError] = KVLayoutError) -> int:
+    """`value` as an int; bools, floats and anything below `minimum` are refused (`error`)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise KVLayoutError(f"{name}={value!r}: expected an integer, got {type(value).__name__}")
+        raise error(f"{name}={value!r}: expected an integer, got {type(value).__name__}")
     if value < minimum:
-        raise KVLayoutError(f"{name}={value}: expected an integer >= {minimum}")
+        raise error(f"{name}={value}: expected an integer >= {minimum}")
     return int(value)
 
 
@@ -140,6 +140,15 @@ class RingPolicy:
         self.retained = 0
 
 
+class _OpenStep:
+    """The step `abort_step` would undo: its range, the length and ring records from before it,
+    and the layers that committed it (hence wrote it)."""
+
+    def __init__(self, start: int, length: int, retained: list[int]):
+        self.start, self.length, self.retained = start, length, retained
+        self.served: set[int] = set()
+
+
 class SeqBook:
     """The length and per-layer policies of one sequence; no tensors.
 
@@ -172,6 +181,7 @@ class SeqBook:
         self.max_step = min(p.max_write for p in self.policies)
         self._tightest = min(self.policies, key=lambda p: p.max_write)
         self.length = 0
+        self._open: _OpenStep | None = None  # the step abort_step would undo
 
     @property
     def n_layers(self) -> int:
@@ -188,7 +198,7 @@ class SeqBook:
         return max((p.floor for p in self.policies), default=0)
 
     def can_extend(self, n: int = 1) -> bool:
-        return self.length + check_count("n", n) <= self.capacity
+        return self.length + check_count("n", n, error=StepError) <= self.capacity
 
     def check_layer(self, layer: Any) -> int:
         is_int = isinstance(layer, (int, np.integer)) and not isinstance(layer, (bool, np.bool_))
@@ -234,7 +244,7 @@ class SeqBook:
             )
         return self.layers[layer].plan(start, length)
 
-    def commit(self, plan: SeqStepPlan) -> None:
+    def commit(self, plan: SeqStepPlan, layer: int | None = None) -> None:
         """Set the length to the step's end; every ring records the slots it reused.
 
         Idempotent: committing the same step again changes nothing, so every
@@ -242,20 +252,68 @@ class SeqBook:
         before their own layers are written: that only makes the floor
         conservative in between. A step that starts below the length
         truncates to its end, as `rewind` would.
+
+        `layer` (the layer that wrote the step) opens a step for `abort_step`
+        at the first commit of a new step: one with another (start, length),
+        or a layer this step already committed. The commit of its last layer
+        closes it: a forward every layer wrote is complete. (The seq layout
+        has no declaration, so this is what keeps a forward that fails before
+        its first layer from undoing the forward before it.)
         """
+        if layer is not None:
+            step = self._open
+            if step is None or (step.start, step.length) != (plan.start, plan.length) or layer in step.served:
+                retained = [getattr(p, "retained", 0) for p in self.policies]
+                step = self._open = _OpenStep(plan.start, plan.length, retained)
+            step.served.add(layer)
+            if len(step.served) == self.n_layers:
+                self._open = None
         for policy in self.policies:
             policy.commit(plan.end)
         self.length = plan.end
 
     def rewind(self, new_len: int) -> bool:
         """Truncate to `new_len`; False (nothing changes) past `length` or below `floor`."""
-        new_len = check_count("new_len", new_len)
+        new_len = check_count("new_len", new_len, error=StepError)
         if new_len > self.length or new_len < self.floor:
             return False
         self.length = new_len
+        self._open = None
         return True
 
     def clear(self) -> None:
         for policy in self.policies:
             policy.clear()
         self.length = 0
+        self._open = None
+
+    def abort_step(self) -> bool:
+        """Return to where the open step began; False (nothing changes) when none is open.
+
+        The open step runs from the first layer that commits it (see
+        `commit`) until its last layer commits it (the forward is complete),
+        another step commits, or `rewind` or `clear` ends it.
+        Aborting sets the length to the step's start, which is the length
+        before it for a step that appended. A step that overwrote below the
+        length (start < length) loses the positions it overwrote: the layers
+        that ran wrote them anew, the others did not, so what survives is
+        `[0, start)`, in every layer.
+
+        A ring none of whose layers ran gets its record back; a ring whose
+        layers ran keeps the record of what they overwrote, so `floor` may
+        stay above where it was (never above the start: a step carries at
+        most max_write tokens, and the slots a ring recycles hold positions
+        older than the window the next step needs). The pools are not
+        rolled back: what lies past the length is overwritten before it is
+        read, and what a ring overwrote is below the floor.
+        """
+        step = self._open
+        if step is None:
+            return False
+        self._open = None
+        written = {id(self.layers[layer]) for layer in step.served}
+        for policy, retained in zip(self.policies, step.retained):
+            if policy.kind == "ring" and id(policy) not in written:
+                policy.retained = retained
+        self.length = step.start
+        return True

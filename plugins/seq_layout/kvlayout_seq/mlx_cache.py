@@ -8,6 +8,7 @@ which to read back; this module only moves bytes and builds the band mask.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -45,16 +46,23 @@ def _positions(positions: Any) -> np.ndarray:
         # Checking them needs their values: an mx.array of positions is evaluated here.
         if not mx.issubdtype(positions.dtype, mx.integer):
             raise StepError(f"positions: expected an integer array, got dtype {positions.dtype}")
-        arr = np.array(positions, dtype=np.int64)
+        arr = _as_int64(np.array(positions))
     elif isinstance(positions, np.ndarray):
         if not np.issubdtype(positions.dtype, np.integer):
             raise StepError(f"positions: expected an integer array, got dtype {positions.dtype}")
-        arr = positions.astype(np.int64)
+        arr = _as_int64(positions)
     else:
         raise StepError(f"positions: expected a list or array of integers, got {type(positions).__name__}")
     if arr.ndim != 1:
         raise StepError(f"positions: expected one integer per token (1-d), got shape {arr.shape}")
     return arr
+
+
+def _as_int64(arr: np.ndarray) -> np.ndarray:
+    """An integer array as int64; a uint64 past int64 is refused (the cast would wrap it negative)."""
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise StepError(f"positions: {int(arr.max())} does not fit in 64 bits")
+    return arr.astype(np.int64)
 
 
 class SeqCache(FacesBase):
@@ -124,6 +132,20 @@ class SeqCache(FacesBase):
     def clear(self) -> None:
         self._book.clear()
 
+    def save(self, path) -> Path:
+        """Write the cache to `path`, atomically; `kvlayout.load(path)` reads it back."""
+        from kvlayout_seq.persist import save_cache
+
+        return save_cache(self, path)
+
+    def abort_step(self) -> bool:
+        """Undo the open step (a forward that failed part way); False when none is open.
+
+        The length returns to the step's start; see `SeqBook.abort_step` for
+        what a step that overwrote below the length, or a ring, keeps.
+        """
+        return self._book.abort_step()
+
     # KVCache
 
     def update_and_fetch(self, layer: int, positions: Sequence[int], k: mx.array, v: mx.array) -> AttendSpec:
@@ -148,7 +170,7 @@ class SeqCache(FacesBase):
             for run, first in zip(plan.writes, _offsets(plan.writes)):
                 k_pool.write(run.slot, k[:, :, first : first + run.length, :])
                 v_pool.write(run.slot, v[:, :, first : first + run.length, :])
-        self._book.commit(plan)
+        self._book.commit(plan, layer)
         keys = _gather(k_pool, plan)  # [1, H_kv, S, D]
         values = _gather(v_pool, plan)
         mask = None
@@ -170,7 +192,9 @@ class SeqCache(FacesBase):
                 )
             if x.shape[2] != pos.size:
                 raise StepError(f"{name} holds {x.shape[2]} token(s) but positions name {pos.size}")
-        start = int(pos[0]) if pos.size else self.length
+        if pos.size == 0:
+            raise StepError(f"positions is empty: a step of 0 token(s) at layer {layer}: expected at least 1")
+        start = int(pos[0])
         if pos.size and not np.array_equal(pos, np.arange(start, start + pos.size)):
             raise StepError(
                 f"positions {_show(pos)}: expected {pos.size} consecutive integers starting at {start}"

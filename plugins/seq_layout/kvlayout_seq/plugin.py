@@ -18,6 +18,13 @@ def build_seq(config: Any):
     return SeqCache(config)
 
 
+def load_seq_cache(state_file: Any):
+    """A SeqCache from a `kvlayout.persist.StateFile` its `save` wrote."""
+    from kvlayout_seq.persist import load_cache
+
+    return load_cache(state_file)
+
+
 @hookimpl
 def kvlayout_builders() -> list[Builder]:
     return [
@@ -26,5 +33,6 @@ def kvlayout_builders() -> list[Builder]:
             kind="seq",
             build=build_seq,
             summary="one sequence; per layer flat (all history) or ring (sliding window); rewind",
+            load=load_seq_cache,
         )
     ]

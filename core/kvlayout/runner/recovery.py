@@ -1,0 +1,61 @@
+"""One guarded forward: a failure part way through is undone in the cache before it propagates.
+
+A forward writes K/V layer by layer, so an exception in layer k of n leaves
+layers below k written for the step's cells and the others not. The engines
+run every forward through `guarded_forward`, which then calls the cache's
+`abort_step()` (the StepAbort face): the cache is back where it was before
+the step, and the engine, which advances its own counters only after a
+forward succeeds, is consistent with it. What the engines do next:
+
+- seq_engine: the step is retried once; if it fails again the sample
+  finishes with finish_reason "error" (its message in `Sample.error`) and
+  the next sample runs.
+- cell_engine: each sequence the step carried is retried once, alone; one
+  whose retry fails too finishes with "error" (all its samples when it was a
+  prompt still prefilling), its cells freed; the others carry on.
+
+A KeyboardInterrupt during a forward is aborted the same way and comes out
+as `Interrupted`, which tells the caller the engine's state is whole and may
+be saved (`kvlayout run --save-state`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+
+class ForwardFailed(Exception):
+    """A forward raised and its step was aborted; `cause` is what it raised."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a forward; the step was aborted, so the run's state is whole."""
+
+
+def guarded_forward(model: Any, cache: Any, tokens: Sequence[int], positions: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+    """The float32 logits `[R, V]` of one forward (the step's sync point).
+
+    On an exception the cache's open step is aborted and ForwardFailed
+    raised; on KeyboardInterrupt, aborted and Interrupted raised. A cache
+    without `abort_step` cannot be recovered: the exception propagates as is.
+    """
+    try:
+        logits = model(tokens, positions, cache, rows=rows)
+        return np.array(logits.astype(mx.float32))
+    except BaseException as exc:
+        abort = getattr(cache, "abort_step", None)
+        if abort is None:
+            raise
+        abort()
+        if isinstance(exc, KeyboardInterrupt):
+            raise Interrupted() from exc
+        if isinstance(exc, Exception):
+            raise ForwardFailed(exc) from exc
+        raise

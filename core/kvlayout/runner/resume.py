@@ -1,0 +1,255 @@
+"""`kvlayout run --save-state DIR` / `--resume DIR`: a run's state on disk, and back.
+
+DIR holds two files, each written atomically (`kvlayout.persist.write_atomic`):
+
+- `cache-<id>.safetensors`: the cache, by `cache.save` (a fresh name each time);
+- `run.json`: which cache file goes with it (name and sha256 of its bytes),
+  the run's fingerprint (layout, cache and model sections, sampling, engine,
+  every request's prompt ids, max_tokens and n, the storage dtype), every
+  sample's tokens so far, finish reason and RNG state, the statistics, and
+  the engine's own state (the cell engine's running sequences and queue; the
+  seq engine's current sample and how much of it is cached).
+
+The cache file is written first, then `run.json` pointing at it, then older
+cache files are removed: a crash at any point leaves a `run.json` whose cache
+file is whole. The state is taken between two steps (or after a forward that
+was aborted), where the engine and the cache agree; `--resume` refuses
+(StateError) a directory saved by a run with another config, or a cache file
+that does not match its `run.json`.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import signal
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvlayout.errors import KVLayoutError, StateError
+from kvlayout.persist import load as load_cache
+from kvlayout.persist import write_atomic
+
+RUN_FILE = "run.json"
+RUN_FORMAT = 1
+
+
+def fingerprint(cfg: Any, prompts: list[list[int]], kv_dtype: str) -> dict:
+    """What a resumed run must share with the saved one, as plain JSON."""
+    model_dir = cfg.model_dir()
+    fp = {
+        "layout": cfg.layout.key,
+        "cache": attrs.asdict(cfg.cache),
+        "kv_dtype": kv_dtype,
+        "model": {
+            "path": None if model_dir is None else str(model_dir),
+            "preset": cfg.model.preset,
+            "dtype": cfg.model.dtype,
+            "seed": cfg.model.seed,
+        },
+        "sampling": attrs.asdict(cfg.sampling),
+        "engine": attrs.asdict(cfg.engine),
+        "requests": [
+            {"prompt_ids": list(p), "max_tokens": r.max_tokens, "n": r.n} for r, p in zip(cfg.requests, prompts)
+        ],
+    }
+    return json.loads(json.dumps(fp))
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def engine_state(engine: Any) -> dict:
+    if hasattr(engine, "running"):  # the cell engine
+        return {
+            "kind": "cell",
+            "admissions": engine._admissions,
+            "running": [
+                {
+                    "seq_id": s.seq_id,
+                    "request": s.request.index,
+                    "samples": [x.index for x in s.samples],
+                    "tokens": list(s.tokens),
+                    "admitted": s.admitted,
+                    "cached": s.cached,
+                }
+                for s in engine.running
+            ],
+            "queue": [
+                {"request": w.request.index, "samples": [x.index for x in w.samples], "tokens": list(w.tokens)}
+                for w in engine.queue
+            ],
+        }
+    return {"kind": "seq", "current": None if engine.current is None else list(engine.current), "cached": engine.cached}
+
+
+def save_run(directory: str | Path, job: Any, requests: list, engine: Any, stats: Any, complete: bool) -> Path:
+    """Write the cache and `run.json` into `directory` (created if needed); its path."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    if not hasattr(job.cache, "save"):
+        raise KVLayoutError(f"layout {job.builder.key} cannot save its cache; --save-state needs one that can")
+    name = f"cache-{uuid.uuid4().hex[:12]}.safetensors"
+    job.cache.save(d / name)
+    data = {
+        "format": RUN_FORMAT,
+        "complete": complete,
+        "cache_file": name,
+        "cache_sha256": _sha256(d / name),
+        "fingerprint": fingerprint(job.cfg, job.prompts, job.kv_dtype),
+        "samples": [
+            [
+                {
+                    "generated": list(s.generated),
+                    "finish_reason": s.finish_reason,
+                    "error": s.error,
+                    "rng": s.rng.bit_generator.state,
+                }
+                for s in r.samples
+            ]
+            for r in requests
+        ],
+        "stats": attrs.asdict(stats),
+        "engine": engine_state(engine),
+    }
+    path = write_atomic(d / RUN_FILE, [json.dumps(data, indent=1).encode()])
+    for old in d.glob("cache-*.safetensors"):
+        if old.name != name:
+            old.unlink(missing_ok=True)
+    return path
+
+
+@attrs.define
+class RunState:
+    """A saved run, checked against the resuming one; `apply_*` put it back."""
+
+    directory: Path
+    data: dict
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.data.get("complete"))
+
+    def _refuse(self, what: str) -> StateError:
+        return StateError(f"--resume {self.directory}: {what}")
+
+    def apply_samples(self, requests: list, stats_cls: type) -> Any:
+        """Restore every sample's tokens, finish reason and RNG; the saved Stats."""
+        saved = self.data["samples"]
+        for r, samples in zip(requests, saved, strict=True):
+            for s, d in zip(r.samples, samples, strict=True):
+                s.generated = [int(t) for t in d["generated"]]
+                s.finish_reason, s.error = d["finish_reason"], d["error"]
+                s.rng.bit_generator.state = d["rng"]
+        return stats_cls(**self.data["stats"])
+
+    def done_tokens(self, requests: list) -> int:
+        """Progress already made: planned tokens of finished samples, tokens of the others."""
+        return sum(
+            r.max_tokens if s.finish_reason is not None else len(s.generated) for r in requests for s in r.samples
+        )
+
+    def apply_engine(self, engine: Any, requests: list) -> None:
+        """Put the engine back where it stopped; StateError if the cache disagrees."""
+        state = self.data["engine"]
+        if state["kind"] == "cell":
+            from kvlayout.runner.cell_engine import Running, Waiting
+
+            if not hasattr(engine, "running"):
+                raise self._refuse("saved by the cell engine, resumed by another")
+            bc = engine.bc
+            running = []
+            for d in state["running"]:
+                r = requests[d["request"]]
+                s = Running(d["seq_id"], r, [r.samples[j] for j in d["samples"]], list(d["tokens"]), d["admitted"], d["cached"])
+                if bc.next_pos(s.seq_id) != s.cached:
+                    raise self._refuse(
+                        f"sequence {s.seq_id} holds {bc.next_pos(s.seq_id)} position(s) in the cache, "
+                        f"the run says {s.cached}"
+                    )
+                running.append(s)
+            waiting = [
+                Waiting(requests[d["request"]], [requests[d["request"]].samples[j] for j in d["samples"]], list(d["tokens"]))
+                for d in state["queue"]
+            ]
+            engine.running, engine.queue = running, collections.deque(waiting)
+            engine._admissions = state["admissions"]
+        else:
+            if hasattr(engine, "running"):
+                raise self._refuse("saved by the seq engine, resumed by another")
+            current = state["current"]
+            engine.current = None if current is None else tuple(current)
+            engine.cached = state["cached"]
+            if current is not None:
+                r, j = current
+                if requests[r].samples[j].finish_reason is None and engine.control.length != engine.cached:
+                    raise self._refuse(
+                        f"the cache holds {engine.control.length} token(s), the run says {engine.cached}"
+                    )
+
+
+def load_run(directory: str | Path, fp: dict, config: Any) -> tuple[RunState, Any]:
+    """The saved run in `directory` and its cache; StateError unless it matches `fp` and `config`."""
+    d = Path(directory)
+    path = d / RUN_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StateError(f"--resume {d}: no {RUN_FILE} there; was it written by --save-state?") from None
+    except (OSError, ValueError) as exc:
+        raise StateError(f"--resume {d}: {RUN_FILE} cannot be read ({exc})") from None
+    state = RunState(d, data)
+    if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
+        got = data.get("format") if isinstance(data, dict) else None
+        raise state._refuse(f"{RUN_FILE} format {got!r}; this kvlayout reads {RUN_FORMAT}")
+    saved_fp = data.get("fingerprint")
+    if saved_fp != fp:
+        keys = sorted(k for k in set(fp) | set(saved_fp or {}) if (saved_fp or {}).get(k) != fp.get(k))
+        raise state._refuse(
+            f"saved by a run with another config (differs in: {', '.join(keys)}); "
+            "resume with the config and model it was saved with"
+        )
+    cache_path = d / str(data.get("cache_file"))
+    if not cache_path.is_file() or _sha256(cache_path) != data.get("cache_sha256"):
+        raise state._refuse(f"the cache file {cache_path.name} is missing or is not the one {RUN_FILE} names")
+    return state, load_cache(cache_path, config=config)
+
+
+class StopOnCtrlC:
+    """While active, the first Ctrl-C asks the run to stop after its current step
+    (the state is then saved); a second one interrupts at once, as usual.
+
+    Call it (`stop()`) to ask whether a Ctrl-C came. Only the main thread can
+    install a signal handler; elsewhere this never stops anything.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nkvlayout: stopping after this step to save the state (Ctrl-C again to quit now)", file=sys.stderr)
+
+    def __enter__(self) -> StopOnCtrlC:
+        try:
+            self._previous = signal.signal(signal.SIGINT, self.handle)
+        except ValueError:  # not the main thread
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)

@@ -1,0 +1,159 @@
+"""Saving and restoring the cell layout: a whole cache, or one sequence (a llama.cpp slot).
+
+A whole cache (`content = "cache"`) keeps only the occupied cells, gathered:
+
+- tensors `cells` (I64 [n], ascending), `pos` (I64 [n]), `owners` (U64
+  [n, words], the owner bitset) and, per layer i, `k.i` / `v.i`
+  `[1, H_kv, n, D]` in the storage dtype;
+- state `{"state_version": 1, "live": [ids]}`.
+
+It comes back at the same cell indices, so the restored table is the saved
+one: same ids, free list, `used_end`, and the next placement lands where it
+would have. Free cells come back zeroed (their old content was dead).
+
+One sequence (`content = "sequence"`) keeps `pos` (I64 [n], ascending) and
+`k.i` / `v.i` of its cells; `load_seq` gives it a fresh id and fresh cells
+(chosen by the `kvlayout_choose_cells` hook) in any cache whose per-layer
+shapes, policies and storage dtype match (capacity and max_seqs may differ).
+
+Saving refuses (StepError) while a forward is half done: a placed step that
+not every layer has served would save K/V some layers never wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvlayout.errors import StateError, StepError
+from kvlayout.mlx.tensors import DTYPE_CODES, from_raw, to_raw
+from kvlayout.persist import StateFile, numpy_of, raw_numpy, read_state, save_state
+
+LAYOUT = "mlx:cell"
+STATE_VERSION = 1
+
+
+def _check_not_mid_forward(cache: Any) -> None:
+    placed = cache._placed  # the stepper's open step (same package)
+    if placed is not None and placed.epoch == cache.epoch and len(placed.served) < cache.n_layers:
+        missing = sorted(set(range(cache.n_layers)) - placed.served)
+        raise StepError(
+            f"save during a forward: layer(s) {missing} of the placed step were not served; "
+            "finish the forward or abort_step() first"
+        )
+
+
+def _gather(cache: Any, cells: np.ndarray) -> dict:
+    """`k.i` / `v.i`: each layer's K and V at `cells`, `[1, H_kv, n, D]`."""
+    out = {}
+    idx = mx.array(cells.astype(np.int32))
+    for i in range(cache.n_layers):
+        for name, pool in (("k", cache.keys[i]), ("v", cache.values[i])):
+            if cells.size:
+                part = pool.read(0, int(cells.max()) + 1)[:, :, idx, :]  # [1, H_kv, n, D]
+            else:
+                part = mx.zeros((1, pool.n_heads, 0, pool.head_dim), dtype=pool.dtype)
+            out[f"{name}.{i}"] = to_raw(part)
+    return out
+
+
+def save_cache(cache: Any, path: str | os.PathLike) -> Path:
+    _check_not_mid_forward(cache)
+    cells, pos, owners = cache.occupied()
+    tensors = {"cells": raw_numpy(cells), "pos": raw_numpy(pos), "owners": raw_numpy(owners)}
+    tensors.update(_gather(cache, cells))
+    state = {"state_version": STATE_VERSION, "live": [int(s) for s in cache.live_ids()]}
+    return save_state(path, layout=LAYOUT, content="cache", config=cache.config, state=state, tensors=tensors)
+
+
+def save_seq(cache: Any, seq_id: int, path: str | os.PathLike) -> Path:
+    cells, pos = cache.seq_cells(seq_id)  # SequenceError for an id not live
+    _check_not_mid_forward(cache)
+    tensors = {"pos": raw_numpy(pos)}
+    tensors.update(_gather(cache, cells))
+    state = {"state_version": STATE_VERSION}
+    return save_state(path, layout=LAYOUT, content="sequence", config=cache.config, state=state, tensors=tensors)
+
+
+def _check_state(f: StateFile, content: str) -> None:
+    if f.layout != LAYOUT:
+        raise f.refuse(f"saved by layout {f.layout}, expected {LAYOUT}")
+    if f.content != content:
+        raise f.refuse(f"holds a {f.content}, expected a {content}")
+    version = f.state.get("state_version")
+    if version != STATE_VERSION:
+        raise f.refuse(f"cell-layout state version {version!r}; this kvlayout-cell reads version {STATE_VERSION}")
+
+
+def _layer_tensors(f: StateFile, config: Any, n: int) -> list[tuple[mx.array, mx.array]]:
+    code = DTYPE_CODES[config.kv_dtype]
+    out = []
+    for i in range(config.n_layers):
+        lc = config.layer(i)
+        shape = (1, lc.n_kv_heads, n, lc.head_dim)
+        out.append(tuple(from_raw(f.tensor(f"{name}.{i}", code, shape)) for name in ("k", "v")))
+    return out
+
+
+def load_cache(f: StateFile) -> Any:
+    """The Builder's `load`: a CellCache from a file `save_cache` wrote."""
+    from kvlayout_cell.cache import CellCache
+
+    _check_state(f, "cache")
+    config = f.cache_config()
+    cache = CellCache(config)
+    cells = numpy_of(f.tensor("cells", "I64", (None,)))
+    n = cells.size
+    pos = numpy_of(f.tensor("pos", "I64", (n,)))
+    owners = numpy_of(f.tensor("owners", "U64", (n, cache.owner_words)))
+    live = f.state.get("live")
+    if not isinstance(live, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in live):
+        raise f.refuse(f"state.live={live!r}: expected a list of ids")
+    layers = _layer_tensors(f, config, n)
+    cache.restore(cells, pos, owners, np.asarray(live, dtype=np.int64), StateError)
+    for i, (k, v) in enumerate(layers):
+        if n:
+            cache.keys[i].write_cells(cells, k)
+            cache.values[i].write_cells(cells, v)
+    return cache
+
+
+def _compatible(f: StateFile, saved: Any, config: Any) -> None:
+    """One sequence moves between caches whose layers and storage dtype agree."""
+    why = []
+    if saved.n_layers != config.n_layers:
+        why.append(f"n_layers {saved.n_layers} vs {config.n_layers}")
+    else:
+        for i in range(config.n_layers):
+            if saved.layer(i) != config.layer(i):
+                why.append(f"layer {i}: {saved.layer(i).to_mapping()} vs {config.layer(i).to_mapping()}")
+    if saved.kv_dtype != config.kv_dtype:
+        why.append(f"kv_dtype {saved.kv_dtype!r} vs {config.kv_dtype!r}")
+    if why:
+        raise f.refuse(f"saved from a cache this one cannot take (saved vs this: {'; '.join(why)})")
+
+
+def load_seq(cache: Any, path: str | os.PathLike) -> int | None:
+    f = read_state(path)
+    _check_state(f, "sequence")
+    _compatible(f, f.cache_config(), cache.config)
+    pos = numpy_of(f.tensor("pos", "I64", (None,)))
+    n = pos.size
+    if n and (pos.min() < 0 or (np.diff(pos) <= 0).any()):
+        raise f.refuse("pos: expected ascending distinct positions >= 0")
+    layers = _layer_tensors(f, cache.config, n)
+    # Pressure is an answer: not enough free cells or no free id gives None, nothing changed.
+    if n > cache.free_cells or cache.live_ids().size >= cache.max_seqs:
+        return None
+    cells = cache._choose(n) if n else np.zeros(0, dtype=np.int64)  # the placement hook (same package)
+    seq_id = cache.seq_new()
+    cache.occupy(cells, np.full(n, seq_id, dtype=np.int64), pos.astype(np.int64))
+    for i, (k, v) in enumerate(layers):
+        if n:
+            cache.keys[i].write_cells(cells, k)
+            cache.values[i].write_cells(cells, v)
+    return seq_id

@@ -1,0 +1,95 @@
+"""Saving and restoring the seq layout.
+
+One file (`content = "cache"`) holds, per layer i, `k.i` / `v.i`: a flat
+layer's slots `[0, length)`, `[1, H_kv, length, D]`; a ring layer's whole
+ring, `[1, H_kv, slots, D]` (a ring is allocated whole and its slots are
+recycled, so all of it is kept). The state is
+`{"state_version": 1, "length": L, "retained": [per distinct policy]}`:
+the length and each ring's record of what it still holds, so `floor`, and
+with it `rewind`, comes back as it was.
+
+Saving refuses (StepError) while a forward is half done (a step some layers
+have not written yet).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from kvlayout.errors import StepError
+from kvlayout.mlx.tensors import DTYPE_CODES, from_raw, to_raw
+from kvlayout.persist import StateFile, save_state
+
+LAYOUT = "mlx:seq"
+STATE_VERSION = 1
+
+
+def _kept(policy: Any, length: int) -> int:
+    """Slots of a layer's pool the file keeps."""
+    return policy.slots if policy.kind == "ring" else length
+
+
+def save_cache(cache: Any, path: str | os.PathLike) -> Path:
+    book = cache.book
+    step = book._open  # the step abort_step would undo (same package)
+    if step is not None and len(step.served) < book.n_layers:
+        missing = sorted(set(range(book.n_layers)) - step.served)
+        raise StepError(
+            f"save during a forward: layer(s) {missing} have not written the step at {step.start}; "
+            "finish the forward or abort_step() first"
+        )
+    tensors = {}
+    for i, policy in enumerate(book.layers):
+        n = _kept(policy, book.length)
+        tensors[f"k.{i}"] = to_raw(cache.k_pools[i].read(0, n))  # [1, H_kv, n, D]
+        tensors[f"v.{i}"] = to_raw(cache.v_pools[i].read(0, n))
+    state = {
+        "state_version": STATE_VERSION,
+        "length": book.length,
+        "retained": [int(getattr(p, "retained", 0)) for p in book.policies],
+    }
+    return save_state(path, layout=LAYOUT, content="cache", config=cache.config, state=state, tensors=tensors)
+
+
+def _int(f: StateFile, key: str, value: Any, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise f.refuse(f"state.{key}={value!r}: expected an integer in [{low}, {high}]")
+    return value
+
+
+def load_cache(f: StateFile) -> Any:
+    """The Builder's `load`: a SeqCache from a file `save_cache` wrote."""
+    from kvlayout_seq.mlx_cache import SeqCache
+
+    if f.layout != LAYOUT or f.content != "cache":
+        raise f.refuse(f"holds a {f.content} of {f.layout}, expected a cache of {LAYOUT}")
+    version = f.state.get("state_version")
+    if version != STATE_VERSION:
+        raise f.refuse(f"seq-layout state version {version!r}; this kvlayout-seq reads version {STATE_VERSION}")
+    config = f.cache_config()
+    cache = SeqCache(config)
+    book = cache.book
+    length = _int(f, "length", f.state.get("length"), 0, book.capacity)
+    retained = f.state.get("retained")
+    if not isinstance(retained, list) or len(retained) != len(book.policies):
+        raise f.refuse(f"state.retained={retained!r}: expected one entry per distinct layer policy ({len(book.policies)})")
+    retained = [_int(f, "retained", r, 0, length if p.kind == "ring" else 0) for r, p in zip(retained, book.policies)]
+    code = DTYPE_CODES[config.kv_dtype]
+    layers = []
+    for i, policy in enumerate(book.layers):
+        lc = config.layer(i)
+        shape = (1, lc.n_kv_heads, _kept(policy, length), lc.head_dim)
+        layers.append(tuple(from_raw(f.tensor(f"{name}.{i}", code, shape)) for name in ("k", "v")))
+    for policy, r in zip(book.policies, retained):
+        if policy.kind == "ring":
+            policy.retained = r
+    book.length = length
+    if book.floor > length:
+        raise f.refuse(f"state: a ring floor of {book.floor} above the length {length}")
+    for i, (k, v) in enumerate(layers):
+        if k.shape[2]:
+            cache.k_pools[i].write(0, k)
+            cache.v_pools[i].write(0, v)
+    return cache

@@ -1,0 +1,209 @@
+"""Grouped attention: the same steps through the dense mask and through groups give one result.
+
+Three caches (attention_path dense, grouped, auto) receive identical steps,
+K/V and queries; every layer's `attend()` output must agree to 1e-5 in
+float32. The steps cover batched prefill chunks of several sequences, ragged
+lengths, forks sharing prefix cells, ring windows and freed cells refilled.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvlayout import CacheConfig, ConfigError, LayerConfig, LayerPolicy
+from kvlayout.mlx import attend
+from kvlayout.registry import make_plugin_manager
+from kvlayout_cell.cache import CellCache
+from kvlayout_cell.groups import choose, dense_cost, grouped_cost, plan_groups
+
+H_Q, H_KV, D = 4, 2, 8
+SCALE = D**-0.5
+LAYERS = [
+    LayerConfig(H_KV, D),
+    LayerConfig(H_KV, D, LayerPolicy("ring", 3)),
+    LayerConfig(H_KV, D, LayerPolicy("ring", 5)),
+]
+
+
+def trio(capacity=128, kv_dtype="float32"):
+    config = CacheConfig(
+        capacity=capacity, n_layers=len(LAYERS), layers=LAYERS, kv_dtype=kv_dtype, initial_capacity=4, max_seqs=8
+    )
+    caches = {}
+    for path in ("dense", "grouped", "auto"):
+        c = CellCache(config, make_plugin_manager())
+        c.attention_path = path
+        caches[path] = c
+    return caches
+
+
+def serve(caches, tokens, rng):
+    """One step `[(seq, pos), ...]` on every cache; per path, the attend() output of each layer."""
+    seqs, positions = [s for s, _ in tokens], [p for _, p in tokens]
+    T = len(tokens)
+    shapes = ((1, H_Q, T, D), (1, H_KV, T, D), (1, H_KV, T, D))  # q, k, v
+    data = [[mx.array(rng.normal(size=shape).astype(np.float32)) for shape in shapes] for _ in LAYERS]
+    outs, grouped = {}, {}
+    for path, c in caches.items():
+        assert c.declare_step(seqs)
+        outs[path], grouped[path] = [], []
+        for layer, (q, k, v) in enumerate(data):
+            spec = c.update_and_fetch(layer, positions, k, v)
+            grouped[path].append(spec.groups is not None)
+            outs[path].append(np.array(attend(q, spec, SCALE)))
+    assert not any(grouped["dense"]) and all(grouped["grouped"])
+    for layer in range(len(LAYERS)):
+        np.testing.assert_allclose(outs["grouped"][layer], outs["dense"][layer], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(outs["auto"][layer], outs["dense"][layer], atol=1e-5, rtol=1e-5)
+    return grouped["auto"][0]
+
+
+def on_all(caches, verb, *args):
+    answers = {getattr(c, verb)(*args) for c in caches.values()}
+    assert len(answers) == 1
+    return answers.pop()
+
+
+def prefill_chunk(lengths, starts=None):
+    """Tokens of one batched prefill chunk: sequence s from starts[s] for lengths[s] tokens."""
+    starts = starts or [0] * len(lengths)
+    return [(s, starts[s] + i) for s, n in enumerate(lengths) for i in range(n)]
+
+
+def test_a_batched_ragged_prefill_then_decode_agree_both_ways(rng):
+    caches = trio()
+    for _ in range(4):
+        on_all(caches, "seq_new")
+    serve(caches, prefill_chunk([7, 1, 4, 2]), rng)
+    serve(caches, prefill_chunk([3, 5, 1, 6], starts=[7, 1, 4, 2]), rng)
+    for step in range(3):
+        lens = [10, 6, 5, 8]
+        chose_groups = serve(caches, [(s, lens[s] + step) for s in range(4)], rng)
+    assert chose_groups  # four private sequences decoding: the rule picks groups
+
+
+def test_tokens_of_one_sequence_interleaved_with_others_are_grouped_back_in_order(rng):
+    caches = trio()
+    for _ in range(3):
+        on_all(caches, "seq_new")
+    serve(caches, [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (0, 2), (2, 1)], rng)
+    serve(caches, [(2, 2), (0, 3), (2, 3), (1, 2)], rng)
+
+
+def test_forks_sharing_prefix_cells_agree_both_ways(rng):
+    caches = trio()
+    trunk = on_all(caches, "seq_new")
+    serve(caches, prefill_chunk([9]), rng)
+    on_all(caches, "seq_clone", trunk)
+    on_all(caches, "seq_clone", trunk, 4)  # shares only positions < 4
+    serve(caches, [(1, 9), (2, 4), (2, 5)], rng)
+    for step in range(3):
+        serve(caches, [(0, 9 + step), (1, 10 + step), (2, 6 + step)], rng)
+
+
+def test_freed_cells_refilled_below_live_ones_agree_both_ways(rng):
+    caches = trio()
+    for _ in range(3):
+        on_all(caches, "seq_new")
+    serve(caches, prefill_chunk([4, 6, 3]), rng)
+    on_all(caches, "seq_rm", 1)
+    on_all(caches, "seq_new")
+    serve(caches, [(1, 0), (1, 1), (0, 4), (2, 3)], rng)
+    on_all(caches, "seq_rm", 0, 1, 3)  # a hole inside a sequence
+    serve(caches, [(0, 5), (2, 4), (1, 2)], rng)
+
+
+def test_float16_storage_is_gathered_then_computed_in_the_query_dtype(rng):
+    caches = trio(kv_dtype="float16")
+    for _ in range(2):
+        on_all(caches, "seq_new")
+    serve(caches, prefill_chunk([5, 3]), rng)
+    serve(caches, [(0, 5), (1, 3)], rng)
+
+
+def test_a_long_run_of_random_steps_agrees_both_ways(rng):
+    caches = trio(capacity=512)
+    live = {}
+    for _ in range(12):
+        if len(live) < 5 and rng.random() < 0.5:
+            s = on_all(caches, "seq_new")
+            live[s] = 0
+        if live and rng.random() < 0.2:
+            src = int(rng.choice(list(live)))
+            dst = on_all(caches, "seq_clone", src)
+            live[dst] = live[src]
+        owners = [s for s in live for _ in range(int(rng.integers(1, 4)))]
+        tokens = []
+        for s in rng.permutation(owners).tolist():  # sequences interleaved, each one's positions rising
+            tokens.append((s, live[s]))
+            live[s] += 1
+        if tokens:
+            serve(caches, tokens, rng)
+
+
+def test_the_rule_groups_many_private_sequences_and_keeps_one_sequence_dense():
+    # 32 decoding sequences of 1k private cells each: 32 * 1024 * 2 pairs vs 32 * 32768
+    assert choose("auto", 32, 32 * 1024, 32, 1, 1024)
+    # one sequence's prefill chunk seeing every cell
+    assert not choose("auto", 512, 2048, 1, 512, 2048)
+    # four forks one token each, still sharing a 1k prefix of a 1.1k window
+    assert not choose("auto", 4, 1100, 4, 1, 1025)
+    assert grouped_cost(4, 1, 1025) == 8200 and dense_cost(4, 1100) == 4400
+    assert choose("grouped", 1, 1, 1, 1, 1) and not choose("dense", 32, 32768, 32, 1, 1024)
+
+
+def test_an_unknown_attention_path_is_refused():
+    with pytest.raises(ConfigError, match="attention path 'sparse'"):
+        plan_groups(np.array([0, 1]), np.eye(2, dtype=bool), "sparse")
+
+
+def test_a_plan_pads_queries_with_the_last_token_and_keys_with_masked_cells():
+    # tokens: seq 5 at cells 0, 1 (causal); seq 2 at cell 2; mask over 3 cells
+    mask = np.array([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=bool)
+    plan = plan_groups(np.array([5, 5, 2]), mask, "grouped")
+    assert plan.tokens.tolist() == [[0, 1], [2, 2]]  # groups in order of appearance; seq 2 repeats its token
+    assert plan.cells.tolist() == [[0, 1], [2, 0]]
+    assert plan.out.tolist() == [0, 1, 2]
+    assert plan.mask.tolist() == [[[True, False], [True, True]], [[True, False], [True, False]]]
+
+
+def test_a_plan_of_equal_private_decodes_needs_no_mask():
+    mask = np.kron(np.eye(3, dtype=bool), np.ones((1, 4), dtype=bool))  # 3 tokens, 4 private cells each
+    plan = plan_groups(np.array([0, 1, 2]), mask)
+    assert plan is not None and plan.mask is None
+    assert plan.cells.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_layers_of_one_window_share_one_grouping_each_with_its_own_pool():
+    c = CellCache(
+        CacheConfig(capacity=16, n_layers=2, layers=[LayerConfig(H_KV, D)], kv_dtype="float32"), make_plugin_manager()
+    )
+    c.attention_path = "grouped"
+    a, b = c.seq_new(), c.seq_new()
+    assert c.declare_step([a, b])
+    k = mx.zeros((1, H_KV, 2, D))
+    s0, s1 = (c.update_and_fetch(layer, [0, 0], k, k) for layer in range(2))
+    assert s0.groups.cells is s1.groups.cells and s0.groups.tokens is s1.groups.tokens
+    assert s0.groups.keys.shape == (1, H_KV, c.keys[0].slots, D)  # the whole pool: the gather takes rows of it
+    assert s0.mask is s1.mask and s0.keys.shape == (1, H_KV, 2, D)  # the dense fields stay as they were
+
+
+def test_a_long_prefill_beside_decodes_is_split_into_query_blocks():
+    # seq 0: 64 prompt tokens at cells 0..63 (causal); seqs 1..4: one decode token each over 100 own cells
+    prefill = np.tril(np.ones((64, 64), dtype=bool))
+    mask = np.zeros((68, 64 + 4 * 100 + 4), dtype=bool)
+    mask[:64, :64] = prefill
+    for i in range(4):
+        mask[64 + i, 64 + 100 * i : 64 + 100 * (i + 1)] = True
+        mask[64 + i, 464 + i] = True
+    seq_ids = np.array([0] * 64 + [1, 2, 3, 4])
+    plan = plan_groups(seq_ids, mask)
+    assert plan is not None and plan.tokens.shape[1] < 64  # blocks, not one 64-query group padding the decodes
+    # every token's slot holds it, and each group's cells cover what its tokens see
+    flat_tokens = plan.tokens.reshape(-1)
+    assert (flat_tokens[plan.out] == np.arange(68)).all()
+    for g in range(plan.tokens.shape[0]):
+        seen = mask[plan.tokens[g]].any(axis=0)
+        assert set(np.flatnonzero(seen)) <= set(plan.cells[g].tolist())

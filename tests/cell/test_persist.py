@@ -1,0 +1,247 @@
+"""Saving and restoring the cell layout: the whole cache, and one sequence at a time."""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvlayout
+from kvlayout import CacheConfig, LayerConfig, LayerPolicy, SequenceError, StateError, StepError
+from kvlayout import persist
+from kvlayout.faces import Persistent
+from kvlayout.mlx.tensors import to_raw
+from kvlayout.registry import make_plugin_manager
+from kvlayout_cell.cache import CellCache
+from tests.cell.support import snapshot
+from tests.helpers import TinyStack
+
+WINDOWS = (0, 3, 0)
+
+
+def config(kv_dtype="float32", capacity=64, max_seqs=8, windows=WINDOWS, head_dim=8) -> CacheConfig:
+    layers = [LayerConfig(2, head_dim, LayerPolicy("ring", w) if w else LayerPolicy()) for w in windows]
+    return CacheConfig(
+        capacity=capacity, n_layers=len(windows), layers=layers, kv_dtype=kv_dtype, initial_capacity=4, max_seqs=max_seqs
+    )
+
+
+def table_state(cache) -> tuple:
+    cells, pos, owners = cache.occupied()
+    return snapshot(cache), cells.tolist(), pos.tolist(), owners.tolist(), cache.live_ids().tolist(), cache.free_list().tolist()
+
+
+def kv_bits(cache) -> list[np.ndarray]:
+    """Every layer's K and V at the occupied cells, as raw bits."""
+    cells, _, _ = cache.occupied()
+    out = []
+    for pools in (cache.keys, cache.values):
+        for pool in pools:
+            raw = to_raw(pool.read(0, cache.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
+            out.append(np.frombuffer(bytes(raw.data), dtype=np.uint8))
+    return out
+
+
+class Run:
+    """A TinyStack driving a CellCache: sequences decode one token per step."""
+
+    def __init__(self, cache, stack=None):
+        self.cache, self.stack = cache, stack or TinyStack(n_layers=3, n_kv_heads=2, head_dim=8)
+
+    def step(self, tokens: list[tuple[int, int]]) -> np.ndarray:
+        """One forward of `(seq, input seed)` tokens at each sequence's next position."""
+        seqs = [s for s, _ in tokens]
+        positions, nxt = [], {}
+        for s in seqs:
+            nxt.setdefault(s, self.cache.next_pos(s))
+            positions.append(nxt[s])
+            nxt[s] += 1
+        x = mx.concatenate([self.stack.tokens(1, seed=seed) for _, seed in tokens], axis=1)
+        assert self.cache.declare_step(seqs)
+        return np.array(self.stack.forward_cached(self.cache, x.astype(mx.float32), positions))
+
+
+def busy_cache(kv_dtype="float32") -> CellCache:
+    """Three sequences, one a fork sharing a prefix, and a freed hole below used_end."""
+    cache = CellCache(config(kv_dtype), pm=make_plugin_manager())
+    run = Run(cache)
+    a, b = cache.seq_new(), cache.seq_new()
+    run.step([(a, i) for i in range(6)] + [(b, 10 + i) for i in range(3)])
+    c = cache.seq_clone(a, upto=4)
+    run.step([(a, 20), (b, 21), (c, 22)])
+    cache.seq_rm(b, 1, 2)  # a hole
+    return cache
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "float32"])
+def test_a_saved_cache_loads_back_bit_for_bit(tmp_path, kv_dtype):
+    cache = busy_cache(kv_dtype)
+    path = cache.save(tmp_path / "cell.safetensors")
+    back = kvlayout.load(path)
+    assert isinstance(back, CellCache) and back.config == cache.config
+    assert table_state(back) == table_state(cache)
+    for got, want in zip(kv_bits(back), kv_bits(cache), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert persist.read_state(path).tensors["k.0"].dtype == {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}[kv_dtype]
+
+
+def test_the_file_keeps_only_the_occupied_cells(tmp_path):
+    cache = busy_cache()
+    f = persist.read_state(cache.save(tmp_path / "cell.safetensors"))
+    n = cache.capacity - cache.free_cells
+    assert f.tensors["k.1"].shape == (1, 2, n, 8)
+    assert f.tensors["cells"].shape == (n,)
+
+
+def test_the_cell_cache_has_the_persistent_face():
+    assert isinstance(busy_cache(), Persistent)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_a_restored_cache_generates_exactly_as_the_original_goes_on(tmp_path, kv_dtype):
+    cache = busy_cache(kv_dtype)
+    back = kvlayout.load(cache.save(tmp_path / "cell.safetensors"))
+    live = cache.live_ids().tolist()
+    for i in range(4):
+        tokens = [(s, 100 + 10 * i + s) for s in live]
+        np.testing.assert_array_equal(Run(back).step(tokens), Run(cache).step(tokens))
+    assert table_state(back) == table_state(cache)
+
+
+def test_an_empty_cache_round_trips(tmp_path):
+    cache = CellCache(config(), pm=make_plugin_manager())
+    s = cache.seq_new()  # live, owning nothing
+    back = kvlayout.load(cache.save(tmp_path / "e.safetensors"))
+    assert table_state(back) == table_state(cache)
+    assert back.live_ids().tolist() == [s]
+
+
+def test_saving_in_the_middle_of_a_forward_is_refused(tmp_path):
+    cache = CellCache(config(), pm=make_plugin_manager())
+    s = cache.seq_new()
+    assert cache.declare_step([s])
+    k = mx.zeros((1, 2, 1, 8))
+    cache.update_and_fetch(0, [0], k, k)
+    with pytest.raises(StepError, match=r"layer\(s\) \[1, 2\] of the placed step were not served"):
+        cache.save(tmp_path / "x.safetensors")
+    assert cache.abort_step()
+    cache.save(tmp_path / "x.safetensors")  # fine once aborted
+
+
+def test_a_file_whose_table_breaks_an_invariant_is_refused(tmp_path):
+    cache = busy_cache()
+    good = persist.read_state(cache.save(tmp_path / "good.safetensors"))
+    owners = persist.numpy_of(good.tensors["owners"]).copy()
+    owners[0, 0] |= np.uint64(1) << np.uint64(7)  # sequence 7 owns a cell but is not live
+    tensors = {**good.tensors, "owners": persist.raw_numpy(owners)}
+    persist.save_state(
+        tmp_path / "bad.safetensors", layout="mlx:cell", content="cache", config=cache.config, state=good.state, tensors=tensors
+    )
+    with pytest.raises(StateError, match="sequence 7 owns cells but is not live"):
+        kvlayout.load(tmp_path / "bad.safetensors")
+
+
+def test_a_file_with_a_wrong_tensor_shape_is_refused(tmp_path):
+    cache = busy_cache()
+    good = persist.read_state(cache.save(tmp_path / "good.safetensors"))
+    tensors = dict(good.tensors)
+    tensors["k.2"] = persist.raw_numpy(np.zeros((1, 2, 1, 8), dtype=np.float32))
+    persist.save_state(
+        tmp_path / "bad.safetensors", layout="mlx:cell", content="cache", config=cache.config, state=good.state, tensors=tensors
+    )
+    n = cache.capacity - cache.free_cells
+    with pytest.raises(StateError, match=rf"tensor 'k.2' is F32\[1, 2, 1, 8\], expected F32\[1, 2, {n}, 8\]"):
+        kvlayout.load(tmp_path / "bad.safetensors")
+
+
+# -- one sequence: save_seq / load_seq ----------------------------------------------------
+
+
+def test_a_sequence_moves_to_another_cache_with_fresh_cells_and_a_fresh_id(tmp_path):
+    src = busy_cache()
+    path = src.save_seq(2, tmp_path / "seq.safetensors")  # the fork: its cells are shared in src
+    dst = CellCache(config(capacity=32, max_seqs=4), pm=make_plugin_manager())
+    Run(dst).step([(dst.seq_new(), 1), (dst.seq_new(), 2)])
+    before_free = dst.free_cells
+    sid = dst.load_seq(path)
+    assert sid == 2
+    assert (dst.seq_len(sid), dst.next_pos(sid)) == (src.seq_len(2), src.next_pos(2))
+    assert dst.free_cells == before_free - src.seq_len(2)
+    cells, pos = dst.seq_cells(sid)
+    src_cells, src_pos = src.seq_cells(2)
+    assert pos.tolist() == src_pos.tolist()
+    for pools_dst, pools_src in ((dst.keys, src.keys), (dst.values, src.values)):
+        for p_dst, p_src in zip(pools_dst, pools_src):
+            got = np.array(p_dst.read(0, dst.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
+            want = np.array(p_src.read(0, src.used_end)[:, :, mx.array(src_cells.astype(np.int32)), :])
+            np.testing.assert_array_equal(got, want)
+    # It goes on as it would have in the source cache (other sequences only add masked columns).
+    for i in range(3):
+        got = Run(dst).step([(sid, 50 + i)])
+        want = Run(src).step([(2, 50 + i)])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_load_seq_answers_none_and_changes_nothing_when_cells_or_ids_are_short(tmp_path):
+    src = busy_cache()
+    path = src.save_seq(0, tmp_path / "seq.safetensors")  # 7 cells
+    full = CellCache(config(capacity=8), pm=make_plugin_manager())
+    Run(full).step([(full.seq_new(), i) for i in range(3)])  # 5 cells left
+    before = table_state(full)
+    assert full.load_seq(path) is None
+    assert table_state(full) == before
+    no_ids = CellCache(config(max_seqs=1), pm=make_plugin_manager())
+    no_ids.seq_new()
+    before = table_state(no_ids)
+    assert no_ids.load_seq(path) is None
+    assert table_state(no_ids) == before
+
+
+def test_load_seq_refuses_a_cache_with_other_layers_or_dtype(tmp_path):
+    path = busy_cache().save_seq(1, tmp_path / "seq.safetensors")
+    for other in (config(head_dim=4), config(kv_dtype="float16"), config(windows=(0, 4, 0)), config(windows=(0, 3))):
+        cache = CellCache(other, pm=make_plugin_manager())
+        with pytest.raises(StateError, match="cannot take"):
+            cache.load_seq(path)
+        assert cache.live_ids().size == 0
+
+
+def test_load_seq_refuses_a_whole_cache_file_and_load_refuses_a_sequence_file(tmp_path):
+    cache = busy_cache()
+    whole = cache.save(tmp_path / "whole.safetensors")
+    one = cache.save_seq(0, tmp_path / "one.safetensors")
+    with pytest.raises(StateError, match="holds a cache, expected a sequence"):
+        cache.load_seq(whole)
+    with pytest.raises(StateError, match="holds one sequence"):
+        kvlayout.load(one)
+
+
+def test_load_seq_refuses_a_seq_layout_file(tmp_path):
+    seq = kvlayout.build("mlx", "seq", config())
+    path = seq.save(tmp_path / "seq-layout.safetensors")
+    with pytest.raises(StateError, match="saved by layout mlx:seq, expected mlx:cell"):
+        busy_cache().load_seq(path)
+
+
+def test_save_seq_of_an_id_not_live_is_refused(tmp_path):
+    with pytest.raises(SequenceError, match="seq_id=5"):
+        busy_cache().save_seq(5, tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_an_empty_sequence_round_trips(tmp_path):
+    cache = CellCache(config(), pm=make_plugin_manager())
+    s = cache.seq_new()
+    path = cache.save_seq(s, tmp_path / "e.safetensors")
+    other = CellCache(attrs.evolve(config(), capacity=8), pm=make_plugin_manager())
+    sid = other.load_seq(path)
+    assert sid == 0 and other.seq_len(sid) == 0 and other.live_ids().tolist() == [0]
+
+
+def test_load_seq_ends_an_open_step(tmp_path):
+    cache = busy_cache()
+    path = cache.save_seq(0, tmp_path / "s.safetensors")
+    Run(cache).step([(0, 1)])
+    assert cache.load_seq(path) is not None
+    assert cache.abort_step() is False

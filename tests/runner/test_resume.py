@@ -1,0 +1,229 @@
+"""`--save-state` / `--resume`: a run stopped after k steps and resumed gives the uninterrupted outputs."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from kvlayout import StateError
+from kvlayout.cli import main
+from kvlayout.runner import engine, resume
+from kvlayout.runner.recovery import Interrupted
+from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
+from tests.runner.flaky import FlakyModel, with_model
+
+LAYOUTS = ["mlx:cell", "mlx:seq"]
+
+
+def requests(max_tokens=8):
+    return [{"prompt": SYSTEM + q, "max_tokens": max_tokens, "n": 2} for q in QUESTIONS]
+
+
+def config(tiny_dir, layout, temperature=0.0, **kw):
+    return make_config(
+        tiny_dir, layout, requests=requests(**kw), sampling={"temperature": temperature, "top_p": 0.9, "seed": 3},
+        engine={"prefill_chunk": 16},
+    )
+
+
+_full: dict = {}
+
+
+def uninterrupted(tiny_dir, tiny_loaded, layout, temperature):
+    key = (layout, temperature)
+    if key not in _full:
+        _full[key] = engine.run(config(tiny_dir, layout, temperature), loaded=tiny_loaded)
+    return _full[key]
+
+
+def stop_after(k):
+    """A stop() that lets k steps run."""
+    calls = 0
+
+    def stop():
+        nonlocal calls
+        calls += 1
+        return calls > k
+
+    return stop
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("k, temperature", [(2, 0.0), (11, 0.0), (18, 0.0), (11, 0.8)])
+def test_a_run_stopped_after_k_steps_and_resumed_gives_the_uninterrupted_outputs(
+    tmp_path, tiny_dir, tiny_loaded, layout, k, temperature
+):
+    cfg = config(tiny_dir, layout, temperature)
+    first = engine.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(k), save_state=tmp_path)
+    assert not first.complete
+    assert any(s.finish_reason == "pending" for samples in first.outputs for s in samples)
+    resumed = engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+    assert resumed.complete
+    full = uninterrupted(tiny_dir, tiny_loaded, layout, temperature)
+    assert token_ids(resumed) == token_ids(full)
+    assert [[s.finish_reason for s in r] for r in resumed.outputs] == [[s.finish_reason for s in r] for r in full.outputs]
+    assert resumed.stats.steps == full.stats.steps  # the saved statistics carry on
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_run_stopped_twice_resumes_from_the_latest_state(tmp_path, tiny_dir, tiny_loaded, layout):
+    cfg = config(tiny_dir, layout)
+    engine.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(5), save_state=tmp_path)
+    engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate(stop=stop_after(9), save_state=tmp_path)
+    assert len(list(tmp_path.glob("cache-*.safetensors"))) == 1  # the older cache file is gone
+    resumed = engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+    assert token_ids(resumed) == token_ids(uninterrupted(tiny_dir, tiny_loaded, layout, 0.0))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("k", [1, None])  # in layer 1 of 2, or after both (the LM head)
+def test_ctrl_c_inside_a_forward_aborts_the_step_saves_and_resumes_exactly(tmp_path, tiny_dir, tiny_loaded, layout, k):
+    cfg = config(tiny_dir, layout)
+    flaky = FlakyModel(tiny_loaded[0], k, fail_calls=[14], exc=KeyboardInterrupt)
+    job = engine.prepare(cfg, loaded=with_model(tiny_loaded, flaky))
+    with pytest.raises(Interrupted):
+        job.generate(save_state=tmp_path)
+    assert flaky.layer.raised == 1
+    resumed = engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+    assert token_ids(resumed) == token_ids(uninterrupted(tiny_dir, tiny_loaded, layout, 0.0))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_finished_run_saved_at_the_end_resumes_to_the_same_outputs(tmp_path, tiny_dir, tiny_loaded, layout):
+    cfg = config(tiny_dir, layout)
+    done = engine.prepare(cfg, loaded=tiny_loaded).generate(save_state=tmp_path)
+    assert done.complete and json.loads((tmp_path / "run.json").read_text())["complete"] is True
+    again = engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+    assert token_ids(again) == token_ids(done)
+    assert again.stats.steps == done.stats.steps  # nothing left to run
+
+
+def test_resuming_with_another_config_is_refused(tmp_path, tiny_dir, tiny_loaded):
+    engine.prepare(config(tiny_dir, "mlx:cell"), loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
+    with pytest.raises(StateError, match=r"another config \(differs in: requests\)"):
+        engine.prepare(config(tiny_dir, "mlx:cell", max_tokens=9), loaded=tiny_loaded, resume=tmp_path)
+    with pytest.raises(StateError, match=r"differs in: .*layout"):
+        engine.prepare(config(tiny_dir, "mlx:seq"), loaded=tiny_loaded, resume=tmp_path)
+
+
+def test_a_damaged_or_missing_state_is_refused(tmp_path, tiny_dir, tiny_loaded):
+    cfg = config(tiny_dir, "mlx:cell")
+    with pytest.raises(StateError, match="no run.json there"):
+        engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path)
+    engine.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
+    (cache_file,) = tmp_path.glob("cache-*.safetensors")
+    data = bytearray(cache_file.read_bytes())
+    data[-5] ^= 0x40
+    cache_file.write_bytes(bytes(data))
+    with pytest.raises(StateError, match="is not the one run.json names"):
+        engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path)
+
+
+def test_a_crash_while_saving_keeps_the_previous_state_usable(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
+    cfg = config(tiny_dir, "mlx:seq")
+    engine.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(4), save_state=tmp_path)
+    before = (tmp_path / "run.json").read_text()
+
+    def crash(path, chunks):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(resume, "write_atomic", crash)  # the new cache file is written, run.json is not
+    with pytest.raises(OSError):
+        engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate(stop=stop_after(6), save_state=tmp_path)
+    monkeypatch.undo()
+    assert (tmp_path / "run.json").read_text() == before
+    resumed = engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+    assert token_ids(resumed) == token_ids(uninterrupted(tiny_dir, tiny_loaded, "mlx:seq", 0.0))
+
+
+# -- the command line -------------------------------------------------------------------
+
+
+def write_toml(tmp_path, tiny_dir, layout):
+    backend, kind = layout.split(":")
+    path = tmp_path / "run.toml"
+    reqs = "".join(f"[[requests]]\nprompt = {json.dumps(SYSTEM + q)}\nmax_tokens = 6\nn = 2\n" for q in QUESTIONS)
+    path.write_text(
+        f'[layout]\nbackend = "{backend}"\nkind = "{kind}"\n[model]\npath = "{tiny_dir}"\n'
+        f'[cache]\ncapacity = 1024\nkv_dtype = "float32"\n[sampling]\ntemperature = 0.0\n{reqs}'
+    )
+    return path
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_cli_stopped_by_ctrl_c_saves_and_resume_finishes_the_run(tmp_path, tiny_dir, layout, capsys, monkeypatch):
+    toml = write_toml(tmp_path, tiny_dir, layout)
+    assert main(["run", str(toml), "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+
+    stop = stop_after(6)
+    monkeypatch.setattr(resume.StopOnCtrlC, "__call__", lambda self: stop())  # as if Ctrl-C came at step 7
+    state = tmp_path / "state"
+    assert main(["run", str(toml), "--json", "--save-state", str(state)]) == 130
+    err = capsys.readouterr().err
+    assert f"stopped early; state saved to {state}; continue with: kvlayout run {toml} --resume {state}" in err
+    monkeypatch.undo()
+
+    assert main(["run", str(toml), "--json", "--resume", str(state)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["samples"] for r in out["requests"]] == [r["samples"] for r in full["requests"]]
+
+
+def test_the_cli_refuses_a_resume_from_another_config_in_one_line(tmp_path, tiny_dir, capsys):
+    toml = write_toml(tmp_path, tiny_dir, "mlx:cell")
+    assert main(["run", str(toml), "--json", "--save-state", str(tmp_path / "s")]) == 0
+    capsys.readouterr()
+    assert main(["run", str(toml), "--layout", "mlx:seq", "--resume", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvlayout: error: --resume") and "differs in: layout" in err and "Traceback" not in err
+
+
+def test_the_first_ctrl_c_asks_to_stop_and_the_second_interrupts():
+    with resume.StopOnCtrlC() as stop:
+        assert signal.getsignal(signal.SIGINT) == stop.handle
+        assert stop() is False
+        stop.handle(signal.SIGINT, None)
+        assert stop() is True
+        with pytest.raises(KeyboardInterrupt):
+            stop.handle(signal.SIGINT, None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class SignalsAt:
+    """A model that sends this process a real SIGINT during forward `n` (as a user's Ctrl-C)."""
+
+    def __init__(self, model, n: int):
+        self.model, self.n, self.forwards = model, n, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kw):
+        self.forwards += 1
+        if self.forwards == self.n:
+            signal.raise_signal(signal.SIGINT)
+        return self.model(*args, **kw)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_real_ctrl_c_stops_the_cli_after_the_step_and_the_state_resumes(
+    tmp_path, tiny_dir, tiny_loaded, layout, capsys, monkeypatch
+):
+    toml = write_toml(tmp_path, tiny_dir, layout)
+    assert main(["run", str(toml), "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+
+    model = SignalsAt(tiny_loaded[0], 3)
+    monkeypatch.setattr(engine, "load", lambda cfg: with_model(tiny_loaded, model))
+    state = tmp_path / "state"
+    assert main(["run", str(toml), "--json", "--save-state", str(state)]) == 130
+    assert "stopping after this step" in capsys.readouterr().err
+    assert model.forwards == 3  # the step that saw the Ctrl-C finished, and no other ran
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.undo()
+
+    assert main(["run", str(toml), "--json", "--resume", str(state)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["samples"] for r in out["requests"]] == [r["samples"] for r in full["requests"]]
