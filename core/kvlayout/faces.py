@@ -63,12 +63,25 @@ class CellStep:
     `cells` (int32 `[length]`) are the cells the step's tokens go to; `mask`
     (bool `[length, read_len]`, True = attend) says which cells of
     `[0, read_len)` each token sees.
+
+    `mask` may be given as the array or as a function of no argument that
+    computes it: a layout that attends by groups never needs the dense mask,
+    so it is built on first access only (then kept: every access returns
+    the same array).
     """
 
     length: int
     read_len: int
     cells: np.ndarray
-    mask: np.ndarray
+    _mask: Any = attrs.field(alias="mask", repr=False)
+
+    @property
+    def mask(self) -> np.ndarray:
+        mask = self._mask
+        if callable(mask):
+            mask = mask()
+            object.__setattr__(self, "_mask", mask)  # computed once; the record stays frozen otherwise
+        return mask
 
 
 @attrs.frozen(eq=False)
@@ -89,6 +102,10 @@ class AttendGroups:
     - `keys`/`values` `[1, H_kv, S, D]`, S > every cell: what the cells index.
       Row-contiguous arrays (a layout passes its whole pool buffer) let the
       gather read them as `[H_kv * S, D]` rows with no copy.
+    - `more` (optional): further batches of groups as `(tokens, cells, mask)`
+      triples shaped like the fields above, each run as its own SDPA so it is
+      padded only to its own longest group; `out` then indexes the grouped
+      query slots of all batches, concatenated in order (the fields first).
     """
 
     tokens: Any
@@ -97,6 +114,7 @@ class AttendGroups:
     out: Any
     keys: Any = None
     values: Any = None
+    more: tuple = ()
 
 
 @attrs.frozen(eq=False)
@@ -110,13 +128,25 @@ class AttendSpec:
     the same result as the dense EXPLICIT mask by attending each group of
     tokens to its own cells only (one batched SDPA over the groups); the
     dense fields stay valid, so any consumer may ignore `groups`.
+
+    `mask` may be given as a function of no argument that computes it: a
+    layout whose `groups` carry the work builds the dense mask only for a
+    consumer that reads it (on first access, then kept).
     """
 
     keys: Any
     values: Any
     mask_kind: MaskKind
-    mask: Any = None
+    _mask: Any = attrs.field(default=None, alias="mask", repr=False)
     groups: AttendGroups | None = None
+
+    @property
+    def mask(self) -> Any:
+        mask = self._mask
+        if callable(mask):
+            mask = mask()
+            object.__setattr__(self, "_mask", mask)  # computed once; the record stays frozen otherwise
+        return mask
 
 
 @runtime_checkable

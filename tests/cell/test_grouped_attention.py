@@ -207,3 +207,75 @@ def test_a_long_prefill_beside_decodes_is_split_into_query_blocks():
     for g in range(plan.tokens.shape[0]):
         seen = mask[plan.tokens[g]].any(axis=0)
         assert set(np.flatnonzero(seen)) <= set(plan.cells[g].tolist())
+
+
+def test_a_ragged_step_runs_as_several_batches_with_the_dense_result():
+    # prompt chunks of several lengths beside one-token decodes, big enough that padding every
+    # group to the widest costs more than an SDPA per batch (kvlayout_cell.groups.batch_groups)
+    rng = np.random.default_rng(11)
+    caches = trio(capacity=4096)
+    seqs = [[c.seq_new() for _ in range(5)] for c in caches.values()][0]
+    held = dict.fromkeys(seqs, 0)
+    batches = []
+    for lengths in ([300, 40, 1, 1, 300], [1, 300, 40, 1, 1], [40, 1, 300, 1, 1]):
+        tokens = []
+        for s, n in zip(seqs, lengths):
+            tokens += [(s, held[s] + i) for i in range(n)]
+            held[s] += n
+        serve(caches, tokens, rng)
+        batches.append(1 + len(caches["grouped"]._mx_groups[0][2].more))
+    assert max(batches) > 1
+
+
+def test_plan_cells_agrees_with_plan_groups_on_what_each_token_sees():
+    from kvlayout_cell.groups import plan_cells
+
+    rng = np.random.default_rng(12)
+    c = trio(capacity=2048)["dense"]
+    seqs = [c.seq_new() for _ in range(4)]
+    held = dict.fromkeys(seqs, 0)
+    for lengths in ([200, 3, 1, 90], [1, 1, 250, 7]):
+        tokens = [(s, held[s] + i) for s, n in zip(seqs, lengths) for i in range(n)]
+        for s, n in zip(seqs, lengths):
+            held[s] += n
+        ids, pos = np.array([s for s, _ in tokens]), np.array([p for _, p in tokens])
+        assert c.declare_step(ids)
+        T = len(tokens)
+        for layer, window in enumerate((0, 3, 5)):
+            step = c.update_and_fetch(layer, pos, mx.zeros((1, H_KV, T, D)), mx.zeros((1, H_KV, T, D)))
+            mask = np.array(step.mask)[0, 0]  # [T, read_len]
+            for plan in (plan_groups(ids, mask, "grouped"), plan_cells(ids, pos, window, mask.shape[1], c.seq_keys, "grouped")):
+                batches = [(plan.tokens, plan.cells, plan.mask)] + [(b.tokens, b.cells, b.mask) for b in plan.more]
+                seen = np.zeros_like(mask)
+                slots = []
+                for tok, cells, m in batches:
+                    m = np.ones(tok.shape + cells.shape[1:], dtype=bool) if m is None else m
+                    for g in range(tok.shape[0]):
+                        for i in range(tok.shape[1]):
+                            seen[tok[g, i], cells[g][m[g, i]]] = True
+                    slots.append(tok.reshape(-1))
+                np.testing.assert_array_equal(seen, mask)
+                assert (np.concatenate(slots)[plan.out] == np.arange(T)).all()
+
+
+def test_a_grouped_step_builds_its_dense_mask_only_when_read_even_after_the_table_moved_on():
+    caches = trio(capacity=64)
+    for c in caches.values():
+        a, b = c.seq_new(), c.seq_new()
+        assert c.declare_step([a, a, b])
+        c.update_and_fetch(0, [0, 1, 0], mx.zeros((1, H_KV, 3, D)), mx.zeros((1, H_KV, 3, D)))
+    specs = {}
+    for path, c in caches.items():
+        assert c.declare_step([a, b])
+        specs[path] = c.update_and_fetch(0, [2, 1], mx.zeros((1, H_KV, 2, D)), mx.zeros((1, H_KV, 2, D)))
+        assert (specs[path].groups is not None) == (path == "grouped")
+    step = caches["grouped"]._placed.steps[0]
+    assert callable(step._mask)  # not built: the grouped path never read it
+    for c in caches.values():  # the step ends and the table moves on before anyone reads the mask
+        c.seq_rm(a, 1)
+        assert c.declare_step([b])
+        c.update_and_fetch(0, [2], mx.zeros((1, H_KV, 1, D)), mx.zeros((1, H_KV, 1, D)))
+    want = np.array(specs["dense"].mask)
+    assert want[0, 0].tolist() == [[True, True, False, True, False], [False, False, True, False, True]]
+    np.testing.assert_array_equal(np.array(specs["grouped"].mask), want)
+    np.testing.assert_array_equal(step.mask, want[0, 0])

@@ -14,11 +14,13 @@ attends. The choice is made once per window per step by the cost rule in
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Sequence
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from kvlayout.config import CacheConfig
 from kvlayout.errors import StepError
@@ -27,7 +29,7 @@ from kvlayout.mlx import MLXPool
 from kvlayout.registry import plugin_manager
 from kvlayout_cell import persist
 from kvlayout_cell.args import int_array, int_scalar
-from kvlayout_cell.groups import plan_groups
+from kvlayout_cell.groups import plan_cells
 from kvlayout_cell.stepper import CellStepper
 
 
@@ -111,9 +113,13 @@ class CellCache(CellStepper, FacesBase):
             raise StepError(f"layer {layer}: {pos.size} position(s) for k/v of {T} token(s)")
 
         step = self.place_step(layer, pos)
-        # Cells of one step are distinct (placement checks it), as write_cells requires.
-        self.keys[layer].write_cells(step.cells, k)
-        self.values[layer].write_cells(step.cells, v)
+        start = _run_start(step.cells)
+        if start is not None:  # one ascending run (lowest-free placement, usually): a slice write, no scatter
+            self.keys[layer].write(start, k)
+            self.values[layer].write(start, v)
+        else:  # cells of one step are distinct (placement checks it), as write_cells requires
+            self.keys[layer].write_cells(step.cells, k)
+            self.values[layer].write_cells(step.cells, v)
         keys = self.keys[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
         values = self.values[layer].read(0, step.read_len)
         groups = self._groups(layer, step)
@@ -124,7 +130,10 @@ class CellCache(CellStepper, FacesBase):
             groups = attrs.evolve(
                 groups, keys=self.keys[layer].read(0, slots), values=self.values[layer].read(0, slots)
             )  # [1, H_kv, slots, D] each
-        return AttendSpec(keys, values, MaskKind.EXPLICIT, self._mask(layer, step), groups)
+            mask = functools.partial(self._mask, layer, step)  # built only if a consumer reads spec.mask
+        else:
+            mask = self._mask(layer, step)
+        return AttendSpec(keys, values, MaskKind.EXPLICIT, mask, groups)
 
     def _groups(self, layer: int, step) -> AttendGroups | None:
         """The step's grouping for this layer's window (None: dense), planned once per window per step."""
@@ -132,7 +141,10 @@ class CellCache(CellStepper, FacesBase):
         path = self.attention_path
         held = self._mx_groups.get(window)
         if held is None or held[0] is not step or held[1] != path:
-            plan = plan_groups(self._placed.seq_ids, step.mask, path)  # the step place_step just served
+            placed = self._placed  # the step place_step just served
+            plan = plan_cells(
+                placed.seq_ids, placed.positions, window, step.read_len, self.seq_keys, path, self.held
+            )
             groups = None
             if plan is not None:
                 groups = AttendGroups(
@@ -140,6 +152,10 @@ class CellCache(CellStepper, FacesBase):
                     cells=mx.array(plan.cells),  # int32 [G, Kg]
                     mask=None if plan.mask is None else mx.array(plan.mask)[:, None],  # bool [G, 1, Qg, Kg]
                     out=mx.array(plan.out),  # int32 [T]
+                    more=tuple(
+                        (mx.array(b.tokens), mx.array(b.cells), None if b.mask is None else mx.array(b.mask)[:, None])
+                        for b in plan.more
+                    ),  # further batches, shaped likewise
                 )
             held = (step, path, groups)
             self._mx_groups[window] = held
@@ -153,3 +169,15 @@ class CellCache(CellStepper, FacesBase):
             held = (step, mx.array(step.mask)[None, None])
             self._mx_mask[window] = held
         return held[1]
+
+
+def _run_start(cells: np.ndarray) -> int | None:
+    """The first cell when `cells` are one ascending run c, c + 1, ...; else None.
+
+    MLX updates a slice in place several times faster than it scatters the
+    same rows (a one-token write at 8k cells: ~0.1 ms vs ~0.4 ms on the CPU).
+    """
+    first = int(cells[0])
+    if int(cells[-1]) - first != cells.size - 1:
+        return None
+    return first if cells.size <= 2 or bool((np.diff(cells) == 1).all()) else None

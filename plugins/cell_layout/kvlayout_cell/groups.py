@@ -7,7 +7,9 @@ run of one sequence's tokens split into query blocks, see `block_sizes`) and
 gives each group the cells any of its tokens may see (the union of their mask
 rows: its sequence's cells, within the window, up to its newest token), so
 attention can gather each group's K/V and run one batched SDPA over the
-groups instead (`kvlayout.mlx.attend_groups`).
+groups instead (`kvlayout.mlx.attend_groups`). The cell layout plans the same
+groups from its table (`plan_cells`: each sequence's cells by position, runs
+found by binary search), so a grouped step never builds the dense mask.
 
 The rule (`choose`), in query-key pairs, with G groups, Qg the most tokens of
 a group and Kg the most cells a group sees (the batch is padded to both):
@@ -15,8 +17,11 @@ a group and Kg the most cells a group sees (the batch is padded to both):
     grouped = G * Kg * (Qg + 1)      # padded SDPA, plus gathering G * Kg K/V rows
     dense   = T * read_len           # every token against every cell
 
-The block size is the one with the least `grouped` cost; then grouped wins
-iff `grouped < dense`. Gathering a row costs about what
+When groups differ much in size (prompt blocks beside one-token decodes,
+short prompts beside long ones) they run as several batches, each padded only
+to its own widest (`batch_groups`); `grouped` is then summed over the batches,
+plus BATCH_PAIRS for each batch after the first. The block size is the one
+with the least `grouped` cost; then grouped wins iff `grouped < dense`. Gathering a row costs about what
 attending one query to it does (a copy of the same bytes the SDPA reads), hence
 the `+ 1`. So a decode step of N sequences over mostly private cells is
 grouped (about N times less work), while a single sequence's prefill (one
@@ -37,13 +42,37 @@ PATHS = ("auto", "dense", "grouped")
 
 
 @attrs.frozen(eq=False)
+class Batch:
+    """One more batch of groups, run as its own SDPA (shapes as in GroupPlan)."""
+
+    tokens: np.ndarray  # int32 [G_b, Q_b]
+    cells: np.ndarray  # int32 [G_b, K_b]
+    mask: np.ndarray | None  # bool [G_b, Q_b, K_b], None = all visible
+
+
+@attrs.frozen(eq=False)
 class GroupPlan:
-    """The numpy side of `kvlayout.AttendGroups` (see there for the shapes)."""
+    """The numpy side of `kvlayout.AttendGroups` (see there for the shapes).
+
+    `tokens`/`cells`/`mask` are the first batch; `more` the others, each
+    padded only to its own longest group (see `batch_groups`); `out` indexes
+    the slots of all batches, concatenated in that order.
+    """
 
     tokens: np.ndarray  # int32 [G, Qg]
     cells: np.ndarray  # int32 [G, Kg]
     mask: np.ndarray | None  # bool [G, Qg, Kg], None = all visible
     out: np.ndarray  # int32 [T]
+    more: tuple[Batch, ...] = ()
+
+
+# What one more batch costs, in query-key pairs: an SDPA call, its gather and the concatenation
+# (about 0.1 ms on a 2-core CPU, a few hundred pairs at small head sizes); kept high so a batch
+# is split only when that saves real work, not to shave a few padded slots.
+BATCH_PAIRS = 8192
+# Groups are binned by cells seen on a 2**(1/4) scale before batching: within a bin, padding
+# wastes at most ~19% of a group's keys.
+BINS_PER_OCTAVE = 4
 
 
 def grouped_cost(n_groups: int, q_len: int, k_len: int) -> int:
@@ -57,19 +86,25 @@ def dense_cost(n_tokens: int, read_len: int) -> int:
 
 def choose(path: str, n_tokens: int, read_len: int, n_groups: int, q_len: int, k_len: int) -> bool:
     """True for the grouped path: forced by `path`, or cheaper by the rule above under "auto"."""
+    return prefer_grouped(path, grouped_cost(n_groups, q_len, k_len), dense_cost(n_tokens, read_len))
+
+
+def prefer_grouped(path: str, grouped: int, dense: int) -> bool:
+    """The rule on two costs in query-key pairs: `path` forces a side, "auto" takes the cheaper."""
     if path not in PATHS:
         raise ConfigError(f"attention path {path!r}: expected one of {', '.join(PATHS)}")
     if path != "auto":
         return path == "grouped"
-    return grouped_cost(n_groups, q_len, k_len) < dense_cost(n_tokens, read_len)
+    return grouped < dense
 
 
 def plan_groups(seq_ids: np.ndarray, mask: np.ndarray, path: str = "auto") -> GroupPlan | None:
     """Group a step's tokens by sequence; None when the dense mask is the cheaper (or forced).
 
     `seq_ids` int `[T]` names each token's sequence, `mask` bool `[T, read_len]`
-    is the step's dense mask (True = attend). Costs O(T * read_len) numpy,
-    once per window per step, like the mask itself.
+    is the step's dense mask (True = attend). Costs O(T * read_len) numpy.
+    The cell layout plans from its table instead (`plan_cells`, the same
+    plan without the dense mask); this form takes any mask.
     """
     seq_ids = np.asarray(seq_ids)
     n_tokens, read_len = mask.shape
@@ -79,49 +114,197 @@ def plan_groups(seq_ids: np.ndarray, mask: np.ndarray, path: str = "auto") -> Gr
         k_len = int(np.count_nonzero(mask.any(axis=0)))
         if not choose(path, n_tokens, read_len, 1, n_tokens, k_len):
             return None
-    _, first_at, gid = np.unique(seq_ids, return_index=True, return_inverse=True)
-    gid = np.argsort(np.argsort(first_at))[gid.reshape(-1)]  # sequences numbered by first appearance
-    order = np.argsort(gid, kind="stable")  # tokens by sequence, in step order within one
-    counts = np.bincount(gid)
-    rank = np.arange(n_tokens) - np.repeat(np.cumsum(counts) - counts, counts)  # of order[i] in its sequence
+    order, counts, rank = _by_sequence(seq_ids)
     in_order = bool((order == np.arange(n_tokens)).all())  # each sequence's tokens already contiguous
     rows = mask if in_order else mask[order]  # [T, read_len], each group's rows contiguous
 
-    # Pick the block size by the rule, estimating each group's cells as the most any one of its
-    # tokens sees (exact on a flat layer, where a sequence's rows are nested; then computed exactly).
-    row_counts = np.count_nonzero(rows, axis=1)  # [T]
-    best = None
-    for block in block_sizes(int(counts.max())):
-        first = rank % block == 0  # a group starts at each sequence's start and every `block` tokens after
-        starts = np.flatnonzero(first)
-        q_counts = np.diff(np.append(starts, n_tokens))
-        shape = (starts.size, int(q_counts.max()), max(int(np.maximum.reduceat(row_counts, starts).max()), 1))
-        if best is None or grouped_cost(*shape) < grouped_cost(*best[0]):
-            best = (shape, first, starts, q_counts)
-    (n_groups, q_len, _), first, starts, q_counts = best
+    # Estimate each group's cells as the most any one of its tokens sees (exact on a flat layer,
+    # where a sequence's rows are nested; then computed exactly).
+    first, starts, q_counts = _pick_blocks(rank, counts, np.count_nonzero(rows, axis=1))
     seen = np.logical_or.reduceat(rows, starts, axis=0)  # [G, read_len]: what any of its tokens sees
-    k_counts = np.count_nonzero(seen, axis=1)
-    k_len = max(int(k_counts.max()), 1)
-    if not choose(path, n_tokens, read_len, n_groups, q_len, k_len):
+    k_counts = np.count_nonzero(seen, axis=1)  # [G]
+    cost, labels = batch_groups(q_counts, np.maximum(k_counts, 1))
+    if not prefer_grouped(path, cost, dense_cost(n_tokens, read_len)):
         return None
 
     # Cells of each group, ascending; padding slots point at cell 0 (valid: read_len >= 1) and are masked.
     g_of, c_of = np.nonzero(seen)  # sorted by group, then cell
     slot = np.arange(g_of.size) - np.repeat(np.cumsum(k_counts) - k_counts, k_counts)
-    cells = np.zeros((n_groups, k_len), dtype=np.int32)
+    cells = np.zeros((starts.size, max(int(k_counts.max()), 1)), dtype=np.int32)  # [G, Kg]
     cells[g_of, slot] = c_of
 
-    # Tokens of each group; padding repeats the group's last token.
+    def batch(gi, b_tokens, k_b):
+        b_cells = cells[gi, :k_b]  # [G_b, K_b]
+        b_mask = mask[b_tokens[:, :, None], b_cells[:, None, :]]  # [G_b, Q_b, K_b]
+        b_mask &= (np.arange(k_b)[None, :] < k_counts[gi][:, None])[:, None, :]
+        return b_cells, b_mask
+
+    return _assemble(order, first, starts, q_counts, k_counts, labels, batch)
+
+
+def plan_cells(
+    seq_ids: np.ndarray,
+    positions: np.ndarray,
+    window: int,
+    read_len: int,
+    owned,
+    path: str = "auto",
+    held=None,
+) -> GroupPlan | None:
+    """`plan_groups` for a cell-layout step, from each sequence's cells instead of the dense mask.
+
+    `seq_ids`/`positions` int `[T]` are the step's tokens, placed already
+    (each sequence's positions rising in step order); `owned(ids)` answers, for
+    ascending distinct ids, `(cells, positions, starts)`: the cells each owns,
+    ids[i]'s at `[starts[i], starts[i + 1])`, by position (`CellTable.seq_keys`).
+    Token t sees the cells of its sequence with position in
+    `[positions[t] - window + 1, positions[t]]` (no lower bound when
+    window == 0): one run of that list, found by binary search, and a group's
+    cells are the run from its first token's start to its last token's end.
+    So the plan costs O(T log + cells of the step's sequences) plus the padded
+    batch masks, never O(T * read_len); its cells come by position.
+
+    `held(ids)` (optional) answers how many cells each id holds: on a flat
+    layer a lone sequence's last token sees all of them, so the common
+    single-sequence step is decided dense without looking at any cell.
+    """
+    n_tokens = seq_ids.size
+    if path == "dense":
+        return None
+    if path == "auto" and held is not None and not window and (seq_ids == seq_ids[0]).all():
+        if not choose(path, n_tokens, read_len, 1, n_tokens, int(held(seq_ids[:1])[0])):
+            return None
+    ids, row = np.unique(seq_ids, return_inverse=True)
+    row = row.reshape(-1)  # [T]: index of each token's sequence in ids
+    key_cells, key_pos, key_starts = owned(ids)  # [M], [M], [N + 1]
+    # Runs by binary search on (sequence, position), one sorted int64 key per cell.
+    span = np.int64(max(int(key_pos.max(initial=0)), int(positions.max())) + 2)
+    keys = np.repeat(np.arange(ids.size, dtype=np.int64), np.diff(key_starts)) * span + key_pos  # [M], ascending
+    hi = np.searchsorted(keys, row * span + positions, side="right")  # [T]: one past the newest it sees
+    lo = key_starts[row] if not window else np.searchsorted(
+        keys, row * span + np.maximum(positions - (window - 1), 0), side="left"
+    )  # [T]: the oldest it sees
+    if path == "auto" and ids.size == 1:  # one group: decide before sorting
+        if not choose(path, n_tokens, read_len, 1, n_tokens, int(hi[-1] - lo[0])):
+            return None
+    order, counts, rank = _by_sequence(seq_ids)
+    first, starts, q_counts = _pick_blocks(rank, counts, (hi - lo)[order])
+    g_lo = lo[order][starts]  # [G]: a group's run starts where its first token's does
+    k_counts = hi[order][starts + q_counts - 1] - g_lo  # [G]: and ends where its last token's does
+    cost, labels = batch_groups(q_counts, k_counts)  # k_counts >= 1: a token sees its own cell
+    if not prefer_grouped(path, cost, dense_cost(n_tokens, read_len)):
+        return None
+
+    def batch(gi, b_tokens, k_b):
+        j = np.arange(k_b)[None, :]  # [1, K_b]
+        valid = j < k_counts[gi][:, None]  # [G_b, K_b]
+        at = np.where(valid, g_lo[gi][:, None] + j, g_lo[gi][:, None])  # padding repeats a real cell, masked
+        b_cells, kp = key_cells[at].astype(np.int32), key_pos[at]  # [G_b, K_b]
+        tp = positions[b_tokens][:, :, None]  # [G_b, Q_b, 1]
+        b_mask = (kp[:, None, :] <= tp) & valid[:, None, :]  # [G_b, Q_b, K_b]
+        if window:
+            b_mask &= kp[:, None, :] >= tp - (window - 1)
+        return b_cells, b_mask
+
+    return _assemble(order, first, starts, q_counts, k_counts, labels, batch)
+
+
+def _by_sequence(seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(order, counts, rank): tokens by sequence (numbered by first appearance), in step order within
+    one; each sequence's token count; the rank of order[i] within its sequence. All [T] but counts."""
+    n_tokens = seq_ids.size
+    _, first_at, gid = np.unique(seq_ids, return_index=True, return_inverse=True)
+    gid = np.argsort(np.argsort(first_at))[gid.reshape(-1)]  # sequences numbered by first appearance
+    order = np.argsort(gid, kind="stable")
+    counts = np.bincount(gid)
+    rank = np.arange(n_tokens) - np.repeat(np.cumsum(counts) - counts, counts)
+    return order, counts, rank
+
+
+def _pick_blocks(rank: np.ndarray, counts: np.ndarray, row_counts: np.ndarray):
+    """(first, starts, q_counts) for the block size of least estimated cost.
+
+    `row_counts` `[T]`, in `order`: cells each token sees; a group's cells are
+    estimated as its widest token's. A group starts at each sequence's start
+    and every `block` tokens after (first: bool [T]; starts, q_counts: [G]).
+    """
+    n_tokens = rank.size
+    best = None
+    for block in block_sizes(int(counts.max())):
+        first = rank % block == 0
+        starts = np.flatnonzero(first)
+        q_counts = np.diff(np.append(starts, n_tokens))  # [G]
+        k_est = np.maximum(np.maximum.reduceat(row_counts, starts), 1)  # [G]
+        cost = batch_groups(q_counts, k_est)[0]
+        if best is None or cost < best[0]:
+            best = (cost, first, starts, q_counts)
+    return best[1:]
+
+
+def _assemble(order, first, starts, q_counts, k_counts, labels, batch) -> GroupPlan:
+    """The plan: tokens of each group (padding repeats its last token), each batch cut to its own
+    longest query run and key count, `batch(gi, tokens [G_b, Q_b], K_b)` giving its cells and mask,
+    and where each token's output lands among the batches' slots."""
+    n_tokens, q_len = order.size, int(q_counts.max())
     group = np.cumsum(first) - 1  # group of order[i]
     within = np.arange(n_tokens) - starts[group]  # its slot in the group
     tokens = np.repeat(order[starts + q_counts - 1][:, None], q_len, axis=1).astype(np.int32)  # [G, Qg]
     tokens[group, within] = order
+    batches, slot_of_group, offset = [], np.empty(starts.size, dtype=np.int64), 0
+    for label in range(int(labels.max()) + 1):
+        gi = np.flatnonzero(labels == label)  # [G_b], in step order
+        q_b, k_b = int(q_counts[gi].max()), max(int(k_counts[gi].max()), 1)
+        b_tokens = tokens[gi, :q_b]  # [G_b, Q_b]
+        b_cells, b_mask = batch(gi, b_tokens, k_b)
+        batches.append(Batch(b_tokens, b_cells, None if b_mask.all() else b_mask))
+        slot_of_group[gi] = offset + np.arange(gi.size) * q_b
+        offset += gi.size * q_b
     out = np.empty(n_tokens, dtype=np.int32)
-    out[order] = group * q_len + within
+    out[order] = slot_of_group[group] + within
+    head = batches[0]
+    return GroupPlan(head.tokens, head.cells, head.mask, out, tuple(batches[1:]))
 
-    group_mask = mask[tokens[:, :, None], cells[:, None, :]]  # [G, Qg, Kg]
-    group_mask &= (np.arange(k_len)[None, :] < k_counts[:, None])[:, None, :]
-    return GroupPlan(tokens, cells, None if group_mask.all() else group_mask, out)
+
+def batch_groups(q_counts: np.ndarray, k_counts: np.ndarray) -> tuple[int, np.ndarray]:
+    """(cost, batch label [G]): the groups split into batches, each padded only to its own widest.
+
+    One SDPA pads every group to the most queries and keys of any group, so a
+    step mixing one-token decodes with prompt blocks, or short prompts with
+    long ones, does several times the work it needs. Groups are ordered by
+    kind (several queries first, then one-query decodes) and cells seen,
+    widest first, in bins of BINS_PER_OCTAVE per doubling; walking the bins in
+    that order, a bin joins the open batch when that costs no more than
+    running it apart (its own padded pairs plus BATCH_PAIRS). O(G) numpy plus
+    a loop over the bins (a few dozen). The cost is `grouped_cost` summed
+    over the batches plus BATCH_PAIRS per batch after the first; a single
+    batch costs exactly `grouped_cost`.
+    """
+    kind = (q_counts > 1).astype(np.int64)  # 1: a prompt block, 0: a one-token decode
+    key = (kind << 20) + np.floor(np.log2(k_counts) * BINS_PER_OCTAVE).astype(np.int64)  # k_counts >= 1
+    bins, inv = np.unique(key, return_inverse=True)  # ascending
+    inv = inv.reshape(-1)
+    n = np.bincount(inv)
+    q = np.zeros(bins.size, dtype=np.int64)
+    k = np.zeros(bins.size, dtype=np.int64)
+    np.maximum.at(q, inv, q_counts)
+    np.maximum.at(k, inv, k_counts)
+    label_of_bin = np.empty(bins.size, dtype=np.int64)
+    cost, label = 0, -1
+    cn = cq = ck = 0  # the open batch: groups, most queries, most cells
+    for b in range(bins.size - 1, -1, -1):  # blocks before decodes, widest first
+        nb, qb, kb = int(n[b]), int(q[b]), int(k[b])
+        if label >= 0:
+            merged = grouped_cost(cn + nb, max(cq, qb), max(ck, kb))
+            if merged <= grouped_cost(cn, cq, ck) + grouped_cost(nb, qb, kb) + BATCH_PAIRS:
+                cn, cq, ck = cn + nb, max(cq, qb), max(ck, kb)
+                label_of_bin[b] = label
+                continue
+            cost += grouped_cost(cn, cq, ck) + BATCH_PAIRS
+        label += 1
+        cn, cq, ck = nb, qb, kb
+        label_of_bin[b] = label
+    cost += grouped_cost(cn, cq, ck)
+    return cost, label_of_bin[inv]
 
 
 def block_sizes(longest: int) -> list[int]:

@@ -40,6 +40,8 @@ class _Placed:
     served: set[int]
     steps: dict[int, CellStep]  # window -> memoized step
     before: tuple = ()  # the table's summaries from before the placement, for abort_step
+    built: set[int] = attrs.Factory(set)  # windows whose (lazy) mask has been built
+    frozen: tuple | None = None  # the table's cells as the step saw them, kept once it moves on
 
 
 @attrs.define(eq=False)
@@ -76,9 +78,26 @@ class CellStepper(CellTable):
         self.check_live_ids(ids)
         if ids.size > self.free_cells:
             return False
+        self._keep_masks()
         self._declared = _Declared(ids.copy(), self.epoch)
         self._placed = None
         return True
+
+    def _before_change(self) -> None:
+        self._keep_masks()
+
+    def _keep_masks(self) -> None:
+        """The open step ends: if a mask of it was never built, keep what building it reads.
+
+        A copy of positions and owner words up to the step's read_len (O(used_end) memcpy, far
+        less than a [T, used_end] mask), so a consumer that reads `step.mask` late still gets the
+        step's mask, not one of the table as it is by then.
+        """
+        placed = getattr(self, "_placed", None)  # CellTable.clear touches before __init__ sets it
+        if placed is None or placed.frozen is not None or placed.epoch != self.epoch:
+            return
+        if len(placed.built) < len(placed.steps):
+            placed.frozen = self.snapshot()
 
     def place_step(self, layer: int, positions: Sequence[int]) -> CellStep:
         """The step for `layer`: placed by the first layer served, reused by the others.
@@ -142,6 +161,7 @@ class CellStepper(CellTable):
         placed = self._placed
         if placed is None or placed.epoch != self.epoch:
             return False
+        self._keep_masks()
         self._placed = self._declared = None
         self.release(placed.cells, placed.seq_ids, placed.before)
         return True
@@ -172,8 +192,14 @@ class CellStepper(CellTable):
     def _step(self, placed: _Placed, window: int) -> CellStep:
         step = placed.steps.get(window)
         if step is None:
-            mask = self.visible(placed.seq_ids, placed.positions, window, placed.cells)  # [T, read_len]
-            mask.flags.writeable = False  # shared by every layer with this window, and by observers
+
+            def mask() -> np.ndarray:  # [T, read_len], built on first access: grouped attention never reads it
+                # Read after the step ended, it comes from the cells as the step saw them (`_keep_masks`).
+                m = self.visible(placed.seq_ids, placed.positions, window, placed.cells, placed.frozen)
+                m.flags.writeable = False  # shared by every layer with this window, and by observers
+                placed.built.add(window)
+                return m
+
             cells = placed.cells.astype(np.int32)
             cells.flags.writeable = False
             step = CellStep(length=placed.cells.size, read_len=placed.read_len, cells=cells, mask=mask)

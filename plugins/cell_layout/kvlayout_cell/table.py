@@ -43,6 +43,7 @@ class CellTable:
 
     def clear(self) -> None:
         """Free every cell and release every id."""
+        self._before_change()
         self._pos = np.full(self._capacity, -1, dtype=np.int64)  # [capacity], -1 = free
         self._owners = np.zeros((self._capacity, self._words), dtype=np.uint64)  # [capacity, words] bitset
         self._count = np.zeros(self._max_seqs, dtype=np.int64)  # cells owned, per id
@@ -55,6 +56,10 @@ class CellTable:
 
     def _touch(self) -> None:
         self._epoch += 1
+
+    def _before_change(self) -> None:
+        """Called by every verb that may change a cell, before it does (a subclass keeps what it
+        still needs of the cells as they are: CellStepper, the masks of a step not built yet)."""
 
     @property
     def epoch(self) -> int:
@@ -98,6 +103,10 @@ class CellTable:
         ids = np.flatnonzero(~self._live)
         return int(ids[0]) if ids.size else None
 
+    def held(self, ids: np.ndarray) -> np.ndarray:
+        """Cells each of `ids` (checked by the caller) owns: `seq_len` for many ids at once."""
+        return self._count[ids]
+
     def seq_len(self, seq_id: int) -> int:
         """Cells `seq_id` owns (0 for an id not live)."""
         return int(self._count[self._check_id("seq_id", seq_id)])
@@ -120,6 +129,7 @@ class CellTable:
 
         Refused (SequenceError) when src is not live; None when no id is left.
         """
+        self._before_change()
         src = self._check_live("src", src)
         if upto is not None:
             upto = int_scalar("upto", upto, SequenceError, minimum=0)
@@ -144,6 +154,7 @@ class CellTable:
         tail cells; an id left owning nothing is released. Refused
         (SequenceError) for an id not live or a malformed range.
         """
+        self._before_change()
         s = self._check_live("seq_id", seq_id)
         p0 = int_scalar("p0", p0, SequenceError, minimum=0)
         if p1 is not None:
@@ -221,6 +232,8 @@ class CellTable:
         if positions.size and positions.min() < 0:
             i = int(np.flatnonzero(positions < 0)[0])
             raise StepError(f"positions[{i}]={positions[i]}: expected a position >= 0")
+        if positions.size == 1 and positions[0] > self._newest[seq_ids[0]]:  # a lone decode: nothing to sort
+            return
         order = np.lexsort((np.arange(seq_ids.size), seq_ids))  # by sequence, then token order
         s, p = seq_ids[order], positions[order]
         first = np.ones(s.size, dtype=bool)
@@ -241,6 +254,7 @@ class CellTable:
         The caller has run `check_tokens`; the cells are checked here to be
         distinct and free (StepError otherwise, nothing changed).
         """
+        self._before_change()
         if cells.shape != seq_ids.shape:
             raise StepError(f"{cells.size} cell(s) for {seq_ids.size} token(s)")
         if cells.size == 0:
@@ -265,7 +279,12 @@ class CellTable:
         self._touch()
 
     def visible(
-        self, seq_ids: np.ndarray, positions: np.ndarray, window: int = 0, placed: np.ndarray | None = None
+        self,
+        seq_ids: np.ndarray,
+        positions: np.ndarray,
+        window: int = 0,
+        placed: np.ndarray | None = None,
+        state: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> np.ndarray:
         """bool [T, used_end]: token i sees cell j iff j is occupied, owned by seq_ids[i],
         pos_j <= positions[i], and (window > 0) pos_j >= positions[i] - window + 1.
@@ -279,15 +298,12 @@ class CellTable:
         `occupy`, nothing since). Every other cell a token's sequence owns is
         then older than the token (check_tokens saw to it), so a flat layer
         needs the position test only on those T columns.
+
+        `state`: `(positions, owner words)` of cells `[0, S)` copied from
+        the table earlier (see `snapshot`), to read instead of the table now.
         """
-        end = self._used_end
-        pos = self._pos[:end]  # [S]
-        words, word_of = np.unique(seq_ids >> 6, return_inverse=True)
-        packed = np.ascontiguousarray(self._owners[:end, words]).astype("<u8", copy=False)  # [S, W']
-        by_byte = np.ascontiguousarray(packed.view(np.uint8).T)  # [8 W', S]: bit b of word w in row 8w + b // 8
-        bit = seq_ids & 63
-        rows = by_byte[word_of.reshape(-1) * 8 + (bit >> 3)]  # [T, S]
-        mask = (rows & (np.uint8(1) << (bit & 7).astype(np.uint8))[:, None]) != 0  # owned; free cells own nothing
+        pos, owners = self.snapshot(copy=False) if state is None else state  # [S], [S, words]
+        mask = self._owned_rows(seq_ids, owners)  # [T, S]
         p = positions[:, None]  # [T, 1]
         if window or placed is None:
             mask &= pos[None, :] <= p
@@ -296,6 +312,36 @@ class CellTable:
         if window:
             mask &= pos[None, :] >= p - (window - 1)
         return mask
+
+    def snapshot(self, copy: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(positions [used_end], owner words [used_end, words]) of the cells up to used_end."""
+        end = self._used_end
+        pos, owners = self._pos[:end], self._owners[:end]
+        return (pos.copy(), owners.copy()) if copy else (pos, owners)
+
+    def _owned_rows(self, seq_ids: np.ndarray, owners: np.ndarray | None = None) -> np.ndarray:
+        """bool [len(seq_ids), S]: row i says which cells seq_ids[i] owns (see `visible`), in `owners`
+        (owner words [S, words]; default: the table's, S = used_end)."""
+        owners = self._owners[: self._used_end] if owners is None else owners
+        if seq_ids.size == 1:  # one token (a lone decode): test its bit directly, no byte transpose
+            s = int(seq_ids[0])
+            return ((owners[:, s >> 6] >> np.uint64(s & 63)) & _ONE != 0)[None, :]  # [1, S]
+        words, word_of = np.unique(seq_ids >> 6, return_inverse=True)
+        packed = np.ascontiguousarray(owners[:, words]).astype("<u8", copy=False)  # [S, W']
+        by_byte = np.ascontiguousarray(packed.view(np.uint8).T)  # [8 W', S]: bit b of word w in row 8w + b // 8
+        bit = seq_ids & 63
+        rows = by_byte[word_of.reshape(-1) * 8 + (bit >> 3)]  # [N, S]
+        return (rows & (np.uint8(1) << (bit & 7).astype(np.uint8))[:, None]) != 0  # free cells own nothing
+
+    def seq_keys(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cells, positions, starts): the cells each of `ids` (ascending, distinct) owns, ids[i]'s at
+        `[starts[i], starts[i + 1])`, by position. O(len(ids) * used_end) bit tests, then a sort of
+        the cells found: what grouped attention plans from (kvlayout_cell.groups.plan_cells)."""
+        row, cells = np.nonzero(self._owned_rows(ids))  # by row, then cell
+        pos = self._pos[cells]
+        by_pos = np.lexsort((pos, row))
+        starts = np.searchsorted(row, np.arange(ids.size + 1))  # [N + 1]
+        return cells[by_pos], pos[by_pos], starts
 
     # -- undoing a placement (abort_step, in stepper.py, decides when) -------
 
@@ -317,6 +363,7 @@ class CellTable:
         count and the free list return to what they were. Liveness is
         untouched: occupy never changes it. The epoch moves on.
         """
+        self._before_change()
         ids, newest, used_end, free = before
         self._pos[cells] = -1
         self._owners[cells] = 0
@@ -360,6 +407,7 @@ class CellTable:
         """Become the table `occupied()` and `live_ids()` described; `error` (nothing changed) if they
         break an invariant: a cell out of range or repeated, a negative position, a cell with no owner
         or an owner out of range or not live, a sequence holding one position twice."""
+        self._before_change()
         n = cells.shape[0] if cells.ndim == 1 else -1
         if n < 0 or pos.shape != (n,) or owners.shape != (n, self._words):
             raise error(f"cells {cells.shape}, positions {pos.shape}, owners {owners.shape}: expected [n], [n], [n, {self._words}]")
