@@ -80,3 +80,19 @@ def forward(cache: SeqCache, start: int, k: mx.array, v: mx.array, chunk: int | 
             for layer in range(cache.n_layers)
         ]
     return specs
+
+
+def wrapped_cache() -> SeqCache:
+    """flat + ring(4), max_write=2 (5 ring slots), capacity 12, at length 10: the ring
+    has wrapped and holds positions 5..9, so steps may start in [8, 10]."""
+    cache = make_cache(windows=(0, 4), capacity=12, max_write=2)
+    k, v = kv(10)
+    forward(cache, 0, k, v, chunk=2)
+    assert (cache.length, cache.book.floor) == (10, 8)
+    return cache
+
+
+def one(n=1, seed=9, heads=H, dim=D, dtype=mx.float32):
+    """`n` random tokens `[1, heads, n, dim]` for a single step."""
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.normal(size=(1, heads, n, dim)).astype(np.float32)).astype(dtype)

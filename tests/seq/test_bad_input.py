@@ -20,23 +20,14 @@ import pytest
 from kvlayout import ConfigError, KVLayoutError, StepError
 from kvlayout_seq.mlx_cache import SeqCache
 
-from tests.seq.support import D, H, assert_same, forward, kv, make_cache, snapshot
+from tests.seq.support import D, H, assert_same, one, snapshot, wrapped_cache
 
 HUGE, BIG, U64 = 2**70, 2**62, 2**63
 
 
 @pytest.fixture
 def cache():
-    cache = make_cache(windows=(0, 4), capacity=12, max_write=2)
-    k, v = kv(10)
-    forward(cache, 0, k, v, chunk=2)
-    assert (cache.length, cache.book.floor) == (10, 8)
-    return cache
-
-
-def one(n=1, seed=9, heads=H, dim=D, dtype=mx.float32):
-    rng = np.random.default_rng(seed)
-    return mx.array(rng.normal(size=(1, heads, n, dim)).astype(np.float32)).astype(dtype)
+    return wrapped_cache()
 
 
 def still_works(cache) -> None:

@@ -8,23 +8,12 @@ import pytest
 
 from kvlayout import CapacityError, KVLayoutError, StepError
 
-from tests.seq.support import D, H, assert_same, forward, kv, make_cache, snapshot, tokens
+from tests.seq.support import D, H, assert_same, kv, one, snapshot, tokens, wrapped_cache
 
 
 @pytest.fixture
 def cache():
-    """flat + ring(4), max_write=2 (5 ring slots), capacity 12, at length 10: the ring
-    has wrapped and holds positions 5..9, so steps may start in [8, 10]."""
-    cache = make_cache(windows=(0, 4), capacity=12, max_write=2)
-    k, v = kv(10)
-    forward(cache, 0, k, v, chunk=2)
-    assert (cache.length, cache.book.floor) == (10, 8)
-    return cache
-
-
-def one(n=1, seed=9, heads=H, dim=D, dtype=mx.float32):
-    rng = np.random.default_rng(seed)
-    return mx.array(rng.normal(size=(1, heads, n, dim)).astype(np.float32)).astype(dtype)
+    return wrapped_cache()
 
 
 REFUSALS = {
