@@ -21,7 +21,6 @@ steady decode.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -29,10 +28,22 @@ import time
 import mlx.core as mx
 import numpy as np
 
+import common
 from kvlayout.registry import plugin_manager
 from kvlayout_cell.stepper import CellStepper
 
 N_SEQS, H_Q, H_KV, D = 64, 32, 8, 128
+
+
+COLUMNS = [
+    ("used_end", "used_end", ""),
+    ("read_len", "read_len", ""),
+    ("book ms", "bookkeeping_ms", ".3f"),
+    ("mask->mx ms", "mask_to_mlx_ms", ".3f"),
+    ("attn ms", "attention_ms", ".1f"),
+    ("book/attn", "ratio", ".4f"),
+    ("(+mx)/attn", "ratio_with_mask_to_mlx", ".4f"),
+]
 
 
 def filled_table(used_end: int) -> CellStepper:
@@ -114,21 +125,10 @@ def main() -> None:
     print(f"cell bookkeeping vs one attention layer  ({N_SEQS} seqs x 1 token, H_q={H_Q}, "
           f"H_kv={H_KV}, D={D}, fp16, {device}, {platform.machine()})")
     print(f"medians: bookkeeping of {args.repeats} repeats, attention of {args.attn_repeats}")
-    header = f"{'used_end':>9} {'read_len':>9} {'book ms':>9} {'mask->mx ms':>12} {'attn ms':>10} {'book/attn':>10} {'(+mx)/attn':>11}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(
-            f"{r['used_end']:>9} {r['read_len']:>9} {r['bookkeeping_ms']:>9.3f} {r['mask_to_mlx_ms']:>12.3f} "
-            f"{r['attention_ms']:>10.1f} {r['ratio']:>10.4f} {r['ratio_with_mask_to_mlx']:>11.4f}"
-        )
+    print(common.table(COLUMNS, rows))
     print("target: book/attn < 0.25")
-    if args.json:
-        meta = dict(n_seqs=N_SEQS, h_q=H_Q, h_kv=H_KV, head_dim=D, dtype="float16", device=str(device),
-                    machine=platform.machine(), repeats=args.repeats, attn_repeats=args.attn_repeats)
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=2)
-
+    common.write_json(args.json, "cell_bookkeeping", n_seqs=N_SEQS, h_q=H_Q, h_kv=H_KV, head_dim=D, dtype="float16",
+               repeats=args.repeats, attn_repeats=args.attn_repeats, rows=rows)
 
 if __name__ == "__main__":
     main()

@@ -15,14 +15,12 @@ machine's load hits every size alike; each figure is the median of its repeats,
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
 
+from common import table, time_us, write_json
 from kvlayout.mlx import MLXPool
 
 SIZES = (1024, 8192, 65536)
@@ -33,12 +31,6 @@ TARGET = 1.5  # write at 64k within 1.5x of the write at 1k
 def sync(pool: MLXPool) -> None:
     """Evaluate the pool's buffer; unlike a read() this leaves no reference behind."""
     mx.eval(pool._buf)
-
-
-def time_us(fn) -> float:
-    start = time.perf_counter_ns()
-    fn()
-    return (time.perf_counter_ns() - start) / 1e3
 
 
 def measure(repeats: int, held_repeats: int, seed: int = 0) -> list[dict]:
@@ -92,19 +84,16 @@ def measure(repeats: int, held_repeats: int, seed: int = 0) -> list[dict]:
     ]
 
 
-def table(rows: list[dict]) -> str:
-    head = (
-        f"{'slots':>6} {'pool MiB':>9} {'write us':>9} {'x1k':>6} "
-        f"{'write_cells us':>15} {'x1k':>6} {'write, read held us':>20} {'x1k write':>10}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['slots']:>6} {r['pool_mib']:>9.0f} {r['write_us']:>9.1f} {r['write_ratio']:>6.2f} "
-            f"{r['write_cells_us']:>15.1f} {r['write_cells_ratio']:>6.2f} "
-            f"{r['write_read_held_us']:>20.1f} {r['write_read_held_ratio']:>10.1f}"
-        )
-    return "\n".join(lines)
+COLUMNS = [
+    ("slots", "slots", ""),
+    ("pool MiB", "pool_mib", ".0f"),
+    ("write us", "write_us", ".1f"),
+    ("x1k", "write_ratio", ".2f"),
+    ("write_cells us", "write_cells_us", ".1f"),
+    ("x1k", "write_cells_ratio", ".2f"),
+    ("write, read held us", "write_read_held_us", ".1f"),
+    ("x1k write", "write_read_held_ratio", ".1f"),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,30 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     big = rows[-1]
     print(f"MLXPool one-token writes, H={H} D={D} float16, device {mx.default_device()}, "
           f"median of {args.repeats} ({args.held_repeats} with a read held)")
-    print(table(rows))
+    print(table(COLUMNS, rows))
     met = big["write_ratio"] <= TARGET
     print(f"write at {big['slots']} slots is {big['write_ratio']:.2f}x the write at {SIZES[0]} "
           f"(target <= {TARGET}x): {'met' if met else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "bench": "pool_write",
-                    "heads": H,
-                    "head_dim": D,
-                    "dtype": "float16",
-                    "device": str(mx.default_device()),
-                    "mlx": mx.__version__,
-                    "machine": platform.platform(),
-                    "repeats": args.repeats,
-                    "held_repeats": args.held_repeats,
-                    "target_ratio": TARGET,
-                    "target_met": met,
-                    "rows": rows,
-                },
-                f,
-                indent=2,
-            )
+    write_json(
+        args.json, "pool_write", heads=H, head_dim=D, dtype="float16", repeats=args.repeats,
+        held_repeats=args.held_repeats, target_ratio=TARGET, target_met=met, rows=rows,
+    )
     return 0
 
 

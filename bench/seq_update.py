@@ -24,14 +24,12 @@ write: a caller that holds it makes that write copy the whole pool
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
 
+from common import table, time_us, write_json
 from kvlayout import CacheConfig, LayerConfig, LayerPolicy
 from kvlayout_seq.mlx_cache import SeqCache
 
@@ -55,12 +53,6 @@ def fill(cache: SeqCache, length: int, rng: np.random.Generator) -> None:
         spec = cache.update_and_fetch(0, range(cache.length, cache.length + t), k, k)
         mx.eval(spec.keys, spec.values)
         del spec
-
-
-def time_us(fn) -> float:
-    start = time.perf_counter_ns()
-    fn()
-    return (time.perf_counter_ns() - start) / 1e3
 
 
 def measure(repeats: int, seed: int = 0) -> list[dict]:
@@ -122,19 +114,17 @@ def measure(repeats: int, seed: int = 0) -> list[dict]:
     ]
 
 
-def table(rows: list[dict]) -> str:
-    head = (
-        f"{'length':>7} {'flat us':>9} {'x1k':>6} {'keys':>6} {'read only us':>13} {'x1k':>6} "
-        f"{'ring w4k us':>12} {'x1k':>6} {'keys':>6}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['length']:>7} {r['flat_us']:>9.1f} {r['flat_ratio']:>6.2f} {r['flat_keys']:>6} "
-            f"{r['read_us']:>13.1f} {r['read_ratio']:>6.2f} "
-            f"{r['ring_us']:>12.1f} {r['ring_ratio']:>6.2f} {r['ring_keys']:>6}"
-        )
-    return "\n".join(lines)
+COLUMNS = [
+    ("length", "length", ""),
+    ("flat us", "flat_us", ".1f"),
+    ("x1k", "flat_ratio", ".2f"),
+    ("keys", "flat_keys", ""),
+    ("read only us", "read_us", ".1f"),
+    ("x1k", "read_ratio", ".2f"),
+    ("ring w4k us", "ring_us", ".1f"),
+    ("x1k", "ring_ratio", ".2f"),
+    ("keys", "ring_keys", ""),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,33 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     flat_met = last["flat_ratio"] <= FLAT_SLACK * max(last["read_ratio"], 1.0)
     print(f"SeqCache.update_and_fetch, one decode token, H={H} D={D} float16, "
           f"device {mx.default_device()}, median of {args.repeats}")
-    print(table(rows))
+    print(table(COLUMNS, rows))
     print(f"ring at {LENGTHS[-1]} is {ring_growth:.2f}x ring at {LENGTHS[1]} (both a full {WINDOW} window; "
           f"target <= {RING_TARGET}x): {'met' if ring_met else 'NOT met'}")
     print(f"flat grew {last['flat_ratio']:.2f}x from {LENGTHS[0]} to {LENGTHS[-1]}, the read alone "
           f"{last['read_ratio']:.2f}x (target: within {FLAT_SLACK}x of the read's growth): "
           f"{'met' if flat_met else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "bench": "seq_update",
-                    "heads": H,
-                    "head_dim": D,
-                    "dtype": "float16",
-                    "window": WINDOW,
-                    "device": str(mx.default_device()),
-                    "mlx": mx.__version__,
-                    "machine": platform.platform(),
-                    "repeats": args.repeats,
-                    "ring_growth_8k_to_32k": ring_growth,
-                    "ring_target_met": ring_met,
-                    "flat_target_met": flat_met,
-                    "rows": rows,
-                },
-                f,
-                indent=2,
-            )
+    write_json(
+        args.json, "seq_update", heads=H, head_dim=D, dtype="float16", window=WINDOW,
+        repeats=args.repeats, ring_growth_8k_to_32k=ring_growth, ring_target_met=ring_met,
+        flat_target_met=flat_met, rows=rows,
+    )
     return 0
 
 

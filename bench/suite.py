@@ -239,7 +239,7 @@ def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     k = f"{n // 1024}k"
     out.append(rows_of("1 write", f"append {k} from empty: seq", t, "seq", "mlx-lm"))
     out.append(rows_of("1 write", f"append {k} from empty: cell", t, "cell", "mlx-lm"))
-    scaled = "" if n == 32768 else f" (the issue's 32k under --full)"
+    scaled = "" if n == 32768 else " (the issue's 32k under --full)"
     work = (f"one layer, H_kv={H_KV}, D={D}, fp16; one-token update_and_fetch + mx.eval of what it returns at "
             f"{', '.join(f'{L // 1024}k' for L in z['write_ctx'])} context ({z['write_reps']} repeats); total time "
             f"appending {k} tokens one by one from empty{scaled}: pools start at 256 slots and double, "
@@ -383,7 +383,7 @@ def row_batch(z: dict, ctx: dict) -> tuple[str, list[Row]]:
             f"outputs {'identical' if same else 'DIFFER'}",
             identical=same, peak_kv_bytes=ours_bytes, padded_kv_bytes=padded,
         ))
-    scaled = "" if z["batch_max_prompt"] == 1024 else f" (scaled from 1024)"
+    scaled = "" if z["batch_max_prompt"] == 1024 else " (scaled from 1024)"
     work = (f"tiny preset; {' and '.join(map(str, z['batch_ns']))} requests, prompt lengths spread evenly over "
             f"16..{z['batch_max_prompt']}{scaled}, {m} tokens each greedy, no EOS; wall time prompt included; "
             "mlx:cell with engine.prefill_chunk 512 (prompt tokens per step, decodes ride along; the "
