@@ -38,8 +38,8 @@ STATE_VERSION = 1
 
 
 def _check_not_mid_forward(cache: Any) -> None:
-    placed = cache._placed  # the stepper's open step (same package)
-    if placed is not None and placed.epoch == cache.epoch and len(placed.served) < cache.n_layers:
+    placed = cache._open_step()  # the stepper's open step (same package)
+    if placed is not None and len(placed.served) < cache.n_layers:
         missing = sorted(set(range(cache.n_layers)) - placed.served)
         raise StepError(
             f"save during a forward: layer(s) {missing} of the placed step were not served; "
@@ -99,6 +99,15 @@ def _layer_tensors(f: StateFile, config: Any, n: int) -> list[tuple[mx.array, mx
     return out
 
 
+def _scatter(cache: Any, cells: np.ndarray, layers: list[tuple[mx.array, mx.array]]) -> None:
+    """Write each layer's saved K and V (`_layer_tensors`) into `cells`; nothing for no cell."""
+    if not cells.size:
+        return
+    for i, (k, v) in enumerate(layers):
+        cache.keys[i].write_cells(cells, k)
+        cache.values[i].write_cells(cells, v)
+
+
 def load_cache(f: StateFile) -> Any:
     """The Builder's `load`: a CellCache from a file `save_cache` wrote."""
     from kvlayout_cell.cache import CellCache
@@ -115,10 +124,7 @@ def load_cache(f: StateFile) -> Any:
         raise f.refuse(f"state.live={live!r}: expected a list of ids")
     layers = _layer_tensors(f, config, n)
     cache.restore(cells, pos, owners, np.asarray(live, dtype=np.int64), StateError)
-    for i, (k, v) in enumerate(layers):
-        if n:
-            cache.keys[i].write_cells(cells, k)
-            cache.values[i].write_cells(cells, v)
+    _scatter(cache, cells, layers)
     return cache
 
 
@@ -152,8 +158,5 @@ def load_seq(cache: Any, path: str | os.PathLike) -> int | None:
     cells = cache._choose(n) if n else np.zeros(0, dtype=np.int64)  # the placement hook (same package)
     seq_id = cache.seq_new()
     cache.occupy(cells, np.full(n, seq_id, dtype=np.int64), pos.astype(np.int64))
-    for i, (k, v) in enumerate(layers):
-        if n:
-            cache.keys[i].write_cells(cells, k)
-            cache.values[i].write_cells(cells, v)
+    _scatter(cache, cells, layers)
     return seq_id

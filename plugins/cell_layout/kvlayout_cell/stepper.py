@@ -86,6 +86,11 @@ class CellStepper(CellTable):
     def _before_change(self) -> None:
         self._keep_masks()
 
+    def _open_step(self) -> _Placed | None:
+        """The open step (see `abort_step`): placed, and no verb or declaration since; else None."""
+        placed = self._placed
+        return placed if placed is not None and placed.epoch == self.epoch else None
+
     def _keep_masks(self) -> None:
         """The open step ends: if a mask of it was never built, keep what building it reads.
 
@@ -111,7 +116,7 @@ class CellStepper(CellTable):
         if layer >= self.n_layers:
             raise StepError(f"layer={layer}: expected a layer in [0, {self.n_layers})")
         pos = int_array("positions", positions, StepError)
-        placed = self._placed if self._placed is not None and self._placed.epoch == self.epoch else None
+        placed = self._open_step()
         if placed is not None:
             if layer in placed.served:
                 raise StepError(
@@ -158,8 +163,8 @@ class CellStepper(CellTable):
         wrote K/V into the released cells, which are free again, so their
         content is dead, overwritten before any mask lets it be read.
         """
-        placed = self._placed
-        if placed is None or placed.epoch != self.epoch:
+        placed = self._open_step()
+        if placed is None:
             return False
         self._keep_masks()
         self._placed = self._declared = None

@@ -31,6 +31,11 @@ from kvlayout_cell.args import int_scalar
 _ONE = np.uint64(1)
 
 
+def _owns(owners: np.ndarray, s: int) -> np.ndarray:
+    """bool [S]: which cells of owner words `owners` [S, words] have sequence s's bit set."""
+    return (owners[:, s >> 6] >> np.uint64(s & 63)) & _ONE != 0
+
+
 class CellTable:
     def __init__(self, capacity: int, max_seqs: int):
         self._capacity = int_scalar("capacity", capacity, ConfigError, minimum=1)
@@ -186,7 +191,7 @@ class CellTable:
 
     def _owned(self, s: int, end: int) -> np.ndarray:
         """bool [end]: which of the cells [0, end) s owns."""
-        return (self._owners[:end, s >> 6] >> np.uint64(s & 63)) & _ONE != 0
+        return _owns(self._owners[:end], s)
 
     # -- placement primitives (the step protocol lives in stepper.py) --------
 
@@ -324,8 +329,7 @@ class CellTable:
         (owner words [S, words]; default: the table's, S = used_end)."""
         owners = self._owners[: self._used_end] if owners is None else owners
         if seq_ids.size == 1:  # one token (a lone decode): test its bit directly, no byte transpose
-            s = int(seq_ids[0])
-            return ((owners[:, s >> 6] >> np.uint64(s & 63)) & _ONE != 0)[None, :]  # [1, S]
+            return _owns(owners, int(seq_ids[0]))[None, :]  # [1, S]
         words, word_of = np.unique(seq_ids >> 6, return_inverse=True)
         packed = np.ascontiguousarray(owners[:, words]).astype("<u8", copy=False)  # [S, W']
         by_byte = np.ascontiguousarray(packed.view(np.uint8).T)  # [8 W', S]: bit b of word w in row 8w + b // 8
@@ -397,11 +401,8 @@ class CellTable:
     def seq_cells(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
         """(cells, positions) seq_id owns, by position; SequenceError for an id not live."""
         s = self._check_live("seq_id", seq_id)
-        end = self._used_end
-        cells = np.flatnonzero(self._owned(s, end))
-        pos = self._pos[cells]
-        order = np.argsort(pos, kind="stable")
-        return cells[order], pos[order]
+        cells, pos, _ = self.seq_keys(np.array([s]))
+        return cells, pos
 
     def restore(self, cells: np.ndarray, pos: np.ndarray, owners: np.ndarray, live: np.ndarray, error: type) -> None:
         """Become the table `occupied()` and `live_ids()` described; `error` (nothing changed) if they
@@ -422,19 +423,17 @@ class CellTable:
         count = np.zeros(self._max_seqs, dtype=np.int64)
         newest = np.full(self._max_seqs, -1, dtype=np.int64)
         any_owner = np.zeros(n, dtype=bool)
-        for w in range(self._words):
-            for b in range(64):
-                s = w * 64 + b
-                owned = (owners[:, w] >> np.uint64(b)) & _ONE != 0
-                if not owned.any():
-                    continue
-                if s >= self._max_seqs or not is_live[s]:
-                    raise error(f"owners: sequence {s} owns cells but is {'out of range' if s >= self._max_seqs else 'not live'}")
-                held = pos[owned]
-                if np.unique(held).size != held.size:
-                    raise error(f"sequence {s} holds one position in two cells")
-                count[s], newest[s] = held.size, held.max()
-                any_owner |= owned
+        for s in range(self._words * 64):  # every bit of the owner words, in range or not
+            owned = _owns(owners, s)
+            if not owned.any():
+                continue
+            if s >= self._max_seqs or not is_live[s]:
+                raise error(f"owners: sequence {s} owns cells but is {'out of range' if s >= self._max_seqs else 'not live'}")
+            held = pos[owned]
+            if np.unique(held).size != held.size:
+                raise error(f"sequence {s} holds one position in two cells")
+            count[s], newest[s] = held.size, held.max()
+            any_owner |= owned
         if not any_owner.all():
             raise error("owners: every occupied cell needs an owner")
         self.clear()
