@@ -21,6 +21,7 @@ import mlx.core as mx
 from kvlayout import registry
 from kvlayout.config import CacheConfig
 from kvlayout.errors import ConfigError, KVLayoutError
+from kvlayout.mlx.pool import DTYPES
 from kvlayout.runner.cell_engine import CellEngine
 from kvlayout.runner.config import RunConfig
 from kvlayout.runner.recovery import Interrupted
@@ -81,7 +82,7 @@ def load(cfg: RunConfig):
     if cfg.model.preset is not None:
         model, args, tok = build_preset(cfg.model.preset, seed=cfg.model.seed)
         if dtype is not None:
-            model.set_dtype({"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[dtype])
+            model.set_dtype(DTYPES[dtype])
         return model, args, tok, f"preset:{cfg.model.preset}"
     model_dir = cfg.model_dir()
     model, args, tok = load_model(model_dir, dtype)

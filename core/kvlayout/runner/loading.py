@@ -15,10 +15,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
+from kvlayout.mlx.pool import DTYPES
 from kvlayout.runner.model import Model, ModelArgs
 from kvlayout.runner.tokenizer import load_tokenizer
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

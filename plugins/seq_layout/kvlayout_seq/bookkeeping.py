@@ -178,8 +178,8 @@ class SeqBook:
         # Every layer of a forward gets the same step, so the tightest ring bounds
         # it at every layer: a step no ring can take is refused at the first layer,
         # before any layer has written it.
-        self.max_step = min(p.max_write for p in self.policies)
         self._tightest = min(self.policies, key=lambda p: p.max_write)
+        self.max_step = self._tightest.max_write
         self.length = 0
         self._open: _OpenStep | None = None  # the step abort_step would undo
 

@@ -7,7 +7,7 @@ which to read back; this module only moves bytes and builds the band mask.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -15,19 +15,11 @@ import mlx.core as mx
 import numpy as np
 
 from kvlayout.config import CacheConfig
-from kvlayout.errors import ConfigError, StepError
+from kvlayout.errors import StepError
 from kvlayout.faces import AttendSpec, FacesBase, MaskKind, SeqStepPlan
 from kvlayout.mlx import MLXPool
 
 from kvlayout_seq.bookkeeping import SeqBook, band_mask
-
-
-def _as_config(config: Any) -> CacheConfig:
-    if isinstance(config, CacheConfig):
-        return config
-    if isinstance(config, Mapping):
-        return CacheConfig.from_mapping(config)
-    raise ConfigError(f"config: expected a CacheConfig or a mapping, got {type(config).__name__}")
 
 
 def _positions(positions: Any) -> np.ndarray:
@@ -73,7 +65,7 @@ class SeqCache(FacesBase):
     """
 
     def __init__(self, config: Any):
-        self.config = config = _as_config(config)
+        self.config = config = CacheConfig.coerce(config)
         layers = [config.layer(i) for i in range(config.n_layers)]
         self._book = SeqBook(
             config.capacity,
@@ -163,19 +155,14 @@ class SeqCache(FacesBase):
         layer, plan = self._plan(layer, pos, k, v)
         k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
         # Nothing below may raise: the plan was checked whole, pools were sized by the policy.
-        if len(plan.writes) == 1:
-            k_pool.write(plan.writes[0].slot, k)
-            v_pool.write(plan.writes[0].slot, v)
-        else:  # a ring write that wraps: the head of the step, then the rest from slot 0
-            for run, first in zip(plan.writes, _offsets(plan.writes)):
-                k_pool.write(run.slot, k[:, :, first : first + run.length, :])
-                v_pool.write(run.slot, v[:, :, first : first + run.length, :])
+        _scatter(k_pool, plan, k)
+        _scatter(v_pool, plan, v)
         self._book.commit(plan, layer)
         keys = _gather(k_pool, plan)  # [1, H_kv, S, D]
         values = _gather(v_pool, plan)
         mask = None
         if plan.mask_kind is MaskKind.EXPLICIT:
-            mask = mx.array(band_mask(plan.length, plan.read_len, plan.window))[None, None]  # [1, 1, T, S]
+            mask = _band_mask(plan.length, plan.read_len, plan.window)  # [1, 1, T, S]
         return AttendSpec(keys, values, plan.mask_kind, mask)
 
     def _plan(self, layer: Any, pos: np.ndarray, k: Any, v: Any) -> tuple[int, SeqStepPlan]:
@@ -195,20 +182,29 @@ class SeqCache(FacesBase):
         if pos.size == 0:
             raise StepError(f"positions is empty: a step of 0 token(s) at layer {layer}: expected at least 1")
         start = int(pos[0])
-        if pos.size and not np.array_equal(pos, np.arange(start, start + pos.size)):
+        if not np.array_equal(pos, np.arange(start, start + pos.size)):
             raise StepError(
                 f"positions {_show(pos)}: expected {pos.size} consecutive integers starting at {start}"
             )
         return layer, self._book.plan(layer, start, pos.size)
 
 
-def _offsets(runs) -> list[int]:
-    """Where each run's tokens begin inside the step."""
-    out, total = [], 0
-    for run in runs:
-        out.append(total)
-        total += run.length
-    return out
+def _scatter(pool: MLXPool, plan: SeqStepPlan, x: mx.array) -> None:
+    """Write the step's tokens `x` `[1, H_kv, T, D]` into the plan's write runs, in order."""
+    if len(plan.writes) == 1:
+        pool.write(plan.writes[0].slot, x)
+        return
+    first = 0  # a ring write that wraps: the head of the step, then the rest from slot 0
+    for run in plan.writes:
+        pool.write(run.slot, x[:, :, first : first + run.length, :])
+        first += run.length
+
+
+@functools.lru_cache(maxsize=4)  # a few windows per step; masks of long prefill steps are large
+def _band_mask(length: int, read_len: int, window: int) -> mx.array:
+    """`band_mask` as an MLX `[1, 1, T, S]`, built once per step shape: every ring layer
+    of a window gets the same one (arrays are values, so sharing it is safe)."""
+    return mx.array(band_mask(length, read_len, window))[None, None]
 
 
 def _gather(pool: MLXPool, plan: SeqStepPlan) -> mx.array:
