@@ -102,10 +102,16 @@ class AttendGroups:
     - `keys`/`values` `[1, H_kv, S, D]`, S > every cell: what the cells index.
       Row-contiguous arrays (a layout passes its whole pool buffer) let the
       gather read them as `[H_kv * S, D]` rows with no copy.
+    - `page` (optional, 0 = off): B > 0 makes `cells` int32 `[G, P]` page
+      indices instead, page p being cells `[p * B, (p + 1) * B)`; the group
+      attends all `P * B` slots of its pages, in page order, under `mask`
+      `[G, 1, Qg, P * B]`. S must be a multiple of B: pages are then read in
+      place (a view of the pool), where gathering would copy the rows.
     - `more` (optional): further batches of groups as `(tokens, cells, mask)`
-      triples shaped like the fields above, each run as its own SDPA so it is
-      padded only to its own longest group; `out` then indexes the grouped
-      query slots of all batches, concatenated in order (the fields first).
+      triples or `(tokens, cells, mask, page)` quadruples shaped like the
+      fields above, each run as its own SDPA so it is padded only to its own
+      longest group; `out` then indexes the grouped query slots of all
+      batches, concatenated in order (the fields first).
     """
 
     tokens: Any
@@ -115,6 +121,7 @@ class AttendGroups:
     keys: Any = None
     values: Any = None
     more: tuple = ()
+    page: int = 0
 
 
 @attrs.frozen(eq=False)

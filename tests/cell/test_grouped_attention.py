@@ -1,7 +1,7 @@
 """Grouped attention: the same steps through the dense mask and through groups give one result.
 
-Three caches (attention_path dense, grouped, auto) receive identical steps,
-K/V and queries; every layer's `attend()` output must agree to 1e-5 in
+Four caches (attention_path dense, grouped, paged, auto) receive identical
+steps, K/V and queries; every layer's `attend()` output must agree to 1e-5 in
 float32. The steps cover batched prefill chunks of several sequences, ragged
 lengths, forks sharing prefix cells, ring windows and freed cells refilled.
 """
@@ -16,7 +16,7 @@ from kvlayout import CacheConfig, ConfigError, LayerConfig, LayerPolicy
 from kvlayout.mlx import attend
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
-from kvlayout_cell.groups import choose, dense_cost, grouped_cost, plan_groups
+from kvlayout_cell.groups import choose, dense_cost, grouped_cost, page_batch, plan_groups
 
 H_Q, H_KV, D = 4, 2, 8
 SCALE = D**-0.5
@@ -32,11 +32,14 @@ def trio(capacity=128, kv_dtype="float32"):
         capacity=capacity, n_layers=len(LAYERS), layers=LAYERS, kv_dtype=kv_dtype, initial_capacity=4, max_seqs=8
     )
     caches = {}
-    for path in ("dense", "grouped", "auto"):
+    for path in ("dense", "grouped", "paged", "auto"):
         c = CellCache(config, make_plugin_manager())
         c.attention_path = path
         caches[path] = c
     return caches
+
+
+PAGED = {"grouped": 0, "paged": 0, "auto": 0}  # batches read by pages, per path, over the module
 
 
 def serve(caches, tokens, rng):
@@ -52,11 +55,15 @@ def serve(caches, tokens, rng):
         for layer, (q, k, v) in enumerate(data):
             spec = c.update_and_fetch(layer, positions, k, v)
             grouped[path].append(spec.groups is not None)
+            if spec.groups is not None:
+                pages = [spec.groups.page] + [b[3] for b in spec.groups.more]
+                assert path in ("paged", "auto") or not any(pages)
+                PAGED[path] += sum(p > 0 for p in pages)
             outs[path].append(np.array(attend(q, spec, SCALE)))
-    assert not any(grouped["dense"]) and all(grouped["grouped"])
+    assert not any(grouped["dense"]) and all(grouped["grouped"]) and all(grouped["paged"])
     for layer in range(len(LAYERS)):
-        np.testing.assert_allclose(outs["grouped"][layer], outs["dense"][layer], atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(outs["auto"][layer], outs["dense"][layer], atol=1e-5, rtol=1e-5)
+        for path in ("grouped", "paged", "auto"):
+            np.testing.assert_allclose(outs[path][layer], outs["dense"][layer], atol=1e-5, rtol=1e-5)
     return grouped["auto"][0]
 
 
@@ -268,7 +275,7 @@ def test_a_grouped_step_builds_its_dense_mask_only_when_read_even_after_the_tabl
     for path, c in caches.items():
         assert c.declare_step([a, b])
         specs[path] = c.update_and_fetch(0, [2, 1], mx.zeros((1, H_KV, 2, D)), mx.zeros((1, H_KV, 2, D)))
-        assert (specs[path].groups is not None) == (path == "grouped")
+        assert (specs[path].groups is not None) == (path in ("grouped", "paged"))
     step = caches["grouped"]._placed.steps[0]
     assert callable(step._mask)  # not built: the grouped path never read it
     for c in caches.values():  # the step ends and the table moves on before anyone reads the mask
@@ -279,3 +286,57 @@ def test_a_grouped_step_builds_its_dense_mask_only_when_read_even_after_the_tabl
     assert want[0, 0].tolist() == [[True, True, False, True, False], [False, False, True, False, True]]
     np.testing.assert_array_equal(np.array(specs["grouped"].mask), want)
     np.testing.assert_array_equal(step.mask, want[0, 0])
+
+
+def test_page_batch_picks_the_cheapest_page_size_and_masks_foreign_cells():
+    # group 0 holds cells 0-3 and 8-9, group 1 cells 4-6 and 12 (two padding slots); one query each
+    cells = np.array([[0, 1, 2, 3, 8, 9], [4, 5, 6, 12, 0, 0]])
+    mask = np.zeros((2, 1, 6), dtype=bool)
+    mask[0, 0, :] = True
+    mask[1, 0, :3] = True  # group 1's query sees 4-6, not 12
+    k_counts = np.array([6, 4])
+    # in pairs: gathered 2 * 6 * 2 = 24; pages of 16: 2 * 1 * (16 + 8) = 48; of 8 and 4: 2 * 2 * (8 + 8), (4 + 8)
+    assert page_batch(cells, mask, k_counts, 16, "auto") is None
+    size, pages, paged = page_batch(cells, mask, k_counts, 16, "paged")
+    assert size == 16 and pages.tolist() == [[0], [0]]
+    assert np.flatnonzero(paged[0, 0]).tolist() == [0, 1, 2, 3, 8, 9]
+    assert np.flatnonzero(paged[1, 0]).tolist() == [4, 5, 6]
+    # a pool of 24 slots: pages of 8 (2 * 2 * (8 + 8)) lose to pages of 4 (2 * 2 * (4 + 8));
+    # group 0 reads pages 0 and 2, group 1 pages 1 and 3 (its cell 12, which no query sees)
+    size, pages, paged = page_batch(cells, mask, k_counts, 24, "paged")
+    assert size == 4 and pages.tolist() == [[0, 2], [1, 3]]
+    assert np.flatnonzero(paged[0, 0]).tolist() == [0, 1, 2, 3, 4, 5]
+    assert np.flatnonzero(paged[1, 0]).tolist() == [0, 1, 2]
+    # without cell 12, group 1 has one page: the second repeats it, every slot of it masked
+    size, pages, paged = page_batch(cells, mask, np.array([6, 3]), 24, "paged")
+    assert size == 4 and pages.tolist() == [[0, 2], [1, 1]]
+    assert np.flatnonzero(paged[1, 0]).tolist() == [0, 1, 2]
+    assert page_batch(cells, mask, k_counts, 10, "paged") is None  # no page size tiles 10 slots
+
+
+def test_auto_reads_long_private_runs_by_pages_and_scattered_cells_by_gathering():
+    # two decodes over 64 private cells each, in runs of 64: pages of 64 cost 2 * (64 + 8) < 2 * 64 * 2
+    cells = np.stack([np.arange(64), np.arange(64, 128)])
+    mask = np.ones((2, 1, 64), dtype=bool)
+    size, pages, paged = page_batch(cells, mask, np.array([64, 64]), 128, "auto")
+    assert size == 64 and pages.tolist() == [[0], [1]] and paged.all()
+    # the same counts interleaved cell by cell: any page is half foreign, gathering is cheaper
+    assert page_batch(np.stack([np.arange(0, 128, 2), np.arange(1, 128, 2)]), mask, np.array([64, 64]), 128) is None
+
+
+def test_sequences_prefilled_in_turns_decode_by_pages_with_the_dense_result(rng):
+    # four sequences, 64-token chunks written in turn: each owns two aligned runs of 64 cells
+    caches = trio(capacity=1024)
+    seqs = [on_all(caches, "seq_new") for _ in range(4)]
+    before = dict(PAGED)
+    for start in (0, 64):
+        for s in seqs:
+            serve(caches, [(s, start + i) for i in range(64)], rng)
+    for step in range(2):
+        serve(caches, [(s, 128 + step) for s in seqs], rng)
+    assert PAGED["paged"] > before["paged"] and PAGED["auto"] > before["auto"]
+
+
+def test_every_path_was_exercised_by_pages():
+    # over this module's steps the forced path read pages, and "grouped" never did
+    assert PAGED["paged"] > 0 and PAGED["grouped"] == 0

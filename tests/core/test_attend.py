@@ -134,3 +134,56 @@ def test_groups_without_a_mask_attend_every_gathered_cell(rng):
     assert got.dtype == mx.float32
     ref = reference(q, k.astype(np.float16), v.astype(np.float16), allowed)
     np.testing.assert_allclose(np.array(got), ref, atol=1e-5)
+
+
+def test_paged_groups_read_whole_pages_with_foreign_cells_masked(rng):
+    # 3 tokens in 2 groups over a store of 12 cells in pages of 4; group 0 reads pages 0 and 2,
+    # group 1 page 1 (padded with a second, fully masked copy of it).
+    q, k, v = qkv(rng, 3, 12)
+    tokens = np.array([[0, 2], [1, 1]], dtype=np.int32)
+    pages = np.array([[0, 2], [1, 1]], dtype=np.int32)
+    pmask = np.zeros((2, 2, 8), dtype=bool)
+    pmask[0, 0, [0, 1, 4]] = True  # token 0: cells 0, 1, 8
+    pmask[0, 1, [0, 1, 4, 5, 6]] = True  # token 2: cells 0, 1, 8, 9, 10
+    pmask[1, :, [1, 3]] = True  # token 1: cells 5, 7 (both query slots: the padding repeats it)
+    allowed = np.zeros((3, 12), dtype=bool)
+    allowed[0, [0, 1, 8]] = allowed[2, [0, 1, 8, 9, 10]] = allowed[1, [5, 7]] = True
+    out = np.array([0, 2, 1], dtype=np.int32)
+    groups = AttendGroups(
+        mx.array(tokens), mx.array(pages), mx.array(pmask)[:, None], mx.array(out), mx.array(k), mx.array(v), page=4
+    )
+    got = np.array(attend_groups(mx.array(q), groups, SCALE))
+    np.testing.assert_allclose(got, reference(q, k, v, allowed), atol=1e-5)
+    # narrower storage than q: the pages' cells are gathered and cast, same result as the dense path
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    half = AttendGroups(
+        mx.array(tokens), mx.array(pages), mx.array(pmask)[:, None], mx.array(out), mx.array(k16), mx.array(v16),
+        page=4,
+    )
+    got16 = attend_groups(mx.array(q), half, SCALE)
+    assert got16.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got16), reference(q, k16, v16, allowed), atol=1e-5)
+
+
+def test_a_paged_batch_beside_a_gathered_one_lands_each_output_in_token_order(rng):
+    # tokens 0 and 1 read pages 0 and 1 (cells 0-3, 4-7) unmasked; token 2 gathers cells 3 and 6
+    q, k, v = qkv(rng, 3, 8)
+    i32 = lambda rows: mx.array(np.array(rows, dtype=np.int32))  # noqa: E731
+    gathered = (i32([[2]]), i32([[3, 6]]), None, 0)
+    groups = AttendGroups(
+        i32([[0], [1]]), i32([[0], [1]]), None, i32([0, 1, 2]), mx.array(k), mx.array(v), more=(gathered,), page=4
+    )
+    allowed = np.zeros((3, 8), dtype=bool)
+    allowed[0, :4] = allowed[1, 4:] = allowed[2, [3, 6]] = True
+    got = np.array(attend_groups(mx.array(q), groups, SCALE))
+    np.testing.assert_allclose(got, reference(q, k, v, allowed), atol=1e-5)
+
+
+def test_pages_that_do_not_tile_the_store_are_refused(rng):
+    q, k, v = qkv(rng, 1, 10)
+    groups = AttendGroups(
+        mx.array(np.array([[0]], dtype=np.int32)), mx.array(np.array([[0]], dtype=np.int32)), None,
+        mx.array(np.array([0], dtype=np.int32)), mx.array(k), mx.array(v), page=4,
+    )
+    with pytest.raises(ValueError, match="pages of 4 cells do not tile the 10 slots"):
+        attend_groups(mx.array(q), groups, SCALE)

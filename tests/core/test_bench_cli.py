@@ -24,10 +24,10 @@ def test_bench_refuses_an_unknown_row(capsys):
 def test_bench_quick_row_prints_its_table_and_writes_json_and_png(tmp_path, capsys):
     assert cli.main(["bench", "--quick", "--rows", "grouped", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "6 grouped" in out and "decode step: grouped / dense" in out and "workloads" in out
+    assert "6 grouped" in out and "decode step: layout / dense" in out and "workloads" in out
     payload = json.loads((tmp_path / "bench.json").read_text())
     [row] = payload["rows"]
-    assert row["key"] == "grouped" and len(row["results"]) == 3
+    assert row["key"] == "grouped" and len(row["results"]) == 4
     assert all(r["a_median_s"] > 0 and r["b_median_s"] > 0 for r in row["results"])
     png = (tmp_path / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"

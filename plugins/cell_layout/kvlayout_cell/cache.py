@@ -9,7 +9,9 @@ When that mask is sparse (many sequences, few shared cells) the spec also
 carries `groups`: the step's tokens grouped by sequence, each with only the
 cells it may see, so `attend()` does work proportional to what each token
 attends. The choice is made once per window per step by the cost rule in
-`kvlayout_cell.groups`; `attention_path` forces either side.
+`kvlayout_cell.groups`, which also decides whether a batch of groups gathers
+its cells or reads whole pages of the pool in place; `attention_path` forces
+a side.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ class CellCache(CellStepper, FacesBase):
     tests pass a fresh one).
 
     `attention_path`: "auto" (default: grouped attention when the rule in
-    `kvlayout_cell.groups` finds it cheaper), "dense" or "grouped" (forced;
-    results are identical either way, up to float rounding).
+    `kvlayout_cell.groups` finds it cheaper, each batch gathered or read by
+    pages, whichever is cheaper), "dense", "grouped" (every batch gathered)
+    or "paged" (pages wherever a page size divides the pool) (forced; results
+    are identical either way, up to float rounding).
     """
 
     attention_path: str = "auto"
@@ -142,8 +146,9 @@ class CellCache(CellStepper, FacesBase):
         held = self._mx_groups.get(window)
         if held is None or held[0] is not step or held[1] != path:
             placed = self._placed  # the step place_step just served
+            slots = self.keys[layer].slots  # every layer's pool holds as many: they take the same cells
             plan = plan_cells(
-                placed.seq_ids, placed.positions, window, step.read_len, self.seq_keys, path, self.held
+                placed.seq_ids, placed.positions, window, step.read_len, self.seq_keys, path, self.held, slots
             )
             groups = None
             if plan is not None:
@@ -153,9 +158,15 @@ class CellCache(CellStepper, FacesBase):
                     mask=None if plan.mask is None else mx.array(plan.mask)[:, None],  # bool [G, 1, Qg, Kg]
                     out=mx.array(plan.out),  # int32 [T]
                     more=tuple(
-                        (mx.array(b.tokens), mx.array(b.cells), None if b.mask is None else mx.array(b.mask)[:, None])
+                        (
+                            mx.array(b.tokens),
+                            mx.array(b.cells),
+                            None if b.mask is None else mx.array(b.mask)[:, None],
+                            b.page,
+                        )
                         for b in plan.more
                     ),  # further batches, shaped likewise
+                    page=plan.page,
                 )
             held = (step, path, groups)
             self._mx_groups[window] = held

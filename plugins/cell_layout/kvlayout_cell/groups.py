@@ -29,6 +29,24 @@ group that sees every cell: `read_len * (T + 1)`), or a few forks still
 sharing most of their cells, stays dense. Whichever is chosen, the result is
 the dense one's (up to float rounding): a group's padding is masked, padded
 query slots repeat a real token whose output is dropped.
+
+Pages. Gathering copies each group's K/V rows before the SDPA reads them
+again, so a gathered decode step moves three times the bytes of reading the
+rows where they lie (on a 2-core CPU, 32 sequences x 1k cells: ~1.4x the
+time of attending each sequence's contiguous K/V). When a group's cells
+fill most of a few aligned pages of the pool (cells `[p * B, (p + 1) * B)`,
+B dividing the pool's slots), the group can read those pages in place
+instead (`kvlayout.mlx.attend_groups` with `page=B`), its foreign cells in
+them masked. Per batch (`page_batch`), with P the most pages of a group:
+
+    paged    = G * P * (B * Qg + PAGE_PAIRS)   # every slot of the pages, no copy
+
+and pages of the cheapest size B replace the gathered cells when that is
+cheaper than the batch's `grouped_cost`. So a sequence whose cells are a few
+long runs (a prompt placed in one run, chunks written in turn) is read in
+place, while decode tokens scattered one cell each among other sequences'
+(where a page would be mostly foreign) stay gathered. The grouped-or-dense
+choice above is taken on the gathered cost, which pages only lower.
 """
 
 from __future__ import annotations
@@ -38,7 +56,7 @@ import numpy as np
 
 from kvlayout.errors import ConfigError
 
-PATHS = ("auto", "dense", "grouped")
+PATHS = ("auto", "dense", "grouped", "paged")  # "grouped" gathers every batch; "paged" reads pages wherever it can
 
 
 @attrs.frozen(eq=False)
@@ -46,8 +64,9 @@ class Batch:
     """One more batch of groups, run as its own SDPA (shapes as in GroupPlan)."""
 
     tokens: np.ndarray  # int32 [G_b, Q_b]
-    cells: np.ndarray  # int32 [G_b, K_b]
+    cells: np.ndarray  # int32 [G_b, K_b]; with page = B: page indices [G_b, P_b], K_b = P_b * B slots
     mask: np.ndarray | None  # bool [G_b, Q_b, K_b], None = all visible
+    page: int = 0  # 0: `cells` are cells (gathered); B: pages of B cells read in place
 
 
 @attrs.frozen(eq=False)
@@ -60,16 +79,22 @@ class GroupPlan:
     """
 
     tokens: np.ndarray  # int32 [G, Qg]
-    cells: np.ndarray  # int32 [G, Kg]
+    cells: np.ndarray  # int32 [G, Kg] (pages [G, P] when page > 0)
     mask: np.ndarray | None  # bool [G, Qg, Kg], None = all visible
     out: np.ndarray  # int32 [T]
     more: tuple[Batch, ...] = ()
+    page: int = 0
 
 
 # What one more batch costs, in query-key pairs: an SDPA call, its gather and the concatenation
 # (about 0.1 ms on a 2-core CPU, a few hundred pairs at small head sizes); kept high so a batch
 # is split only when that saves real work, not to shave a few padded slots.
 BATCH_PAIRS = 8192
+# What reading one page of the pool in place costs beyond its slots, in query-key pairs: one small
+# matmul per page and head in each of the two `gather_mm`s (a few microseconds on a 2-core CPU).
+PAGE_PAIRS = 8
+# Page sizes tried, each only where it divides the pool's slots (the pages are then a view of it).
+PAGE_SIZES = (256, 128, 64, 32, 16, 8, 4)
 # Groups are binned by cells seen on a 2**(1/4) scale before batching: within a bin, padding
 # wastes at most ~19% of a group's keys.
 BINS_PER_OCTAVE = 4
@@ -94,11 +119,11 @@ def prefer_grouped(path: str, grouped: int, dense: int) -> bool:
     if path not in PATHS:
         raise ConfigError(f"attention path {path!r}: expected one of {', '.join(PATHS)}")
     if path != "auto":
-        return path == "grouped"
+        return path != "dense"
     return grouped < dense
 
 
-def plan_groups(seq_ids: np.ndarray, mask: np.ndarray, path: str = "auto") -> GroupPlan | None:
+def plan_groups(seq_ids: np.ndarray, mask: np.ndarray, path: str = "auto", slots: int = 0) -> GroupPlan | None:
     """Group a step's tokens by sequence; None when the dense mask is the cheaper (or forced).
 
     `seq_ids` int `[T]` names each token's sequence, `mask` bool `[T, read_len]`
@@ -139,7 +164,7 @@ def plan_groups(seq_ids: np.ndarray, mask: np.ndarray, path: str = "auto") -> Gr
         b_mask &= (np.arange(k_b)[None, :] < k_counts[gi][:, None])[:, None, :]
         return b_cells, b_mask
 
-    return _assemble(order, first, starts, q_counts, k_counts, labels, batch)
+    return _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, slots)
 
 
 def plan_cells(
@@ -150,6 +175,7 @@ def plan_cells(
     owned,
     path: str = "auto",
     held=None,
+    slots: int = 0,
 ) -> GroupPlan | None:
     """`plan_groups` for a cell-layout step, from each sequence's cells instead of the dense mask.
 
@@ -167,6 +193,7 @@ def plan_cells(
     `held(ids)` (optional) answers how many cells each id holds: on a flat
     layer a lone sequence's last token sees all of them, so the common
     single-sequence step is decided dense without looking at any cell.
+    `slots` as in `plan_groups`.
     """
     n_tokens = seq_ids.size
     if path == "dense":
@@ -206,7 +233,7 @@ def plan_cells(
             b_mask &= kp[:, None, :] >= tp - (window - 1)
         return b_cells, b_mask
 
-    return _assemble(order, first, starts, q_counts, k_counts, labels, batch)
+    return _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, slots)
 
 
 def _by_sequence(seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -241,10 +268,11 @@ def _pick_blocks(rank: np.ndarray, counts: np.ndarray, row_counts: np.ndarray):
     return best[1:]
 
 
-def _assemble(order, first, starts, q_counts, k_counts, labels, batch) -> GroupPlan:
+def _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, slots) -> GroupPlan:
     """The plan: tokens of each group (padding repeats its last token), each batch cut to its own
-    longest query run and key count, `batch(gi, tokens [G_b, Q_b], K_b)` giving its cells and mask,
-    and where each token's output lands among the batches' slots."""
+    longest query run and key count, `batch(gi, tokens [G_b, Q_b], K_b)` giving its cells and mask
+    (read by pages instead where `page_batch` finds that cheaper), and where each token's output
+    lands among the batches' slots."""
     n_tokens, q_len = order.size, int(q_counts.max())
     group = np.cumsum(first) - 1  # group of order[i]
     within = np.arange(n_tokens) - starts[group]  # its slot in the group
@@ -256,13 +284,63 @@ def _assemble(order, first, starts, q_counts, k_counts, labels, batch) -> GroupP
         q_b, k_b = int(q_counts[gi].max()), max(int(k_counts[gi].max()), 1)
         b_tokens = tokens[gi, :q_b]  # [G_b, Q_b]
         b_cells, b_mask = batch(gi, b_tokens, k_b)
-        batches.append(Batch(b_tokens, b_cells, None if b_mask.all() else b_mask))
+        paged = page_batch(b_cells, b_mask, k_counts[gi], slots, path) if slots and path != "grouped" else None
+        page = 0
+        if paged is not None:
+            page, b_cells, b_mask = paged
+        batches.append(Batch(b_tokens, b_cells, None if b_mask.all() else b_mask, page))
         slot_of_group[gi] = offset + np.arange(gi.size) * q_b
         offset += gi.size * q_b
     out = np.empty(n_tokens, dtype=np.int32)
     out[order] = slot_of_group[group] + within
     head = batches[0]
-    return GroupPlan(head.tokens, head.cells, head.mask, out, tuple(batches[1:]))
+    return GroupPlan(head.tokens, head.cells, head.mask, out, tuple(batches[1:]), head.page)
+
+
+def page_batch(cells: np.ndarray, mask: np.ndarray, k_counts: np.ndarray, slots: int, path: str = "auto"):
+    """`(B, pages, mask)` reading a batch's cells as whole pages of B cells, or None to gather them.
+
+    `cells` int `[G, K]` and `mask` bool `[G, Q, K]` are the gathered batch
+    (slots past `k_counts[g]` are padding, masked); `slots` the pool's cells.
+    Each group's pages (ascending, padded with its first page, masked) are
+    `pages` int32 `[G, P]`; slot `r * B + o` of a group is cell `pages[g, r] *
+    B + o`, visible where the gathered slot of that cell was, masked where
+    the cell is not the group's. B is the cheapest of PAGE_SIZES dividing
+    `slots`; None when none does, or (path "auto") when pages cost no less
+    than gathering. O(G * K) per size tried, plus the new mask.
+    """
+    n_groups, q_len, k_len = mask.shape
+    valid = np.arange(k_len)[None, :] < k_counts[:, None]  # [G, K]
+    ordered = np.sort(np.where(valid, cells, -slots), axis=1)  # [G, K], the padding first; sorted once:
+    best = None  # a page index is monotone in the cell, so `ordered // size` is sorted too
+    for size in PAGE_SIZES:
+        if slots % size:
+            continue
+        ids = ordered // size  # [G, K], the padding < 0
+        new = ids >= 0
+        new[:, 1:] &= ids[:, 1:] != ids[:, :-1]  # the first slot of each distinct page
+        n_pages = np.count_nonzero(new, axis=1)  # [G], >= 1: a group has a real cell
+        cost = n_groups * int(n_pages.max()) * (size * q_len + PAGE_PAIRS)
+        if best is None or cost < best[0]:
+            best = (cost, size, ids, new, n_pages)
+        if path == "auto" and (n_pages == k_counts).all():  # a page per cell: no smaller page beats gathering
+            break
+    if best is None or (path == "auto" and best[0] >= grouped_cost(n_groups, q_len, k_len)):
+        return None
+    _, size, ids, new, n_pages = best
+    g_of, at = np.nonzero(new)  # by group, pages ascending
+    before = np.cumsum(n_pages) - n_pages  # [G]: a group's first page among all groups' pages
+    rank = np.arange(g_of.size) - before[g_of]
+    pages = np.repeat(ids[np.arange(n_groups), np.argmax(new, axis=1)][:, None], int(n_pages.max()), axis=1)
+    pages[g_of, rank] = ids[g_of, at]  # [G, P]
+    # Each real cell's page rank within its group, by binary search over (group, page) keys.
+    span = np.int64(slots // size + 1)
+    keys = g_of.astype(np.int64) * span + ids[g_of, at]  # ascending
+    gi, ji = np.nonzero(valid)
+    page_rank = np.searchsorted(keys, gi * span + cells[gi, ji] // size) - before[gi]
+    paged = np.zeros((n_groups, q_len, pages.shape[1] * size), dtype=bool)  # [G, Q, P * B]
+    paged[gi, :, page_rank * size + cells[gi, ji] % size] = mask[gi, :, ji]  # distinct cells: distinct slots
+    return size, pages.astype(np.int32), paged
 
 
 def batch_groups(q_counts: np.ndarray, k_counts: np.ndarray) -> tuple[int, np.ndarray]:
