@@ -12,12 +12,13 @@ from kvlayout.errors import (
     StateError,
     StepError,
 )
-from kvlayout.faces import AttendGroups, AttendSpec, CellStep, MaskKind
+from kvlayout.faces import AttendBatch, AttendGroups, AttendSpec, CellStep, MaskKind
 from kvlayout.hookspecs import hookimpl
 from kvlayout.persist import load
 from kvlayout.registry import available, build, plugin_manager, resolve
 
 __all__ = [
+    "AttendBatch",
     "AttendGroups",
     "AttendSpec",
     "Builder",

@@ -103,15 +103,17 @@ class AttendGroups:
       Row-contiguous arrays (a layout passes its whole pool buffer) let the
       gather read them as `[H_kv * S, D]` rows with no copy.
     - `page` (optional, 0 = off): B > 0 makes `cells` int32 `[G, P]` page
-      indices instead, page p being cells `[p * B, (p + 1) * B)`; the group
-      attends all `P * B` slots of its pages, in page order, under `mask`
-      `[G, 1, Qg, P * B]`. S must be a multiple of B: pages are then read in
-      place (a view of the pool), where gathering would copy the rows.
-    - `more` (optional): further batches of groups as `(tokens, cells, mask)`
-      triples or `(tokens, cells, mask, page)` quadruples shaped like the
-      fields above, each run as its own SDPA so it is padded only to its own
-      longest group; `out` then indexes the grouped query slots of all
-      batches, concatenated in order (the fields first).
+      indices instead, page p being cells `[p * B, (p + 1) * B)`, read in
+      place (S must be a multiple of B: the pages are a view of the pool,
+      where gathering would copy the rows); `tail` (optional) int32
+      `[G, Kt]` are cells gathered beside them. The group attends the
+      `P * B` slots of its pages, in page order, then its tail, under `mask`
+      `[G, 1, Qg, P * B + Kt]`.
+    - `more` (optional): further batches of groups, each an `AttendBatch`
+      (or a `(tokens, cells, mask)` triple) shaped like the fields above,
+      each run apart so it is padded only to its own longest group; `out`
+      then indexes the grouped query slots of all batches, concatenated in
+      order (the fields first).
     """
 
     tokens: Any
@@ -122,6 +124,23 @@ class AttendGroups:
     values: Any = None
     more: tuple = ()
     page: int = 0
+    tail: Any = None
+
+    def batches(self) -> tuple[AttendBatch, ...]:
+        """Every batch, the fields' first, as AttendBatch records."""
+        head = AttendBatch(self.tokens, self.cells, self.mask, self.page, self.tail)
+        return (head,) + tuple(b if isinstance(b, AttendBatch) else AttendBatch(*b) for b in self.more)
+
+
+@attrs.frozen(eq=False)
+class AttendBatch:
+    """One batch of groups of an AttendGroups: its fields of the same names, for one batch."""
+
+    tokens: Any
+    cells: Any
+    mask: Any
+    page: int = 0
+    tail: Any = None
 
 
 @attrs.frozen(eq=False)

@@ -40,6 +40,7 @@ def trio(capacity=128, kv_dtype="float32"):
 
 
 PAGED = {"grouped": 0, "paged": 0, "auto": 0}  # batches read by pages, per path, over the module
+TAILS = dict.fromkeys(PAGED, 0)  # paged batches that also gathered cells
 
 
 def serve(caches, tokens, rng):
@@ -56,9 +57,10 @@ def serve(caches, tokens, rng):
             spec = c.update_and_fetch(layer, positions, k, v)
             grouped[path].append(spec.groups is not None)
             if spec.groups is not None:
-                pages = [spec.groups.page] + [b[3] for b in spec.groups.more]
+                pages = [b.page for b in spec.groups.batches()]
                 assert path in ("paged", "auto") or not any(pages)
                 PAGED[path] += sum(p > 0 for p in pages)
+                TAILS[path] += sum(b.tail is not None for b in spec.groups.batches())
             outs[path].append(np.array(attend(q, spec, SCALE)))
     assert not any(grouped["dense"]) and all(grouped["grouped"]) and all(grouped["paged"])
     for layer in range(len(LAYERS)):
@@ -252,7 +254,7 @@ def test_plan_cells_agrees_with_plan_groups_on_what_each_token_sees():
             step = c.update_and_fetch(layer, pos, mx.zeros((1, H_KV, T, D)), mx.zeros((1, H_KV, T, D)))
             mask = np.array(step.mask)[0, 0]  # [T, read_len]
             for plan in (plan_groups(ids, mask, "grouped"), plan_cells(ids, pos, window, mask.shape[1], c.seq_keys, "grouped")):
-                batches = [(plan.tokens, plan.cells, plan.mask)] + [(b.tokens, b.cells, b.mask) for b in plan.more]
+                batches = [(b.tokens, b.cells, b.mask) for b in plan.batches()]
                 seen = np.zeros_like(mask)
                 slots = []
                 for tok, cells, m in batches:
@@ -288,55 +290,92 @@ def test_a_grouped_step_builds_its_dense_mask_only_when_read_even_after_the_tabl
     np.testing.assert_array_equal(step.mask, want[0, 0])
 
 
-def test_page_batch_picks_the_cheapest_page_size_and_masks_foreign_cells():
-    # group 0 holds cells 0-3 and 8-9, group 1 cells 4-6 and 12 (two padding slots); one query each
-    cells = np.array([[0, 1, 2, 3, 8, 9], [4, 5, 6, 12, 0, 0]])
-    mask = np.zeros((2, 1, 6), dtype=bool)
+def test_page_batch_reads_the_pages_a_group_fills_and_gathers_the_rest():
+    # pool of 32 slots; one query per group. Group 0: cells 0-15 and 20; group 1: cells 16-19 and 21-31.
+    cells = np.array([list(range(16)) + [20], list(range(16, 20)) + list(range(21, 32)) + [0, 0]])
+    mask = np.zeros((2, 1, 17), dtype=bool)
     mask[0, 0, :] = True
-    mask[1, 0, :3] = True  # group 1's query sees 4-6, not 12
-    k_counts = np.array([6, 4])
-    # in pairs: gathered 2 * 6 * 2 = 24; pages of 16: 2 * 1 * (16 + 8) = 48; of 8 and 4: 2 * 2 * (8 + 8), (4 + 8)
-    assert page_batch(cells, mask, k_counts, 16, "auto") is None
-    size, pages, paged = page_batch(cells, mask, k_counts, 16, "paged")
-    assert size == 16 and pages.tolist() == [[0], [0]]
-    assert np.flatnonzero(paged[0, 0]).tolist() == [0, 1, 2, 3, 8, 9]
-    assert np.flatnonzero(paged[1, 0]).tolist() == [4, 5, 6]
-    # a pool of 24 slots: pages of 8 (2 * 2 * (8 + 8)) lose to pages of 4 (2 * 2 * (4 + 8));
-    # group 0 reads pages 0 and 2, group 1 pages 1 and 3 (its cell 12, which no query sees)
-    size, pages, paged = page_batch(cells, mask, k_counts, 24, "paged")
-    assert size == 4 and pages.tolist() == [[0, 2], [1, 3]]
-    assert np.flatnonzero(paged[0, 0]).tolist() == [0, 1, 2, 3, 4, 5]
-    assert np.flatnonzero(paged[1, 0]).tolist() == [0, 1, 2]
-    # without cell 12, group 1 has one page: the second repeats it, every slot of it masked
-    size, pages, paged = page_batch(cells, mask, np.array([6, 3]), 24, "paged")
-    assert size == 4 and pages.tolist() == [[0, 2], [1, 1]]
-    assert np.flatnonzero(paged[1, 0]).tolist() == [0, 1, 2]
-    assert page_batch(cells, mask, k_counts, 10, "paged") is None  # no page size tiles 10 slots
+    mask[1, 0, :15] = True  # group 1's padding is masked
+    # A page of 16 is kept when 2 * held > 16 + PAGE_PAIRS (8): held 16 (group 0) and 15 (group 1) are,
+    # cell 20 alone is not; no group fills half a page of 32. Cost 2 * (1 * 24 + 1 * 2) = 52 < gathered 2 * 17 * 2.
+    size, pages, tail, paged = page_batch(cells, mask, np.array([17, 15]), 32)
+    assert size == 16 and pages.tolist() == [[0], [1]]
+    assert tail.tolist() == [[20], [0]]  # group 1 has no tail: a masked padding cell
+    assert paged.shape == (2, 1, 16 + 1)
+    assert np.flatnonzero(paged[0, 0]).tolist() == list(range(17))
+    # group 1 in page 1 (cells 16-31): not cell 20 (slot 4, group 0's), not its tail's padding (slot 16)
+    assert np.flatnonzero(paged[1, 0]).tolist() == [0, 1, 2, 3] + list(range(5, 16))
 
 
 def test_auto_reads_long_private_runs_by_pages_and_scattered_cells_by_gathering():
     # two decodes over 64 private cells each, in runs of 64: pages of 64 cost 2 * (64 + 8) < 2 * 64 * 2
     cells = np.stack([np.arange(64), np.arange(64, 128)])
     mask = np.ones((2, 1, 64), dtype=bool)
-    size, pages, paged = page_batch(cells, mask, np.array([64, 64]), 128, "auto")
-    assert size == 64 and pages.tolist() == [[0], [1]] and paged.all()
+    size, pages, tail, paged = page_batch(cells, mask, np.array([64, 64]), 128)
+    assert size == 64 and pages.tolist() == [[0], [1]] and tail is None and paged.all()
     # the same counts interleaved cell by cell: any page is half foreign, gathering is cheaper
     assert page_batch(np.stack([np.arange(0, 128, 2), np.arange(1, 128, 2)]), mask, np.array([64, 64]), 128) is None
 
 
+def test_the_forced_paged_path_reads_half_full_pages_where_a_size_tiles_the_pool():
+    cells, mask = np.array([[0, 1, 5]]), np.ones((1, 1, 3), dtype=bool)
+    # pages of 8 hold 3 of 8 (not kept); of 4: page 0 holds 2 of 4 (kept), page 1 one (gathered)
+    size, pages, tail, paged = page_batch(cells, mask, np.array([3]), 8, "paged")
+    assert (size, pages.tolist(), tail.tolist()) == (4, [[0]], [[5]])
+    assert np.flatnonzero(paged[0, 0]).tolist() == [0, 1, 4]
+    assert page_batch(cells, mask, np.array([3]), 8) is None  # "auto": gathering 3 cells is cheaper
+    assert page_batch(cells, mask, np.array([3]), 10, "paged") is None  # no page size tiles 10 slots
+
+
 def test_sequences_prefilled_in_turns_decode_by_pages_with_the_dense_result(rng):
-    # four sequences, 64-token chunks written in turn: each owns two aligned runs of 64 cells
-    caches = trio(capacity=1024)
+    # Four sequences, 64-token chunks written in turn (each owns two aligned runs of 64 cells), over
+    # rows of H_kv * D = 256 elements: "auto" reads the decode step by pages, as "paged" does.
+    h_kv, d = 2, 128
+    config = CacheConfig(capacity=1024, n_layers=1, layers=[LayerConfig(h_kv, d)], kv_dtype="float32", max_seqs=8)
+    caches = {path: CellCache(config, make_plugin_manager()) for path in ("dense", "paged", "auto")}
+    for path, c in caches.items():
+        c.attention_path = path
     seqs = [on_all(caches, "seq_new") for _ in range(4)]
-    before = dict(PAGED)
     for start in (0, 64):
         for s in seqs:
-            serve(caches, [(s, start + i) for i in range(64)], rng)
-    for step in range(2):
-        serve(caches, [(s, 128 + step) for s in seqs], rng)
-    assert PAGED["paged"] > before["paged"] and PAGED["auto"] > before["auto"]
+            kv = mx.array(rng.normal(size=(1, h_kv, 64, d)).astype(np.float32))
+            for c in caches.values():
+                assert c.declare_step([s] * 64)
+                c.update_and_fetch(0, list(range(start, start + 64)), kv, -kv)
+    q = mx.array(rng.normal(size=(1, 2 * h_kv, 4, d)).astype(np.float32))
+    kv = mx.array(rng.normal(size=(1, h_kv, 4, d)).astype(np.float32))
+    outs = {}
+    for path, c in caches.items():
+        assert c.declare_step(seqs)
+        spec = c.update_and_fetch(0, [128] * 4, kv, -kv)
+        assert (spec.groups is None) == (path == "dense")
+        if spec.groups is not None:
+            assert [b.page for b in spec.groups.batches()] == [64] and spec.groups.tail is not None  # + the new token
+        outs[path] = np.array(attend(q, spec, d**-0.5))
+    for path in ("paged", "auto"):
+        np.testing.assert_allclose(outs[path], outs["dense"], atol=1e-5, rtol=1e-5)
+
+
+def test_auto_pages_only_one_query_groups_over_wide_rows():
+    from kvlayout_cell.groups import plan_cells
+
+    # the same four sequences of two 64-cell runs each, decoding one token (cells 512-515)
+    cells = {s: np.r_[np.arange(64 * s, 64 * s + 64), np.arange(256 + 64 * s, 256 + 64 * s + 64), 512 + s]
+             for s in range(4)}
+
+    def owned(ids):
+        c = np.concatenate([cells[int(i)] for i in ids])
+        return c, np.concatenate([np.arange(129)] * len(ids)), np.arange(len(ids) + 1) * 129
+
+    ids, pos = np.arange(4), np.full(4, 128)
+    wide = plan_cells(ids, pos, 0, 516, owned, "auto", pool=(1024, 256))
+    narrow = plan_cells(ids, pos, 0, 516, owned, "auto", pool=(1024, 255))
+    assert wide.page == 64 and narrow.page == 0 and narrow.tail is None
+    # two tokens each (positions 127 and 128): groups of two queries are gathered, however wide the row
+    two = plan_cells(np.repeat(ids, 2), np.tile([127, 128], 4), 0, 516, owned, "auto", pool=(1024, 256))
+    assert two.tokens.shape == (4, 2) and two.page == 0 and not two.more
 
 
 def test_every_path_was_exercised_by_pages():
-    # over this module's steps the forced path read pages, and "grouped" never did
-    assert PAGED["paged"] > 0 and PAGED["grouped"] == 0
+    # over this module's steps the forced path read pages, with and without a tail, and "grouped" never did
+    assert PAGED["paged"] > TAILS["paged"] > 0 and PAGED["grouped"] == 0

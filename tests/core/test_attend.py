@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -187,3 +188,22 @@ def test_pages_that_do_not_tile_the_store_are_refused(rng):
     )
     with pytest.raises(ValueError, match="pages of 4 cells do not tile the 10 slots"):
         attend_groups(mx.array(q), groups, SCALE)
+
+
+def test_a_paged_batch_gathers_its_tail_beside_its_pages(rng):
+    # 2 tokens, one group each, store of 8 cells in pages of 4. Token 0 reads page 0 (cells 0-3, cell 2
+    # masked) and gathers cell 6; token 1 reads page 1 (cells 4-7) and gathers cell 1 and a masked pad.
+    q, k, v = qkv(rng, 2, 8)
+    i32 = lambda rows: mx.array(np.array(rows, dtype=np.int32))  # noqa: E731
+    pmask = np.array([[[1, 1, 0, 1, 1, 0]], [[1, 1, 1, 1, 1, 0]]], dtype=bool)  # [G, Q, P * B + Kt]
+    groups = AttendGroups(
+        i32([[0], [1]]), i32([[0], [1]]), mx.array(pmask)[:, None], i32([0, 1]), mx.array(k), mx.array(v),
+        page=4, tail=i32([[6, 0], [1, 3]]),
+    )
+    allowed = np.zeros((2, 8), dtype=bool)
+    allowed[0, [0, 1, 3, 6]] = allowed[1, [4, 5, 6, 7, 1]] = True
+    got = np.array(attend_groups(mx.array(q), groups, SCALE))
+    np.testing.assert_allclose(got, reference(q, k, v, allowed), atol=1e-5)
+    half = attrs.evolve(groups, keys=mx.array(k.astype(np.float16)), values=mx.array(v.astype(np.float16)))
+    ref16 = reference(q, k.astype(np.float16), v.astype(np.float16), allowed)
+    np.testing.assert_allclose(np.array(attend_groups(mx.array(q), half, SCALE)), ref16, atol=1e-5)

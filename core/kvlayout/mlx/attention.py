@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kvlayout.faces import AttendGroups, AttendSpec, MaskKind
+from kvlayout.faces import AttendBatch, AttendGroups, AttendSpec, MaskKind
 
 
 def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:
@@ -38,82 +38,95 @@ def attend_groups(q: mx.array, groups: AttendGroups, scale: float) -> mx.array:
     `groups.keys`/`values` (one `mx.take` per array, straight into
     `[G, H_kv, Kg, D]`) and its queries likewise, and runs one
     `scaled_dot_product_attention` with the groups on the batch axis. A paged
-    batch (`page` B) reads whole pages of B cells where they lie
-    (`_attend_pages`): no copy of K/V. Outputs go back to token order.
+    batch (`page` B) reads whole pages of B cells where they lie and gathers
+    only its tail (`_attend_pages`). Outputs go back to token order.
     Work: G * Qg * Kg query-key pairs (plus G * Kg gathered rows), instead of
     T * S for the dense mask (the layout picks the cheapest; see its rule).
-    `groups.more` batches run the same way, and their outputs are
-    concatenated before the last take.
     """
-    batches = ((groups.tokens, groups.cells, groups.mask, groups.page),) + tuple(
-        b if len(b) == 4 else (*b, 0) for b in groups.more
-    )
-    outs = [_attend_batch(q, groups.keys, groups.values, *b, scale) for b in batches]  # [1, H_q, G_b * Q_b, D]
+    outs = [_attend_batch(q, groups.keys, groups.values, b, scale) for b in groups.batches()]  # [1, H_q, G_b * Q_b, D]
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # [1, H_q, sum G_b * Q_b, D]
     return mx.take(o, groups.out, axis=2)  # [1, H_q, T, D]
 
 
-def _attend_batch(q: mx.array, keys: mx.array, values: mx.array, tokens, cells, mask, page, scale: float) -> mx.array:
-    """One batch of groups: gather its K/V and queries, one SDPA, outputs group-major `[1, H_q, G * Qg, D]`."""
+def _attend_batch(q: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:
+    """One batch of groups, its outputs group-major `[1, H_q, G * Qg, D]`."""
     _, h_kv, slots, d = keys.shape  # [1, H_kv, S, D]
     _, h_q, _, _ = q.shape
-    n_groups, q_len = tokens.shape
-    if page:
-        if slots % page:
-            raise ValueError(f"pages of {page} cells do not tile the {slots} slots of keys")
+    n_groups, q_len = b.tokens.shape
+    cells = b.cells
+    if b.page:
+        if slots % b.page:
+            raise ValueError(f"pages of {b.page} cells do not tile the {slots} slots of keys")
         if keys.dtype == q.dtype:
-            return _attend_pages(q, keys, values, tokens, cells, mask, page, scale)
-        # Storage narrower than q: gather the pages' cells, cast only those (as the dense path would).
-        cells = (cells[:, :, None] * page + mx.arange(page, dtype=cells.dtype)).reshape(n_groups, -1)  # [G, P * B]
-    # Row of (head h, cell c) in keys viewed as [H_kv * S, D]: free when keys is row-contiguous.
-    rows = cells[:, None, :] + (mx.arange(h_kv, dtype=mx.int32) * slots)[None, :, None]  # [G, H_kv, Kg]
-    k = mx.take(keys.reshape(-1, d), rows, axis=0)  # [G, H_kv, Kg, D]
-    with mx.stream(_side_stream()):  # V's gather beside K's: a gather runs on one core (the CPU build)
-        v = mx.take(values.reshape(-1, d), rows, axis=0)
+            return _attend_pages(q, keys, values, b, scale)
+        # Storage narrower than q: gather the pages' cells and the tail, cast only those (as dense would).
+        cells = (cells[:, :, None] * b.page + mx.arange(b.page, dtype=cells.dtype)).reshape(n_groups, -1)  # [G, P * B]
+        if b.tail is not None:
+            cells = mx.concatenate([cells, b.tail.astype(cells.dtype)], axis=1)  # [G, P * B + Kt]
+    k, v = _gather(keys, values, cells)  # [G, H_kv, Kg, D] each
     if k.dtype != q.dtype:  # cast only what was gathered
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-    qg = mx.take(q, tokens.reshape(-1), axis=2)  # [1, H_q, G * Qg, D]
+    qg = mx.take(q, b.tokens.reshape(-1), axis=2)  # [1, H_q, G * Qg, D]
     qg = qg.reshape(h_q, n_groups, q_len, d).transpose(1, 0, 2, 3)  # [G, H_q, Qg, D]
-    o = mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=mask)  # [G, H_q, Qg, D]
+    o = mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=b.mask)  # [G, H_q, Qg, D]
     return o.transpose(1, 0, 2, 3).reshape(1, h_q, n_groups * q_len, d)  # [1, H_q, G * Qg, D]
 
 
-def _attend_pages(q: mx.array, keys: mx.array, values: mx.array, tokens, pages, mask, page: int, scale: float):
-    """A paged batch: each group attends P whole pages of `page` cells, read in place.
+def _gather(keys: mx.array, values: mx.array, cells: mx.array) -> tuple[mx.array, mx.array]:
+    """Rows of `cells` `[G, K]` from both pools, as `[G, H_kv, K, D]`."""
+    _, h_kv, slots, d = keys.shape  # [1, H_kv, S, D]
+    # Row of (head h, cell c) in keys viewed as [H_kv * S, D]: free when keys is row-contiguous.
+    rows = cells[:, None, :] + (mx.arange(h_kv, dtype=mx.int32) * slots)[None, :, None]  # [G, H_kv, K]
+    k = mx.take(keys.reshape(-1, d), rows, axis=0)  # [G, H_kv, K, D]
+    with mx.stream(_side_stream()):  # V's gather beside K's: a gather runs on one core (the CPU build)
+        v = mx.take(values.reshape(-1, d), rows, axis=0)
+    return k, v
+
+
+def _attend_pages(q: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:
+    """A paged batch: each group attends P whole pages of B cells, read in place, and its gathered tail.
 
     The pool `[1, H_kv, S, D]` viewed as `[H_kv, S / B, B, D]` is a
-    reshape of a row-contiguous buffer, so no byte of K/V is copied:
+    reshape of a row-contiguous buffer, so no byte of it is copied:
     `gather_mm` multiplies each (group, page, head)'s queries with that page's
-    keys, a softmax runs over the group's P * B slots (foreign cells and
-    padding masked), and a second `gather_mm` weighs the pages' values.
-    Queries of one KV head (GQA: q head h reads KV head h // (H_q / H_kv))
-    share each product, as in the fused SDPA.
+    keys, the tail's scores (gathered K) join them, one softmax runs over the
+    group's P * B + Kt slots (foreign cells and padding masked), and a second
+    `gather_mm` weighs the pages' values (the tail's with one matmul). Queries
+    of one KV head (GQA: q head h reads KV head h // (H_q / H_kv)) share each
+    product, as in the fused SDPA.
     """
     _, h_kv, slots, d = keys.shape  # [1, H_kv, S, D]
     _, h_q, _, _ = q.shape
-    n_groups, q_len = tokens.shape
-    n_pages = pages.shape[1]
+    n_groups, q_len = b.tokens.shape
+    page, n_pages = b.page, b.cells.shape[1]
     rep = h_q // h_kv
     k_pages = keys.reshape(h_kv, slots // page, page, d)  # [H_kv, S / B, B, D], a view
     v_pages = values.reshape(h_kv, slots // page, page, d)
     # Index of (head h, page p) among k_pages' [H_kv * S / B] matrices, for each group's pages.
-    kv_at = (pages.astype(mx.uint32)[:, :, None]
+    kv_at = (b.cells.astype(mx.uint32)[:, :, None]
              + (mx.arange(h_kv, dtype=mx.uint32) * (slots // page))[None, None, :])  # [G, P, H_kv]
-    qg = mx.take(q, tokens.reshape(-1), axis=2) * scale  # [1, H_q, G * Qg, D]
+    qg = mx.take(q, b.tokens.reshape(-1), axis=2) * scale  # [1, H_q, G * Qg, D]
     qg = qg.reshape(h_kv, rep, n_groups, q_len, d).transpose(2, 0, 1, 3, 4)  # [G, H_kv, rep, Qg, D]
-    qg = qg.reshape(n_groups * h_kv, rep * q_len, d)  # [G * H_kv, rep * Qg, D]
+    qg = qg.reshape(n_groups, h_kv, rep * q_len, d)  # [G, H_kv, rep * Qg, D]
     q_at = mx.broadcast_to(
         mx.arange(n_groups * h_kv, dtype=mx.uint32).reshape(n_groups, 1, h_kv), kv_at.shape
     )  # [G, P, H_kv]
-    s = mx.gather_mm(qg, k_pages.swapaxes(-1, -2), q_at, kv_at)  # [G, P, H_kv, rep * Qg, B]
-    s = s.transpose(0, 2, 3, 1, 4).reshape(n_groups, h_kv, rep, q_len, n_pages * page)  # [G, H_kv, rep, Qg, P * B]
-    if mask is not None:  # [G, 1, Qg, P * B]
-        s = mx.where(mask[:, :, None], s, -mx.inf)
-    p = mx.softmax(s, axis=-1, precise=True)
-    p = p.reshape(n_groups, h_kv, rep * q_len, n_pages, page).transpose(0, 3, 1, 2, 4)  # [G, P, H_kv, rep * Qg, B]
+    s = mx.gather_mm(qg.reshape(-1, rep * q_len, d), k_pages.swapaxes(-1, -2), q_at, kv_at)  # [G, P, H_kv, rep*Qg, B]
+    s = s.transpose(0, 2, 3, 1, 4).reshape(n_groups, h_kv, rep * q_len, n_pages * page)  # [G, H_kv, rep*Qg, P*B]
+    if b.tail is not None:
+        k_tail, v_tail = _gather(keys, values, b.tail)  # [G, H_kv, Kt, D] each
+        s = mx.concatenate([s, qg @ k_tail.swapaxes(-1, -2)], axis=-1)  # [G, H_kv, rep*Qg, P*B + Kt]
+    s = s.reshape(n_groups, h_kv, rep, q_len, -1)  # [G, H_kv, rep, Qg, P*B + Kt]
+    if b.mask is not None:  # [G, 1, Qg, P*B + Kt]
+        s = mx.where(b.mask[:, :, None], s, -mx.inf)
+    p = mx.softmax(s, axis=-1, precise=True).reshape(n_groups, h_kv, rep * q_len, -1)
+    p_pages = p[..., : n_pages * page].reshape(n_groups, h_kv, rep * q_len, n_pages, page)
+    p_pages = p_pages.transpose(0, 3, 1, 2, 4).reshape(-1, rep * q_len, page)  # [G * P * H_kv, rep*Qg, B]
     p_at = mx.arange(n_groups * n_pages * h_kv, dtype=mx.uint32).reshape(kv_at.shape)
-    o = mx.gather_mm(p.reshape(-1, rep * q_len, page), v_pages, p_at, kv_at)  # [G, P, H_kv, rep * Qg, D]
-    o = o.sum(axis=1).reshape(n_groups, h_q, q_len, d)  # [G, H_q, Qg, D]
+    o = mx.gather_mm(p_pages, v_pages, p_at, kv_at).sum(axis=1)  # [G, H_kv, rep*Qg, D]
+    if b.tail is not None:
+        o = o + p[..., n_pages * page :] @ v_tail  # [G, H_kv, rep*Qg, D]
+    o = o.reshape(n_groups, h_q, q_len, d)  # [G, H_q, Qg, D]
     return o.transpose(1, 0, 2, 3).reshape(1, h_q, n_groups * q_len, d)  # [1, H_q, G * Qg, D]
 
 

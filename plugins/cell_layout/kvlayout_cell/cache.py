@@ -26,7 +26,7 @@ import numpy as np
 
 from kvlayout.config import CacheConfig
 from kvlayout.errors import StepError
-from kvlayout.faces import AttendGroups, AttendSpec, FacesBase, MaskKind
+from kvlayout.faces import AttendBatch, AttendGroups, AttendSpec, FacesBase, MaskKind
 from kvlayout.mlx import MLXPool
 from kvlayout.registry import plugin_manager
 from kvlayout_cell import persist
@@ -146,27 +146,19 @@ class CellCache(CellStepper, FacesBase):
         held = self._mx_groups.get(window)
         if held is None or held[0] is not step or held[1] != path:
             placed = self._placed  # the step place_step just served
-            slots = self.keys[layer].slots  # every layer's pool holds as many: they take the same cells
+            lc = self.config.layer(layer)
+            # Every layer's pool holds as many slots (they take the same cells); the row is this
+            # layer's, for every layer of this window (models give them one shape).
+            pool = (self.keys[layer].slots, lc.n_kv_heads * lc.head_dim)
             plan = plan_cells(
-                placed.seq_ids, placed.positions, window, step.read_len, self.seq_keys, path, self.held, slots
+                placed.seq_ids, placed.positions, window, step.read_len, self.seq_keys, path, self.held, pool
             )
             groups = None
             if plan is not None:
+                head, *more = (_as_mx(b) for b in plan.batches())
                 groups = AttendGroups(
-                    tokens=mx.array(plan.tokens),  # int32 [G, Qg]
-                    cells=mx.array(plan.cells),  # int32 [G, Kg]
-                    mask=None if plan.mask is None else mx.array(plan.mask)[:, None],  # bool [G, 1, Qg, Kg]
-                    out=mx.array(plan.out),  # int32 [T]
-                    more=tuple(
-                        (
-                            mx.array(b.tokens),
-                            mx.array(b.cells),
-                            None if b.mask is None else mx.array(b.mask)[:, None],
-                            b.page,
-                        )
-                        for b in plan.more
-                    ),  # further batches, shaped likewise
-                    page=plan.page,
+                    head.tokens, head.cells, head.mask, mx.array(plan.out), more=tuple(more), page=head.page,
+                    tail=head.tail,
                 )
             held = (step, path, groups)
             self._mx_groups[window] = held
@@ -180,6 +172,18 @@ class CellCache(CellStepper, FacesBase):
             held = (step, mx.array(step.mask)[None, None])
             self._mx_mask[window] = held
         return held[1]
+
+
+def _as_mx(b) -> AttendBatch:
+    """One batch of a GroupPlan as MLX: int32 tokens [G, Qg], cells [G, Kg], mask bool [G, 1, Qg, Kg]
+    (None: all visible), tail [G, Kt] (None: none)."""
+    return AttendBatch(
+        mx.array(b.tokens),
+        mx.array(b.cells),
+        None if b.mask is None else mx.array(b.mask)[:, None],
+        b.page,
+        None if b.tail is None else mx.array(b.tail),
+    )
 
 
 def _run_start(cells: np.ndarray) -> int | None:

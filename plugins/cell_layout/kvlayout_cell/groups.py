@@ -32,21 +32,27 @@ query slots repeat a real token whose output is dropped.
 
 Pages. Gathering copies each group's K/V rows before the SDPA reads them
 again, so a gathered decode step moves three times the bytes of reading the
-rows where they lie (on a 2-core CPU, 32 sequences x 1k cells: ~1.4x the
-time of attending each sequence's contiguous K/V). When a group's cells
-fill most of a few aligned pages of the pool (cells `[p * B, (p + 1) * B)`,
-B dividing the pool's slots), the group can read those pages in place
-instead (`kvlayout.mlx.attend_groups` with `page=B`), its foreign cells in
-them masked. Per batch (`page_batch`), with P the most pages of a group:
+rows where they lie (on a 2-core CPU, 32 sequences x 1k cells: ~1.4-1.7x the
+time of attending each sequence's contiguous K/V). The pool's aligned pages
+of B cells (`[p * B, (p + 1) * B)`, B dividing its slots) can be read in
+place instead (`kvlayout.mlx.attend_groups` with `page=B`). A group reads a
+page whole when it holds enough of its cells, h of them with
 
-    paged    = G * P * (B * Qg + PAGE_PAIRS)   # every slot of the pages, no copy
+    h * (Qg + 1) > B * Qg + PAGE_PAIRS   # gathering them costs more than the page
 
-and pages of the cheapest size B replace the gathered cells when that is
-cheaper than the batch's `grouped_cost`. So a sequence whose cells are a few
-long runs (a prompt placed in one run, chunks written in turn) is read in
-place, while decode tokens scattered one cell each among other sequences'
-(where a page would be mostly foreign) stay gathered. The grouped-or-dense
-choice above is taken on the gathered cost, which pages only lower.
+and gathers its other cells (its `tail`) as before; its foreign cells in a
+page are masked. Per batch (`page_batch`), with P the most pages and Kt the
+longest tail of a group:
+
+    paged    = G * (P * (B * Qg + PAGE_PAIRS) + Kt * (Qg + 1))
+
+and the cheapest page size replaces the gathered batch when that is cheaper
+than its `grouped_cost`. So a prompt placed in one run is read in place,
+while decode tokens scattered one cell each among other sequences' stay
+gathered beside it. Pages are tried only where the copy they save matters
+(`_may_page`): one-query (decode) batches over K/V rows of at least
+PAGED_MIN_ROW elements. The grouped-or-dense choice above is taken on the
+gathered cost, which pages only lower.
 """
 
 from __future__ import annotations
@@ -64,9 +70,10 @@ class Batch:
     """One more batch of groups, run as its own SDPA (shapes as in GroupPlan)."""
 
     tokens: np.ndarray  # int32 [G_b, Q_b]
-    cells: np.ndarray  # int32 [G_b, K_b]; with page = B: page indices [G_b, P_b], K_b = P_b * B slots
-    mask: np.ndarray | None  # bool [G_b, Q_b, K_b], None = all visible
+    cells: np.ndarray  # int32 [G_b, K_b]; with page = B: page indices [G_b, P_b]
+    mask: np.ndarray | None  # bool [G_b, Q_b, K_b] (K_b = P_b * B + Kt_b when paged), None = all visible
     page: int = 0  # 0: `cells` are cells (gathered); B: pages of B cells read in place
+    tail: np.ndarray | None = None  # int32 [G_b, Kt_b]: with pages, the cells gathered beside them
 
 
 @attrs.frozen(eq=False)
@@ -84,6 +91,11 @@ class GroupPlan:
     out: np.ndarray  # int32 [T]
     more: tuple[Batch, ...] = ()
     page: int = 0
+    tail: np.ndarray | None = None
+
+    def batches(self) -> tuple[Batch, ...]:
+        """Every batch, the first's fields first."""
+        return (Batch(self.tokens, self.cells, self.mask, self.page, self.tail),) + self.more
 
 
 # What one more batch costs, in query-key pairs: an SDPA call, its gather and the concatenation
@@ -93,6 +105,8 @@ BATCH_PAIRS = 8192
 # What reading one page of the pool in place costs beyond its slots, in query-key pairs: one small
 # matmul per page and head in each of the two `gather_mm`s (a few microseconds on a 2-core CPU).
 PAGE_PAIRS = 8
+# Under "auto", pages only for rows of at least this many elements (H_kv * D); see _may_page.
+PAGED_MIN_ROW = 256
 # Page sizes tried, each only where it divides the pool's slots (the pages are then a view of it).
 PAGE_SIZES = (256, 128, 64, 32, 16, 8, 4)
 # Groups are binned by cells seen on a 2**(1/4) scale before batching: within a bin, padding
@@ -123,7 +137,7 @@ def prefer_grouped(path: str, grouped: int, dense: int) -> bool:
     return grouped < dense
 
 
-def plan_groups(seq_ids: np.ndarray, mask: np.ndarray, path: str = "auto", slots: int = 0) -> GroupPlan | None:
+def plan_groups(seq_ids: np.ndarray, mask: np.ndarray, path: str = "auto", pool=None) -> GroupPlan | None:
     """Group a step's tokens by sequence; None when the dense mask is the cheaper (or forced).
 
     `seq_ids` int `[T]` names each token's sequence, `mask` bool `[T, read_len]`
@@ -164,7 +178,7 @@ def plan_groups(seq_ids: np.ndarray, mask: np.ndarray, path: str = "auto", slots
         b_mask &= (np.arange(k_b)[None, :] < k_counts[gi][:, None])[:, None, :]
         return b_cells, b_mask
 
-    return _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, slots)
+    return _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, pool)
 
 
 def plan_cells(
@@ -175,7 +189,7 @@ def plan_cells(
     owned,
     path: str = "auto",
     held=None,
-    slots: int = 0,
+    pool=None,
 ) -> GroupPlan | None:
     """`plan_groups` for a cell-layout step, from each sequence's cells instead of the dense mask.
 
@@ -193,7 +207,7 @@ def plan_cells(
     `held(ids)` (optional) answers how many cells each id holds: on a flat
     layer a lone sequence's last token sees all of them, so the common
     single-sequence step is decided dense without looking at any cell.
-    `slots` as in `plan_groups`.
+    `pool` as in `plan_groups`.
     """
     n_tokens = seq_ids.size
     if path == "dense":
@@ -233,7 +247,7 @@ def plan_cells(
             b_mask &= kp[:, None, :] >= tp - (window - 1)
         return b_cells, b_mask
 
-    return _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, slots)
+    return _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, pool)
 
 
 def _by_sequence(seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -268,7 +282,7 @@ def _pick_blocks(rank: np.ndarray, counts: np.ndarray, row_counts: np.ndarray):
     return best[1:]
 
 
-def _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, slots) -> GroupPlan:
+def _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, pool) -> GroupPlan:
     """The plan: tokens of each group (padding repeats its last token), each batch cut to its own
     longest query run and key count, `batch(gi, tokens [G_b, Q_b], K_b)` giving its cells and mask
     (read by pages instead where `page_batch` finds that cheaper), and where each token's output
@@ -284,63 +298,106 @@ def _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, slo
         q_b, k_b = int(q_counts[gi].max()), max(int(k_counts[gi].max()), 1)
         b_tokens = tokens[gi, :q_b]  # [G_b, Q_b]
         b_cells, b_mask = batch(gi, b_tokens, k_b)
-        paged = page_batch(b_cells, b_mask, k_counts[gi], slots, path) if slots and path != "grouped" else None
+        paged = page_batch(b_cells, b_mask, k_counts[gi], pool[0], path) if _may_page(path, pool, q_b) else None
         page = 0
+        tail = None
         if paged is not None:
-            page, b_cells, b_mask = paged
-        batches.append(Batch(b_tokens, b_cells, None if b_mask.all() else b_mask, page))
+            page, b_cells, tail, b_mask = paged
+        batches.append(Batch(b_tokens, b_cells, None if b_mask.all() else b_mask, page, tail))
         slot_of_group[gi] = offset + np.arange(gi.size) * q_b
         offset += gi.size * q_b
     out = np.empty(n_tokens, dtype=np.int32)
     out[order] = slot_of_group[group] + within
     head = batches[0]
-    return GroupPlan(head.tokens, head.cells, head.mask, out, tuple(batches[1:]), head.page)
+    return GroupPlan(head.tokens, head.cells, head.mask, out, tuple(batches[1:]), head.page, head.tail)
+
+
+def _may_page(path: str, pool, q_len: int) -> bool:
+    """Whether a batch of `q_len` queries per group is worth trying by pages: always when forced,
+    never for "grouped" or without a pool; under "auto" only decode batches (one query each) over
+    rows of at least PAGED_MIN_ROW elements. With Qg queries per group the copy a page saves is
+    1/(Qg + 1) of the batch's work, and a narrow row is cheap to copy, while the paged path runs
+    about ten more operations than the gathered one: measured on a 2-core CPU, pages were 7-25%
+    faster for one-query groups over H_kv * D = 512 or 1024 rows, and up to 2x slower than gathering
+    for the tiny preset's 32-element rows in a real run."""
+    if pool is None or path == "grouped":
+        return False
+    return path == "paged" or (q_len == 1 and pool[1] >= PAGED_MIN_ROW)
 
 
 def page_batch(cells: np.ndarray, mask: np.ndarray, k_counts: np.ndarray, slots: int, path: str = "auto"):
-    """`(B, pages, mask)` reading a batch's cells as whole pages of B cells, or None to gather them.
+    """`(B, pages, tail, mask)`: a batch read as whole pages of B cells plus gathered cells, or None.
 
     `cells` int `[G, K]` and `mask` bool `[G, Q, K]` are the gathered batch
     (slots past `k_counts[g]` are padding, masked); `slots` the pool's cells.
-    Each group's pages (ascending, padded with its first page, masked) are
-    `pages` int32 `[G, P]`; slot `r * B + o` of a group is cell `pages[g, r] *
-    B + o`, visible where the gathered slot of that cell was, masked where
-    the cell is not the group's. B is the cheapest of PAGE_SIZES dividing
-    `slots`; None when none does, or (path "auto") when pages cost no less
-    than gathering. O(G * K) per size tried, plus the new mask.
+    A group keeps a page of B cells when it holds enough of them (`_keeps`);
+    its other cells form its `tail`, gathered. So `pages` int32 `[G, P]`
+    (ascending; padding repeats a page, masked) and `tail` int32 `[G, Kt]`
+    (padding cell 0, masked), and the new `mask` `[G, Q, P * B + Kt]` runs
+    over the pages' slots (`r * B + o` is cell `pages[g, r] * B + o`) then
+    the tail's; a slot is visible where the gathered slot of its cell was.
+    B is the cheapest of PAGE_SIZES dividing `slots` (`paged_cost`); None
+    when no size does, when no group keeps a page, or (path "auto") when
+    that costs no less than gathering. O(G * K log) numpy.
     """
     n_groups, q_len, k_len = mask.shape
-    valid = np.arange(k_len)[None, :] < k_counts[:, None]  # [G, K]
-    ordered = np.sort(np.where(valid, cells, -slots), axis=1)  # [G, K], the padding first; sorted once:
-    best = None  # a page index is monotone in the cell, so `ordered // size` is sorted too
+    gi, ji = np.nonzero(np.arange(k_len)[None, :] < k_counts[:, None])  # every real (group, slot), by group
+    order = np.lexsort((cells[gi, ji], gi))  # by group, then cell
+    gi, ji = gi[order], ji[order]
+    cell = cells[gi, ji].astype(np.int64)
+    best = None
     for size in PAGE_SIZES:
         if slots % size:
             continue
-        ids = ordered // size  # [G, K], the padding < 0
-        new = ids >= 0
-        new[:, 1:] &= ids[:, 1:] != ids[:, :-1]  # the first slot of each distinct page
-        n_pages = np.count_nonzero(new, axis=1)  # [G], >= 1: a group has a real cell
-        cost = n_groups * int(n_pages.max()) * (size * q_len + PAGE_PAIRS)
-        if best is None or cost < best[0]:
-            best = (cost, size, ids, new, n_pages)
-        if path == "auto" and (n_pages == k_counts).all():  # a page per cell: no smaller page beats gathering
-            break
-    if best is None or (path == "auto" and best[0] >= grouped_cost(n_groups, q_len, k_len)):
+        key = gi * np.int64(slots // size + 1) + cell // size  # (group, page), ascending
+        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])  # each (group, page) run's first cell
+        held = np.diff(np.r_[starts, key.size])  # cells of the group in that page
+        kept = np.repeat(_keeps(held, size, q_len, path), held)  # [M]: the cell is read by its page
+        n_pages = np.bincount(gi[starts][_keeps(held, size, q_len, path)], minlength=n_groups)  # [G]
+        n_tail = np.bincount(gi[~kept], minlength=n_groups)  # [G]
+        cost = paged_cost(n_groups, q_len, size, int(n_pages.max()), int(n_tail.max()))
+        if n_pages.any() and (best is None or cost < best[0]):  # without a page it is the gathered batch
+            best = (cost, size, key, kept, n_pages, n_tail)
+    if best is None:
         return None
-    _, size, ids, new, n_pages = best
-    g_of, at = np.nonzero(new)  # by group, pages ascending
-    before = np.cumsum(n_pages) - n_pages  # [G]: a group's first page among all groups' pages
-    rank = np.arange(g_of.size) - before[g_of]
-    pages = np.repeat(ids[np.arange(n_groups), np.argmax(new, axis=1)][:, None], int(n_pages.max()), axis=1)
-    pages[g_of, rank] = ids[g_of, at]  # [G, P]
-    # Each real cell's page rank within its group, by binary search over (group, page) keys.
-    span = np.int64(slots // size + 1)
-    keys = g_of.astype(np.int64) * span + ids[g_of, at]  # ascending
-    gi, ji = np.nonzero(valid)
-    page_rank = np.searchsorted(keys, gi * span + cells[gi, ji] // size) - before[gi]
-    paged = np.zeros((n_groups, q_len, pages.shape[1] * size), dtype=bool)  # [G, Q, P * B]
-    paged[gi, :, page_rank * size + cells[gi, ji] % size] = mask[gi, :, ji]  # distinct cells: distinct slots
-    return size, pages.astype(np.int32), paged
+    cost, size, key, kept, n_pages, n_tail = best
+    if path == "auto" and cost >= grouped_cost(n_groups, q_len, k_len):
+        return None
+    p_max, t_max = int(n_pages.max()), int(n_tail.max())
+    # A kept cell's page rank within its group: runs of one page are contiguous, numbered per group.
+    page_start = kept & np.r_[True, key[1:] != key[:-1]]  # [M]: first cell of a kept page
+    page_no = np.cumsum(page_start) - 1  # [M]: the kept page it lies in, counted over all groups
+    rank = page_no - (np.cumsum(n_pages) - n_pages)[gi]  # [M] (meaningful where kept)
+    pages = np.zeros((n_groups, p_max), dtype=np.int32)  # [G, P]
+    pages[gi[page_start], rank[page_start]] = cell[page_start] // size
+    pages = np.where(np.arange(p_max)[None, :] < n_pages[:, None], pages, pages[:, :1])  # padding: a page again
+    t_rank = _rank_within(gi, ~kept, n_groups)  # [M] (meaningful where not kept)
+    tail = np.zeros((n_groups, t_max), dtype=np.int32)  # [G, Kt]
+    tail[gi[~kept], t_rank[~kept]] = cell[~kept]
+    slot = np.where(kept, rank * size + cell % size, p_max * size + t_rank)  # [M]
+    paged = np.zeros((n_groups, q_len, p_max * size + t_max), dtype=bool)  # [G, Q, P * B + Kt]
+    paged[gi, :, slot] = mask[gi, :, ji]  # distinct cells: distinct slots
+    return size, pages, tail if t_max else None, paged
+
+
+def paged_cost(n_groups: int, q_len: int, size: int, n_pages: int, n_tail: int) -> int:
+    """Query-key pairs of a paged batch: every slot of its pages, plus the gathered tail as in grouped_cost."""
+    return n_groups * (n_pages * (size * q_len + PAGE_PAIRS) + n_tail * (q_len + 1))
+
+
+def _keeps(held: np.ndarray, size: int, q_len: int, path: str) -> np.ndarray:
+    """Which pages a group reads whole, from the cells it holds in each: those cheaper read in place
+    than gathered ("paged" forces at least half-full pages, so small tests exercise them)."""
+    if path == "paged":
+        return 2 * held >= size
+    return held * (q_len + 1) > size * q_len + PAGE_PAIRS
+
+
+def _rank_within(group: np.ndarray, chosen: np.ndarray, n_groups: int) -> np.ndarray:
+    """For elements sorted by `group`: each chosen one's index among the chosen of its group."""
+    count = np.cumsum(chosen) - chosen  # chosen elements before this one, over all groups
+    per_group = np.bincount(group[chosen], minlength=n_groups)
+    return count - (np.cumsum(per_group) - per_group)[group]
 
 
 def batch_groups(q_counts: np.ndarray, k_counts: np.ndarray) -> tuple[int, np.ndarray]:
