@@ -132,3 +132,21 @@ def test_mixed_windows_match_a_sliding_window_reference():
         close(outs[0], solo(a[:, : i + 1], windows)[:, i:])
         if i < 5:
             close(outs[1], solo(b[:, : i + 1], windows)[:, i:])
+
+
+@pytest.mark.parametrize("path", ["dense", "grouped", "paged"])
+@pytest.mark.parametrize("policy", ["lowest-free", "shuffled"])
+def test_every_attention_path_decodes_several_sequences_as_each_solo_run(path, policy):
+    # Prompts written in turn, then decodes side by side: under "paged" the groups read pages where
+    # they hold half of one and gather the rest; the result is each sequence's cache-free forward.
+    windows = (0, 3, 0)
+    cache = make_cache(managers()[policy], windows=windows)
+    cache.attention_path = path
+    xs = [STACK.tokens(9, seed=20 + i) for i in range(3)]
+    ids = [cache.seq_new() for _ in xs]
+    for s, x in zip(ids, xs):
+        run_step(cache, [(s, x[:, :6], 0)])
+    for i in range(6, 9):
+        outs = run_step(cache, [(s, x[:, i : i + 1], i) for s, x in zip(ids, xs)])
+        for out, x in zip(outs, xs):
+            close(out, solo(x[:, : i + 1], windows)[:, i:])
