@@ -97,6 +97,16 @@ def test_pools_grow_from_two_slots_and_keep_earlier_cells():
     assert np.array_equal(np.array(spec.values), np.concatenate([np.array(v0), np.array(v1)], axis=2))
 
 
+def test_pools_past_one_page_hold_whole_pages_of_256_slots_but_only_capacity_cells():
+    c = cache(capacity=1000, initial_capacity=300)
+    assert (c.keys[0].slots, c.keys[0].max_slots) == (512, 1024)  # 300 -> 512, 1000 -> 1024
+    assert c.free_cells == 1000 and c.capacity == 1000
+    s0 = c.seq_new()
+    assert c.declare_step([s0] * 1000) and not c.declare_step([s0] * 1001)
+    small = cache(capacity=100, initial_capacity=300)
+    assert (small.keys[0].slots, small.keys[0].max_slots) == (100, 100)  # one page or less: as asked
+
+
 def test_fp32_input_is_stored_as_bf16():
     c = cache(kv_dtype="bfloat16")
     s0 = c.seq_new()

@@ -1,8 +1,8 @@
 """CellCache: the cell layout's MLX face over the neutral stepper.
 
 Every layer keeps a K and a V MLXPool spanning the whole cell table
-(`max_slots = capacity`), whatever its window: a ring layer differs only in
-its mask. A step's tokens are scattered into their cells with `write_cells`,
+(`max_slots` = capacity, rounded up to whole pages of 256 slots), whatever
+its window: a ring layer differs only in its mask. A step's tokens are scattered into their cells with `write_cells`,
 and the layer attends to `[0, read_len)` under the step's explicit mask.
 
 When that mask is sparse (many sequences, few shared cells) the spec also
@@ -31,7 +31,7 @@ from kvlayout.mlx import MLXPool
 from kvlayout.registry import plugin_manager
 from kvlayout_cell import persist
 from kvlayout_cell.args import int_array, int_scalar
-from kvlayout_cell.groups import plan_cells
+from kvlayout_cell.groups import PAGE_SIZES, plan_cells
 from kvlayout_cell.stepper import CellStepper
 
 
@@ -60,10 +60,13 @@ class CellCache(CellStepper, FacesBase):
             [lc.policy.window for lc in layers],  # 0 for flat layers
             plugin_manager() if pm is None else pm,
         )
-        initial = min(config.initial_capacity, config.capacity)
+        # Pools hold whole pages of PAGE_TILE slots (past the last cell: never written, masked when
+        # read), so every size they grow through is one that pages of up to PAGE_TILE cells tile.
+        max_slots = _tiled(config.capacity)
+        initial = min(_tiled(config.initial_capacity), max_slots)
 
         def pool(lc):
-            return MLXPool(initial, config.capacity, lc.n_kv_heads, lc.head_dim, config.kv_dtype)
+            return MLXPool(initial, max_slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype)
 
         self.keys = [pool(lc) for lc in layers]
         self.values = [pool(lc) for lc in layers]
@@ -172,6 +175,14 @@ class CellCache(CellStepper, FacesBase):
             held = (step, mx.array(step.mask)[None, None])
             self._mx_mask[window] = held
         return held[1]
+
+
+PAGE_TILE = max(PAGE_SIZES)
+
+
+def _tiled(n: int) -> int:
+    """`n` slots rounded up to whole PAGE_TILE pages; small pools (<= one page) stay as asked."""
+    return n if n <= PAGE_TILE else -(-n // PAGE_TILE) * PAGE_TILE
 
 
 def _as_mx(b) -> AttendBatch:
