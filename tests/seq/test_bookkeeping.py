@@ -144,6 +144,14 @@ def test_a_ring_before_its_first_lap_rewinds_to_zero():
     assert book.rewind(0)
 
 
+def test_a_wrapped_ring_still_rewinds_to_empty_as_clear_does():
+    book = SeqBook(32, [("flat", 0), ("ring", 4)], max_write=1)
+    fill(book, 10)  # the ring reused slots: nothing below 9 can be rewound to
+    assert not book.rewind(1) and book.length == 10
+    assert book.rewind(0)
+    assert (book.length, book.floor, book.policies[1].retained) == (0, 0, 0)
+
+
 def test_flat_only_rewinds_anywhere_up_to_the_length():
     book = SeqBook(32, [("flat", 0)])
     fill(book, 10)

@@ -68,11 +68,19 @@ def test_a_refused_step_leaves_the_cache_ready_for_the_corrected_one(cache):
     np.testing.assert_array_equal(np.array(spec.keys), want)
 
 
-@pytest.mark.parametrize("new_len", [11, 7, 0])
+@pytest.mark.parametrize("new_len", [11, 7, 1])
 def test_a_refused_rewind_answers_false_and_changes_nothing(cache, new_len):
     before = snapshot(cache)
     assert cache.rewind(new_len) is False
     assert_same(snapshot(cache), before)
+
+
+def test_a_wrapped_cache_rewinds_to_empty_and_starts_again_at_zero(cache):
+    # nothing below 8 can be rewound to, but length 0 needs no position a ring lost
+    assert cache.rewind(0) and cache.length == 0
+    k, v = kv(2)
+    spec = cache.update_and_fetch(1, [0, 1], k, v)  # the ring layer: just the two new tokens
+    np.testing.assert_array_equal(np.array(spec.keys), np.array(k))
 
 
 @pytest.mark.parametrize("bad", [-1, 8.0, True, None])

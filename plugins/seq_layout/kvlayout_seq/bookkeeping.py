@@ -273,8 +273,15 @@ class SeqBook:
         self.length = plan.end
 
     def rewind(self, new_len: int) -> bool:
-        """Truncate to `new_len`; False (nothing changes) past `length` or below `floor`."""
+        """Truncate to `new_len`; False (nothing changes) past `length` or below `floor`.
+
+        Rewinding to 0 needs no position a ring may have lost, so it always
+        succeeds: it is `clear()`, which also forgets what the rings reused.
+        """
         new_len = check_count("new_len", new_len, error=StepError)
+        if new_len == 0:
+            self.clear()
+            return True
         if new_len > self.length or new_len < self.floor:
             return False
         self.length = new_len

@@ -117,8 +117,9 @@ class SeqCache(FacesBase):
 
     def rewind(self, new_len: int) -> bool:
         """Truncate to `new_len`; False (nothing changes) when longer than now or
-        older than a ring layer still holds. Pools keep their bytes: what lies
-        past the length is overwritten before it is read again."""
+        older than a ring layer still holds (0 always succeeds: nothing is
+        needed). Pools keep their bytes: what lies past the length is
+        overwritten before it is read again."""
         return self._book.rewind(new_len)
 
     def clear(self) -> None:
