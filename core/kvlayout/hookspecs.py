@@ -1,9 +1,9 @@
 """The hooks a kvlayout plugin may implement (pluggy project name "kvlayout").
 
-Discovery: every layout plugin implements `kvlayout_builders`. The other two
+Discovery: every layout plugin implements `kvlayout_builders`. The others
 are the CellStepper seams a cell layout calls through the plugin manager, so a
-third party can change where tokens land, or watch them land, without forking
-the layout.
+third party can change where tokens land, or watch them land (and be taken
+back), without forking the layout.
 """
 
 from __future__ import annotations
@@ -51,4 +51,15 @@ def kvlayout_step_placed(step: CellStep, window: int) -> None:
     `step` is the placed `CellStep` (cells, mask) shared by every layer whose
     window is `window` (0 for flat layers). For observers (metrics, tracing,
     pictures); the return value is ignored and the step must not be changed.
+    """
+
+
+@hookspec
+def kvlayout_step_aborted(step: CellStep, window: int) -> None:
+    """Called once per window announced by `kvlayout_step_placed` when that step is aborted.
+
+    `abort_step()` (a forward that failed part way) released the step's
+    cells: they are free again and no sequence holds its tokens. A placement
+    policy or observer that keeps its own record of where tokens landed
+    takes `step.cells` back out of it here. The return value is ignored.
     """

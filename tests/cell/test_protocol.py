@@ -226,3 +226,37 @@ def test_an_observer_cannot_change_a_shared_step():
         st.mask[0, 1] = True
     with pytest.raises(ValueError):
         st.cells[0] = 7
+
+
+class PlacementLedger:
+    """A policy keeping its own record of occupied cells, as a paged allocator would."""
+
+    def __init__(self):
+        self.held, self.aborted = set(), []
+
+    @hookimpl
+    def kvlayout_step_placed(self, step, window):
+        if window == 0:
+            self.held |= set(step.cells.tolist())
+
+    @hookimpl
+    def kvlayout_step_aborted(self, step, window):
+        self.aborted.append((window, step))
+        if window == 0:
+            self.held -= set(step.cells.tolist())
+
+
+def test_an_aborted_step_is_announced_for_each_window_it_was_placed_for():
+    pm = make_plugin_manager()
+    ledger = PlacementLedger()
+    pm.register(ledger)
+    t = stepper(windows=(0, 2, 0), pm=pm)
+    s0 = t.seq_new()
+    fill(t, s0, range(3))  # a completed step stays in the ledger
+    assert t.declare_step([s0, s0])
+    served = [t.place_step(layer, [3, 4]) for layer in range(2)]  # layers 0 and 1 ran, then the forward failed
+    assert ledger.held == {0, 1, 2, 3, 4}
+    assert t.abort_step()
+    assert [(w, st) for w, st in ledger.aborted] == [(0, served[0]), (2, served[1])]
+    assert ledger.held == {0, 1, 2} == set(t.occupied()[0].tolist())
+    assert not t.abort_step() and len(ledger.aborted) == 2  # nothing open: nothing announced

@@ -162,6 +162,8 @@ class CellStepper(CellTable):
         The pools are not rolled back: the layers that ran before a failure
         wrote K/V into the released cells, which are free again, so their
         content is dead, overwritten before any mask lets it be read.
+        Every window announced through `kvlayout_step_placed` is then
+        announced through `kvlayout_step_aborted`.
         """
         placed = self._open_step()
         if placed is None:
@@ -169,6 +171,8 @@ class CellStepper(CellTable):
         self._keep_masks()
         self._placed = self._declared = None
         self.release(placed.cells, placed.seq_ids, placed.before)
+        for window, step in placed.steps.items():  # those announced by kvlayout_step_placed
+            self._pm.hook.kvlayout_step_aborted(step=step, window=window)
         return True
 
     def _choose(self, count: int) -> np.ndarray:
