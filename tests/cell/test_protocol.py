@@ -260,3 +260,32 @@ def test_an_aborted_step_is_announced_for_each_window_it_was_placed_for():
     assert [(w, st) for w, st in ledger.aborted] == [(0, served[0]), (2, served[1])]
     assert ledger.held == {0, 1, 2} == set(t.occupied()[0].tolist())
     assert not t.abort_step() and len(ledger.aborted) == 2  # nothing open: nothing announced
+
+
+class SkipOne:
+    """Skips the lowest free cell: the placement is not a head of the free list."""
+
+    @hookimpl
+    def kvlayout_choose_cells(self, free, count):
+        return free[1 : count + 1]
+
+
+class Highest:
+    @hookimpl
+    def kvlayout_choose_cells(self, free, count):
+        return free[::-1][:count]
+
+
+@pytest.mark.parametrize("policy", [None, SkipOne(), Highest()])
+def test_the_free_list_after_placements_is_every_cell_no_token_holds(policy):
+    pm = make_plugin_manager()
+    if policy is not None:
+        pm.register(policy)
+    t = stepper(pm=pm)  # 16 cells
+    a, b = t.seq_new(), t.seq_new()
+    fill(t, a, range(3))
+    fill(t, b, range(2))
+    t.seq_rm(a, 1, 2)  # a hole
+    fill(t, b, [2])
+    held = set(t.occupied()[0].tolist())
+    assert len(held) == 5 and t.free_list().tolist() == sorted(set(range(16)) - held)

@@ -278,9 +278,14 @@ class CellTable:
         self._used_end = max(self._used_end, int(cells.max()) + 1)
         self._n_free -= cells.size
         if self._free is not None:  # cells are a subset of the ascending free list
-            free = np.delete(self._free, np.searchsorted(self._free, cells))
-            free.flags.writeable = False
-            self._free = free
+            if np.array_equal(cells, self._free[: cells.size]):
+                # The lowest free cells, in order (the default placement): drop the head, a view.
+                # np.delete would copy the whole list, O(capacity) per step (~4 ms at 1M cells).
+                self._free = self._free[cells.size :]
+            else:
+                free = np.delete(self._free, np.searchsorted(self._free, cells))
+                free.flags.writeable = False
+                self._free = free
         self._touch()
 
     def visible(
