@@ -36,7 +36,10 @@ class SeqStepPlan:
 
     `writes` receive the step's tokens in order; `reads` hold the keys visible
     to the step, oldest first, starting at logical position `read_start`.
-    Planning is pure: a plan changes nothing until it is committed.
+    `mirror` (> 0) asks for every write run to be written again `mirror` slots
+    further (a ring kept twice over, so that its window, wrapped or not, is
+    one run of `reads`). Planning is pure: a plan changes nothing until it is
+    committed.
     """
 
     start: int
@@ -46,6 +49,7 @@ class SeqStepPlan:
     read_start: int
     mask_kind: MaskKind
     window: int = 0
+    mirror: int = 0
 
     @property
     def end(self) -> int:

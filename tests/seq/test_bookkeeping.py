@@ -46,13 +46,13 @@ def test_single_token_needs_no_mask_on_either_policy():
     assert book.plan(1, 9, 1).mask_kind is MaskKind.NONE
 
 
-def test_ring_w4_max_write_2_pair_at_4_wraps_both_its_write_and_its_read():
-    # 5 slots; positions 4, 5 -> slots 4, 0; keys 1..5 -> slots 1, 2, 3, 4, 0.
+def test_ring_w4_max_write_2_pair_at_4_wraps_its_write_and_reads_one_run_of_the_mirror():
+    # 5 slots; positions 4, 5 -> slots 4, 0 (and 9, 5 in the mirror); keys 1..5 -> slots 1..5.
     book = SeqBook(32, [("ring", 4)], max_write=2)
     fill(book, 4)
     plan = book.plan(0, 4, 2)
-    assert plan.writes == (Run(4, 1), Run(0, 1))
-    assert plan.reads == (Run(1, 4), Run(0, 1))
+    assert plan.writes == (Run(4, 1), Run(0, 1)) and plan.mirror == 5
+    assert plan.reads == (Run(1, 5),)
     assert (plan.read_start, plan.read_len, plan.mask_kind) == (1, 5, MaskKind.EXPLICIT)
 
 

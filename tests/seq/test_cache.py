@@ -85,7 +85,26 @@ def test_flat_pools_start_at_the_capacity_when_it_is_below_initial_capacity():
 
 def test_ring_pools_are_allocated_whole_before_any_write():
     cache = make_cache(windows=(4,), max_write=2, initial_capacity=0)
-    assert cache.k_pools[0].slots == cache.v_pools[0].slots == 5  # 4 + 2 - 1
+    assert cache.k_pools[0].slots == cache.v_pools[0].slots == 10  # 4 + 2 - 1 slots, and their mirror
+
+
+def test_a_ring_that_never_wraps_is_not_mirrored():
+    cache = make_cache(windows=(4,), capacity=6)  # 7 slots would exceed every position: 6, no wrap
+    assert cache.k_pools[0].slots == 6
+
+
+def test_a_wrapped_ring_window_is_a_view_of_the_pool_not_a_copy():
+    # ring(4), max_write=1: 4 slots; after 6 tokens the window 2..5 sits in slots 2, 3, 0, 1,
+    # read in order from the mirror as slots 2..5 of the doubled pool
+    cache = make_cache(windows=(4,), max_write=1)
+    fed = [kv(1, seed=i) for i in range(6)]
+    for p, (k, v) in enumerate(fed):
+        spec = cache.update_and_fetch(0, [p], k, v)
+    pool = np.array(cache.k_pools[0].read(0, 8))
+    np.testing.assert_array_equal(pool[:, :, :4], pool[:, :, 4:])  # the mirror repeats the ring
+    want = np.concatenate([np.array(k) for k, _ in fed[2:]], axis=2)
+    np.testing.assert_array_equal(np.array(spec.keys), want)
+    np.testing.assert_array_equal(pool[:, :, 2:6], want)
 
 
 def test_ring_w4_max_write_1_after_six_tokens_sees_tokens_2_to_5_in_order():

@@ -77,9 +77,9 @@ class SeqCache(FacesBase):
         self.v_pools: list[MLXPool] = []
         for (heads, dim), policy in zip(self._shapes, self._book.layers):
             # Flat pools grow lazily; a ring is recycled from the first lap, so allocate it whole.
-            initial = min(config.initial_capacity, policy.slots) if policy.kind == "flat" else policy.slots
-            self.k_pools.append(MLXPool(initial, policy.slots, heads, dim, config.kv_dtype))
-            self.v_pools.append(MLXPool(initial, policy.slots, heads, dim, config.kv_dtype))
+            initial = min(config.initial_capacity, policy.slots) if policy.kind == "flat" else policy.storage
+            self.k_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
+            self.v_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
 
     # SequenceControl
 
@@ -191,13 +191,14 @@ class SeqCache(FacesBase):
 
 
 def _scatter(pool: MLXPool, plan: SeqStepPlan, x: mx.array) -> None:
-    """Write the step's tokens `x` `[1, H_kv, T, D]` into the plan's write runs, in order."""
-    if len(plan.writes) == 1:
-        pool.write(plan.writes[0].slot, x)
-        return
+    """Write the step's tokens `x` `[1, H_kv, T, D]` into the plan's write runs, in order
+    (and each again `plan.mirror` slots further, for a mirrored ring)."""
     first = 0  # a ring write that wraps: the head of the step, then the rest from slot 0
     for run in plan.writes:
-        pool.write(run.slot, x[:, :, first : first + run.length, :])
+        part = x if len(plan.writes) == 1 else x[:, :, first : first + run.length, :]
+        pool.write(run.slot, part)
+        if plan.mirror:
+            pool.write(run.slot + plan.mirror, part)
         first += run.length
 
 
@@ -210,7 +211,7 @@ def _band_mask(length: int, read_len: int, window: int) -> mx.array:
 
 def _gather(pool: MLXPool, plan: SeqStepPlan) -> mx.array:
     parts = [pool.read(run.slot, run.length) for run in plan.reads]
-    # One run is a view of the pool; a wrapped ring pays one copy of its window.
+    # One run (flat, or a mirrored ring) is a view of the pool; two would copy the window.
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 

@@ -90,6 +90,7 @@ def load_cache(f: StateFile) -> Any:
         raise f.refuse(f"state: a ring floor of {book.floor} above the length {length}")
     for i, (k, v) in enumerate(layers):
         if k.shape[2]:
-            cache.k_pools[i].write(0, k)
-            cache.v_pools[i].write(0, v)
+            for start in {0, book.layers[i].mirror}:  # a mirrored ring holds its slots twice
+                cache.k_pools[i].write(start, k)
+                cache.v_pools[i].write(start, v)
     return cache
