@@ -207,3 +207,21 @@ def test_a_paged_batch_gathers_its_tail_beside_its_pages(rng):
     half = attrs.evolve(groups, keys=mx.array(k.astype(np.float16)), values=mx.array(v.astype(np.float16)))
     ref16 = reference(q, k.astype(np.float16), v.astype(np.float16), allowed)
     np.testing.assert_allclose(np.array(attend_groups(mx.array(q), half, SCALE)), ref16, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_pages_are_gathered_where_gather_mm_cannot_read_them(rng, dtype):
+    # MLX's CPU gather_mm is float32 only: a paged batch in half precision (q and pools alike)
+    # must still give the gathered result, not fail when evaluated.
+    from kvlayout.mlx.attention import pages_in_place
+
+    assert pages_in_place(mx.float32) is (mx.default_device() == mx.cpu) and not pages_in_place(dtype)
+    q, k, v = (mx.array(a).astype(dtype) for a in qkv(rng, 2, 16))
+    i32 = lambda rows: mx.array(np.array(rows, dtype=np.int32))  # noqa: E731
+    visible = mx.array(np.ones((2, 1, 1, 5), dtype=bool))
+    paged = AttendGroups(i32([[0], [1]]), i32([[0], [2]]), visible, i32([0, 1]), k, v, page=4, tail=i32([[13], [14]]))
+    cells = i32([[0, 1, 2, 3, 13], [8, 9, 10, 11, 14]])
+    gathered = AttendGroups(i32([[0], [1]]), cells, visible, i32([0, 1]), k, v)
+    got = attend_groups(q, paged, SCALE)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(attend_groups(q, gathered, SCALE).astype(mx.float32)))

@@ -57,9 +57,10 @@ def _attend_batch(q: mx.array, keys: mx.array, values: mx.array, b: AttendBatch,
     if b.page:
         if slots % b.page:
             raise ValueError(f"pages of {b.page} cells do not tile the {slots} slots of keys")
-        if keys.dtype == q.dtype:
+        if keys.dtype == q.dtype and pages_in_place(keys.dtype):
             return _attend_pages(q, keys, values, b, scale)
-        # Storage narrower than q: gather the pages' cells and the tail, cast only those (as dense would).
+        # Storage narrower than q, or pages this device cannot read in place: gather the pages'
+        # cells and the tail (casting only those, as dense would); the result is the same.
         cells = (cells[:, :, None] * b.page + mx.arange(b.page, dtype=cells.dtype)).reshape(n_groups, -1)  # [G, P * B]
         if b.tail is not None:
             cells = mx.concatenate([cells, b.tail.astype(cells.dtype)], axis=1)  # [G, P * B + Kt]
@@ -70,6 +71,17 @@ def _attend_batch(q: mx.array, keys: mx.array, values: mx.array, b: AttendBatch,
     qg = qg.reshape(h_q, n_groups, q_len, d).transpose(1, 0, 2, 3)  # [G, H_q, Qg, D]
     o = mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=b.mask)  # [G, H_q, Qg, D]
     return o.transpose(1, 0, 2, 3).reshape(1, h_q, n_groups * q_len, d)  # [1, H_q, G * Qg, D]
+
+
+def pages_in_place(dtype: mx.Dtype) -> bool:
+    """Whether `attend_groups` reads pages of `dtype` in place on the default device.
+
+    MLX's `gather_mm` runs float32 only on the CPU (0.32: "Currently only
+    supports float32"), and the paged path is measured on the CPU only; GPU
+    backends gather the pages' cells instead until it is measured there.
+    Layouts ask this before planning pages under their automatic rule.
+    """
+    return dtype == mx.float32 and mx.default_device() == mx.cpu
 
 
 def _gather(keys: mx.array, values: mx.array, cells: mx.array) -> tuple[mx.array, mx.array]:

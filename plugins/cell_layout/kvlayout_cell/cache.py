@@ -28,6 +28,7 @@ from kvlayout.config import CacheConfig
 from kvlayout.errors import StepError
 from kvlayout.faces import AttendBatch, AttendGroups, AttendSpec, FacesBase, MaskKind
 from kvlayout.mlx import MLXPool
+from kvlayout.mlx.attention import pages_in_place
 from kvlayout.registry import plugin_manager
 from kvlayout_cell import persist
 from kvlayout_cell.args import int_array, int_scalar
@@ -153,6 +154,8 @@ class CellCache(CellStepper, FacesBase):
             # Every layer's pool holds as many slots (they take the same cells); the row is this
             # layer's, for every layer of this window (models give them one shape).
             pool = (self.keys[layer].slots, lc.n_kv_heads * lc.head_dim)
+            if path == "auto" and not pages_in_place(self.keys[layer].dtype):
+                pool = None  # attend() would gather the pages' cells: plan gathered batches
             plan = plan_cells(
                 placed.seq_ids, placed.positions, window, step.read_len, self.seq_keys, path, self.held, pool
             )
