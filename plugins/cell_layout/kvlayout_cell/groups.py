@@ -352,8 +352,11 @@ def page_batch(cells: np.ndarray, mask: np.ndarray, k_counts: np.ndarray, slots:
         key = gi * np.int64(slots // size + 1) + cell // size  # (group, page), ascending
         starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])  # each (group, page) run's first cell
         held = np.diff(np.r_[starts, key.size])  # cells of the group in that page
-        kept = np.repeat(_keeps(held, size, q_len, path), held)  # [M]: the cell is read by its page
-        n_pages = np.bincount(gi[starts][_keeps(held, size, q_len, path)], minlength=n_groups)  # [G]
+        if held.max() == 1:  # every cell alone in its page, and so in any smaller one: none is kept
+            break
+        keep = _keeps(held, size, q_len, path)  # per (group, page) run
+        kept = np.repeat(keep, held)  # [M]: the cell is read by its page
+        n_pages = np.bincount(gi[starts][keep], minlength=n_groups)  # [G]
         n_tail = np.bincount(gi[~kept], minlength=n_groups)  # [G]
         cost = paged_cost(n_groups, q_len, size, int(n_pages.max()), int(n_tail.max()))
         if n_pages.any() and (best is None or cost < best[0]):  # without a page it is the gathered batch
