@@ -50,27 +50,37 @@ def attend_groups(q: mx.array, groups: AttendGroups, scale: float) -> mx.array:
 
 def _attend_batch(q: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:
     """One batch of groups, its outputs group-major `[1, H_q, G * Qg, D]`."""
-    _, h_kv, slots, d = keys.shape  # [1, H_kv, S, D]
-    _, h_q, _, _ = q.shape
-    n_groups, q_len = b.tokens.shape
+    slots = keys.shape[2]
     cells = b.cells
     if b.page:
         if slots % b.page:
             raise ValueError(f"pages of {b.page} cells do not tile the {slots} slots of keys")
         if keys.dtype == q.dtype and pages_in_place(keys.dtype):
-            return _attend_pages(q, keys, values, b, scale)
+            return _ungroup(_attend_pages(_group_queries(q, b.tokens), keys, values, b, scale))
         # Storage narrower than q, or pages this device cannot read in place: gather the pages'
         # cells and the tail (casting only those, as dense would); the result is the same.
-        cells = (cells[:, :, None] * b.page + mx.arange(b.page, dtype=cells.dtype)).reshape(n_groups, -1)  # [G, P * B]
+        cells = (cells[:, :, None] * b.page + mx.arange(b.page, dtype=cells.dtype)).reshape(cells.shape[0], -1)
         if b.tail is not None:
             cells = mx.concatenate([cells, b.tail.astype(cells.dtype)], axis=1)  # [G, P * B + Kt]
     k, v = _gather(keys, values, cells)  # [G, H_kv, Kg, D] each
     if k.dtype != q.dtype:  # cast only what was gathered
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-    qg = mx.take(q, b.tokens.reshape(-1), axis=2)  # [1, H_q, G * Qg, D]
-    qg = qg.reshape(h_q, n_groups, q_len, d).transpose(1, 0, 2, 3)  # [G, H_q, Qg, D]
-    o = mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=b.mask)  # [G, H_q, Qg, D]
-    return o.transpose(1, 0, 2, 3).reshape(1, h_q, n_groups * q_len, d)  # [1, H_q, G * Qg, D]
+    qg = _group_queries(q, b.tokens)  # [G, H_q, Qg, D]
+    return _ungroup(mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=b.mask))
+
+
+def _group_queries(q: mx.array, tokens: mx.array) -> mx.array:
+    """The queries of `tokens` `[G, Qg]` (indices on q's token axis), group-major: `[G, H_q, Qg, D]`."""
+    _, h_q, _, d = q.shape  # [1, H_q, T, D]
+    n_groups, q_len = tokens.shape
+    qg = mx.take(q, tokens.reshape(-1), axis=2)  # [1, H_q, G * Qg, D]
+    return qg.reshape(h_q, n_groups, q_len, d).transpose(1, 0, 2, 3)  # [G, H_q, Qg, D]
+
+
+def _ungroup(o: mx.array) -> mx.array:
+    """`[G, H_q, Qg, D]` outputs back on one token axis, group-major: `[1, H_q, G * Qg, D]`."""
+    n_groups, h_q, q_len, d = o.shape
+    return o.transpose(1, 0, 2, 3).reshape(1, h_q, n_groups * q_len, d)
 
 
 def pages_in_place(dtype: mx.Dtype) -> bool:
@@ -95,8 +105,9 @@ def _gather(keys: mx.array, values: mx.array, cells: mx.array) -> tuple[mx.array
     return k, v
 
 
-def _attend_pages(q: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:
-    """A paged batch: each group attends P whole pages of B cells, read in place, and its gathered tail.
+def _attend_pages(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:
+    """A paged batch of grouped queries `qg` `[G, H_q, Qg, D]`: each group attends P whole pages of
+    B cells, read in place, and its gathered tail; outputs `[G, H_q, Qg, D]`.
 
     The pool `[1, H_kv, S, D]` viewed as `[H_kv, S / B, B, D]` is a
     reshape of a row-contiguous buffer, so no byte of it is copied:
@@ -108,38 +119,33 @@ def _attend_pages(q: mx.array, keys: mx.array, values: mx.array, b: AttendBatch,
     product, as in the fused SDPA.
     """
     _, h_kv, slots, d = keys.shape  # [1, H_kv, S, D]
-    _, h_q, _, _ = q.shape
-    n_groups, q_len = b.tokens.shape
+    n_groups, h_q, q_len, _ = qg.shape
     page, n_pages = b.page, b.cells.shape[1]
-    rep = h_q // h_kv
+    rows = h_q // h_kv * q_len  # query rows per KV head: rep * Qg
     k_pages = keys.reshape(h_kv, slots // page, page, d)  # [H_kv, S / B, B, D], a view
     v_pages = values.reshape(h_kv, slots // page, page, d)
     # Index of (head h, page p) among k_pages' [H_kv * S / B] matrices, for each group's pages.
     kv_at = (b.cells.astype(mx.uint32)[:, :, None]
              + (mx.arange(h_kv, dtype=mx.uint32) * (slots // page))[None, None, :])  # [G, P, H_kv]
-    qg = mx.take(q, b.tokens.reshape(-1), axis=2) * scale  # [1, H_q, G * Qg, D]
-    qg = qg.reshape(h_kv, rep, n_groups, q_len, d).transpose(2, 0, 1, 3, 4)  # [G, H_kv, rep, Qg, D]
-    qg = qg.reshape(n_groups, h_kv, rep * q_len, d)  # [G, H_kv, rep * Qg, D]
+    qg = (qg * scale).reshape(n_groups, h_kv, rows, d)  # [G, H_kv, rep * Qg, D]
     q_at = mx.broadcast_to(
         mx.arange(n_groups * h_kv, dtype=mx.uint32).reshape(n_groups, 1, h_kv), kv_at.shape
     )  # [G, P, H_kv]
-    s = mx.gather_mm(qg.reshape(-1, rep * q_len, d), k_pages.swapaxes(-1, -2), q_at, kv_at)  # [G, P, H_kv, rep*Qg, B]
-    s = s.transpose(0, 2, 3, 1, 4).reshape(n_groups, h_kv, rep * q_len, n_pages * page)  # [G, H_kv, rep*Qg, P*B]
+    s = mx.gather_mm(qg.reshape(-1, rows, d), k_pages.swapaxes(-1, -2), q_at, kv_at)  # [G, P, H_kv, rep*Qg, B]
+    s = s.transpose(0, 2, 3, 1, 4).reshape(n_groups, h_kv, rows, n_pages * page)  # [G, H_kv, rep*Qg, P*B]
     if b.tail is not None:
         k_tail, v_tail = _gather(keys, values, b.tail)  # [G, H_kv, Kt, D] each
         s = mx.concatenate([s, qg @ k_tail.swapaxes(-1, -2)], axis=-1)  # [G, H_kv, rep*Qg, P*B + Kt]
-    s = s.reshape(n_groups, h_kv, rep, q_len, -1)  # [G, H_kv, rep, Qg, P*B + Kt]
-    if b.mask is not None:  # [G, 1, Qg, P*B + Kt]
-        s = mx.where(b.mask[:, :, None], s, -mx.inf)
-    p = mx.softmax(s, axis=-1, precise=True).reshape(n_groups, h_kv, rep * q_len, -1)
-    p_pages = p[..., : n_pages * page].reshape(n_groups, h_kv, rep * q_len, n_pages, page)
-    p_pages = p_pages.transpose(0, 3, 1, 2, 4).reshape(-1, rep * q_len, page)  # [G * P * H_kv, rep*Qg, B]
+    if b.mask is not None:  # [G, 1, Qg, P*B + Kt], for each of a KV head's rep query heads
+        s = mx.where(b.mask[:, :, None], s.reshape(n_groups, h_kv, -1, q_len, s.shape[-1]), -mx.inf)
+    p = mx.softmax(s, axis=-1, precise=True).reshape(n_groups, h_kv, rows, -1)
+    p_pages = p[..., : n_pages * page].reshape(n_groups, h_kv, rows, n_pages, page)
+    p_pages = p_pages.transpose(0, 3, 1, 2, 4).reshape(-1, rows, page)  # [G * P * H_kv, rep*Qg, B]
     p_at = mx.arange(n_groups * n_pages * h_kv, dtype=mx.uint32).reshape(kv_at.shape)
     o = mx.gather_mm(p_pages, v_pages, p_at, kv_at).sum(axis=1)  # [G, H_kv, rep*Qg, D]
     if b.tail is not None:
         o = o + p[..., n_pages * page :] @ v_tail  # [G, H_kv, rep*Qg, D]
-    o = o.reshape(n_groups, h_q, q_len, d)  # [G, H_q, Qg, D]
-    return o.transpose(1, 0, 2, 3).reshape(1, h_q, n_groups * q_len, d)  # [1, H_q, G * Qg, D]
+    return o.reshape(n_groups, h_q, q_len, d)  # [G, H_q, Qg, D]
 
 
 _SIDE: dict = {}  # device -> a second stream on it
