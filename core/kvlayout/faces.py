@@ -114,10 +114,9 @@ class AttendGroups:
       `P * B` slots of its pages, in page order, then its tail, under `mask`
       `[G, 1, Qg, P * B + Kt]`.
     - `more` (optional): further batches of groups, each an `AttendBatch`
-      (or a `(tokens, cells, mask)` triple) shaped like the fields above,
-      each run apart so it is padded only to its own longest group; `out`
-      then indexes the grouped query slots of all batches, concatenated in
-      order (the fields first).
+      shaped like the fields above, each run apart so it is padded only to
+      its own longest group; `out` then indexes the grouped query slots of
+      all batches, concatenated in order (the fields first).
     """
 
     tokens: Any
@@ -126,14 +125,14 @@ class AttendGroups:
     out: Any
     keys: Any = None
     values: Any = None
-    more: tuple = ()
+    more: tuple[AttendBatch, ...] = ()
     page: int = 0
     tail: Any = None
 
     def batches(self) -> tuple[AttendBatch, ...]:
         """Every batch, the fields' first, as AttendBatch records."""
         head = AttendBatch(self.tokens, self.cells, self.mask, self.page, self.tail)
-        return (head,) + tuple(b if isinstance(b, AttendBatch) else AttendBatch(*b) for b in self.more)
+        return (head, *self.more)
 
 
 @attrs.frozen(eq=False)

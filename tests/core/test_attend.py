@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout import AttendGroups, AttendSpec, MaskKind
+from kvlayout import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout.mlx import attend
 from kvlayout.mlx.attention import attend_groups
 
@@ -170,7 +170,7 @@ def test_a_paged_batch_beside_a_gathered_one_lands_each_output_in_token_order(rn
     # tokens 0 and 1 read pages 0 and 1 (cells 0-3, 4-7) unmasked; token 2 gathers cells 3 and 6
     q, k, v = qkv(rng, 3, 8)
     i32 = lambda rows: mx.array(np.array(rows, dtype=np.int32))  # noqa: E731
-    gathered = (i32([[2]]), i32([[3, 6]]), None, 0)
+    gathered = AttendBatch(i32([[2]]), i32([[3, 6]]), None)
     groups = AttendGroups(
         i32([[0], [1]]), i32([[0], [1]]), None, i32([0, 1, 2]), mx.array(k), mx.array(v), more=(gathered,), page=4
     )
