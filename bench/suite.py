@@ -38,7 +38,6 @@ issue's sizes, `--quick` a smoke-test run.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import platform
@@ -164,8 +163,22 @@ def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     mx.eval(token)
     out: list[Row] = []
 
-    def config(capacity):
-        return CacheConfig(capacity=capacity, n_layers=1, layers=[LayerConfig(H_KV, D)], kv_dtype="float16")
+    def config(capacity, **kw):
+        return CacheConfig(capacity=capacity, n_layers=1, layers=[LayerConfig(H_KV, D)], kv_dtype="float16", **kw)
+
+    # One token written and what it returns evaluated, on each side.
+    def put_seq(c, p):
+        spec = c.update_and_fetch(0, [p], token, token)
+        mx.eval(spec.keys, spec.values)
+
+    def put_cell(c, s, p):
+        c.declare_step([s])
+        spec = c.update_and_fetch(0, [p], token, token)
+        mx.eval(spec.keys, spec.values, spec.mask)
+
+    def put_ref(c):
+        k, v = c.update_and_fetch(token, token)
+        mx.eval(k, v)
 
     for L in z["write_ctx"]:
         cap = L + z["write_reps"] * 4 + 64
@@ -177,30 +190,17 @@ def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         cell.update_and_fetch(0, list(range(L)), fill, fill)
         ref.update_and_fetch(fill, fill)
         mx.eval(seq.k_pools[0]._buf, cell.keys[0]._buf, ref.keys)
-        state = {"seq": L, "cell": L}
 
         def one_seq():
-            p = state["seq"]
-            state["seq"] += 1
-            t0 = time.perf_counter()
-            spec = seq.update_and_fetch(0, [p], token, token)
-            mx.eval(spec.keys, spec.values)
-            return time.perf_counter() - t0
+            p = seq.length
+            return timed(lambda: put_seq(seq, p))
 
         def one_cell():
-            p = state["cell"]
-            state["cell"] += 1
-            t0 = time.perf_counter()
-            cell.declare_step([s0])
-            spec = cell.update_and_fetch(0, [p], token, token)
-            mx.eval(spec.keys, spec.values, spec.mask)
-            return time.perf_counter() - t0
+            p = cell.next_pos(s0)
+            return timed(lambda: put_cell(cell, s0, p))
 
         def one_ref():
-            t0 = time.perf_counter()
-            k, v = ref.update_and_fetch(token, token)
-            mx.eval(k, v)
-            return time.perf_counter() - t0
+            return timed(lambda: put_ref(ref))
 
         t = interleaved({"seq": one_seq, "cell": one_cell, "mlx-lm": one_ref}, z["write_reps"], warmup=2)
         out.append(rows_of("1 write", f"1 token @{L // 1024}k: seq", t, "seq", "mlx-lm"))
@@ -215,42 +215,23 @@ def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         steps, grew = np.empty(n), np.zeros(n, dtype=bool)
         for p in range(n):
             before = storage()
-            t0 = time.perf_counter()
-            append(p)
-            steps[p] = time.perf_counter() - t0
+            steps[p] = timed(lambda: append(p))
             grew[p] = storage() != before
         growing[side].append(float(steps[grew].sum() - grew.sum() * np.median(steps[~grew])))
         return float(steps.sum())
 
-    def config_from_256():
-        return CacheConfig(capacity=n, n_layers=1, layers=[LayerConfig(H_KV, D)], kv_dtype="float16",
-                           initial_capacity=256)
-
     def grow_seq():
-        c = SeqCache(config_from_256())
-
-        def append(p):
-            spec = c.update_and_fetch(0, [p], token, token)
-            mx.eval(spec.keys, spec.values)
-        return appended("seq", lambda: c.k_pools[0].slots, append)
+        c = SeqCache(config(n, initial_capacity=256))
+        return appended("seq", lambda: c.k_pools[0].slots, lambda p: put_seq(c, p))
 
     def grow_cell():
-        c = CellCache(config_from_256(), make_plugin_manager())
+        c = CellCache(config(n, initial_capacity=256), make_plugin_manager())
         s = c.seq_new()
-
-        def append(p):
-            c.declare_step([s])
-            spec = c.update_and_fetch(0, [p], token, token)
-            mx.eval(spec.keys, spec.values, spec.mask)
-        return appended("cell", lambda: c.keys[0].slots, append)
+        return appended("cell", lambda: c.keys[0].slots, lambda p: put_cell(c, s, p))
 
     def grow_ref():
         c = KVCache()
-
-        def append(p):
-            k, v = c.update_and_fetch(token, token)
-            mx.eval(k, v)
-        return appended("mlx-lm", lambda: 0 if c.keys is None else c.keys.shape[2], append)
+        return appended("mlx-lm", lambda: 0 if c.keys is None else c.keys.shape[2], lambda p: put_ref(c))
 
     t = interleaved({"seq": grow_seq, "cell": grow_cell, "mlx-lm": grow_ref}, z["grow_reps"], warmup=0)
     k = f"{n // 1024}k"
@@ -299,14 +280,16 @@ def _run_config(model_dir: Path, layout: str, requests: list[dict], capacity: in
 
 
 def _loaded(ctx: dict):
-    """(ours, theirs): the init-model weights loaded by kvlayout's loader and by mlx_lm's, once."""
+    """(ours, theirs, args): the tiny preset, written as `kvlayout init-model` writes it (on the first
+    row that needs a model), loaded by kvlayout's loader and by mlx_lm's, once."""
     if "loaded" not in ctx:
-        from kvlayout.runner import engine
+        from kvlayout.runner.loading import load_model
+        from kvlayout.runner.presets import write_preset
         from kvlayout.runner.tokenizer import ByteTokenizer
 
-        model_dir = ctx["model_dir"]
-        model, args, _, name = engine.load(_run_config(model_dir, "mlx:cell", [{"prompt_ids": [1]}], 64))
-        ours = (model, args, ByteTokenizer(eos_ids=()), name)  # no EOS: every sample runs max_tokens
+        model_dir = write_preset(ctx["model_dir"], "tiny")
+        model, args, _ = load_model(model_dir)
+        ours = (model, args, ByteTokenizer(eos_ids=()), str(model_dir))  # no EOS: every sample runs max_tokens
         theirs, _ = mlx_lm_part("utils").load_model(model_dir)
         ctx["loaded"] = (ours, theirs, args)
     return ctx["loaded"]
@@ -466,15 +449,16 @@ def row_bookkeep(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     out = []
     rng = np.random.default_rng(5)
     for used_end in z["book_sizes"]:
-        cache = CellCache(CacheConfig(capacity=used_end + 2 * n_seqs, n_layers=2, layers=[LayerConfig(H_KV, D)],
+        cache = CellCache(CacheConfig(capacity=used_end + 2 * n_seqs, n_layers=1, layers=[LayerConfig(H_KV, D)],
                                       kv_dtype="float32", max_seqs=n_seqs, initial_capacity=used_end + 2 * n_seqs),
                           make_plugin_manager())
         for _ in range(n_seqs):
             cache.seq_new()
         cells = np.arange(used_end, dtype=np.int64)
         cache.occupy(cells, cells % n_seqs, cells // n_seqs)  # seq s holds cells s, s+64, ... (K/V left random)
-        for pool in cache.keys + cache.values:
-            pool.write(0, mx.array(rng.normal(size=(1, H_KV, used_end, D)).astype(np.float32)))
+        kv0 = mx.array(rng.normal(size=(1, H_KV, used_end, D)).astype(np.float32))
+        cache.keys[0].write(0, kv0)
+        cache.values[0].write(0, kv0)
         ids = list(range(n_seqs))
         kv = mx.zeros((1, H_KV, n_seqs, D))
         q = mx.array(rng.normal(size=(1, h_q, n_seqs, D)).astype(np.float32))
@@ -653,22 +637,22 @@ ROWS: dict[str, Callable[[dict, dict], tuple[str, list[Row]]]] = {
 # -- output -------------------------------------------------------------------------
 
 
-def print_table(results: list[tuple[str, str, list[Row]]], echo=print) -> None:
+def print_table(results: list[tuple[str, str, list[Row]]]) -> None:
     head = (f"{'row':<11} {'case':<38} {'A':<14} {'A min':>8} {'A med':>8} {'B':<24} {'B min':>8} {'B med':>8} "
             f"{'A/B':>7}")
-    echo(head)
-    echo("-" * len(head))
+    print(head)
+    print("-" * len(head))
     for key, work, rows in results:
         for r in rows:
-            echo(f"{r.row:<11} {r.case:<38.38} {r.a:<14.14} {fmt_s(min(r.a_times)):>8} "
+            print(f"{r.row:<11} {r.case:<38.38} {r.a:<14.14} {fmt_s(min(r.a_times)):>8} "
                  f"{fmt_s(statistics.median(r.a_times)):>8} {r.b:<24.24} {fmt_s(min(r.b_times)):>8} "
                  f"{fmt_s(statistics.median(r.b_times)):>8} {r.ratio:>7.3f}")
             if r.note:
-                echo(f"{'':<11} {r.note}")
-    echo("")
-    echo("workloads (A/B = median time of A / median time of B; below 1: A is faster):")
+                print(f"{'':<11} {r.note}")
+    print("")
+    print("workloads (A/B = median time of A / median time of B; below 1: A is faster):")
     for key, work, _ in results:
-        echo(f"  {key}: {work}")
+        print(f"  {key}: {work}")
 
 
 # A 3x5 bitmap font for the plot's labels: digits, '.', 'x' and a few letters.
@@ -718,7 +702,7 @@ def write_png(path: Path, rows: list[Row]) -> None:
     path.write_bytes(png)
 
 
-def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | None = None, echo=print) -> dict:
+def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | None = None) -> dict:
     z = SIZES[mode]
     keys = rows or list(ROWS)
     unknown = [k for k in keys if k not in ROWS]
@@ -726,25 +710,18 @@ def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | 
         raise ValueError(f"unknown row(s) {', '.join(unknown)}; available: {', '.join(ROWS)}")
     results = []
     with tempfile.TemporaryDirectory(prefix="kvlayout-bench-") as tmp:
-        ctx: dict = {"model_dir": Path(tmp) / "tiny"}
-        from kvlayout.cli import main as cli_main
-
-        from contextlib import redirect_stdout
-        import io
-
-        with redirect_stdout(io.StringIO()):  # the table is the only stdout
-            assert cli_main(["init-model", str(ctx["model_dir"]), "--preset", "tiny"]) == 0
+        ctx: dict = {"model_dir": Path(tmp) / "tiny"}  # written by the first row that loads the model
         for key in keys:
             t0 = time.perf_counter()
             work, got = ROWS[key](z, ctx)
-            echo(f"[{key}: {time.perf_counter() - t0:.0f}s]", file=sys.stderr)
+            print(f"[{key}: {time.perf_counter() - t0:.0f}s]", file=sys.stderr)
             results.append((key, work, got))
-    echo(f"kvlayout bench ({mode}) · mlx {mx.__version__} on {mx.default_device()} · "
+    print(f"kvlayout bench ({mode}) · mlx {mx.__version__} on {mx.default_device()} · "
          f"mlx-lm {importlib.import_module('mlx_lm').__version__} · {platform.machine()}, {platform.system()}")
-    print_table(results, echo)
+    print_table(results)
     payload = {
         "mode": mode, "mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
-        "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in z.items()},
+        "sizes": z,
         "rows": [{"key": k, "workload": w, "results": [r.to_json() for r in rs]} for k, w, rs in results],
     }
     if out is not None:
@@ -757,11 +734,11 @@ def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | 
             _plot_matplotlib(out / "bench.png", flat)
         except ImportError:
             write_png(out / "bench.png", flat)
-            echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'} (matplotlib is not installed: a plain "
+            print(f"wrote {out / 'bench.json'} and {out / 'bench.png'} (matplotlib is not installed: a plain "
                  "bar chart of the A/B ratios on a log2 axis, bar i = table line i; pip install matplotlib for "
                  "a labelled one)")
         else:
-            echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+            print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     return payload
 
 
@@ -784,21 +761,11 @@ def _plot_matplotlib(path: Path, rows: list[Row]) -> None:
     plt.close(fig)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", metavar="DIR", type=Path, help="write bench.json and bench.png there")
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="a short smoke-test run (small sizes, 2 repeats)")
-    size.add_argument("--full", action="store_true", help="the issue's sizes (takes much longer)")
-    ap.add_argument("--rows", metavar="NAMES", help=f"comma-separated subset of: {', '.join(ROWS)}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/suite.py", description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    mode = "quick" if args.quick else "full" if args.full else "default"
-    run_suite(mode, args.rows.split(",") if args.rows else None, args.out)
-    return 0
+    """`python bench/suite.py [options]` is `kvlayout bench [options]`: one parser, one row check."""
+    from kvlayout.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
