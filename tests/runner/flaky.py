@@ -17,11 +17,11 @@ class RaisingLayer:
         self.armed = False
         self.raised = 0
 
-    def __call__(self, x, positions, pos_list, cache):
+    def __call__(self, x, positions, pos_host, cache):
         if self.armed:
             self.raised += 1
             raise self.exc(f"layer {self.index} failed on purpose")
-        return self.layer(x, positions, pos_list, cache)
+        return self.layer(x, positions, pos_host, cache)
 
 
 class FlakyModel:
