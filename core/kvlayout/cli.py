@@ -7,16 +7,12 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
 
 from kvlayout import registry
 from kvlayout.errors import KVLayoutError
-
-# Each subcommand adds its own parser; later ones (run, init-model, bench) join here.
-Command = Callable[[argparse.Namespace], int]
 
 
 def _plugins(args: argparse.Namespace) -> int:

@@ -49,7 +49,6 @@ class ModelArgs:
     # Per layer: 0 for full attention, else the sliding window (a ring layer).
     windows: tuple[int, ...] = ()
     eos_token_id: tuple[int, ...] = ()
-    bos_token_id: int | None = None
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], source: str = "config.json") -> ModelArgs:
@@ -78,7 +77,7 @@ class ModelArgs:
             )
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is not None:
-            rope_type = rope_scaling.get("type") or rope_scaling.get("rope_type", "default")
+            rope_type = _rope_type(rope_scaling)
             if rope_type not in ("default", "linear", "llama3"):
                 raise ConfigError(
                     f"{source}: rope_scaling type {rope_type!r} is not supported; "
@@ -103,7 +102,6 @@ class ModelArgs:
             mlp_bias=model_type != "qwen2" and bool(cfg.get("mlp_bias", False)),
             windows=_layer_windows(cfg, model_type, n_layers, source),
             eos_token_id=eos,
-            bos_token_id=cfg.get("bos_token_id"),
         )
 
     def layer_configs(self) -> tuple[LayerConfig, ...]:
@@ -144,10 +142,15 @@ def _layer_windows(cfg: Mapping[str, Any], model_type: str, n_layers: int, sourc
     return (window,) * n_layers
 
 
+def _rope_type(rope_scaling: Mapping[str, Any]) -> str:
+    """HF spells it "type" in older configs, "rope_type" in newer ones."""
+    return rope_scaling.get("type") or rope_scaling.get("rope_type", "default")
+
+
 def rope_freqs(args: ModelArgs) -> tuple[float | None, float, mx.array | None]:
     """(base, scale, freqs) for mx.fast.rope, as mlx-lm's initialize_rope builds them."""
     cfg = args.rope_scaling
-    rope_type = "default" if cfg is None else cfg.get("type") or cfg.get("rope_type", "default")
+    rope_type = "default" if cfg is None else _rope_type(cfg)
     if rope_type == "default":
         return args.rope_theta, 1.0, None
     if rope_type == "linear":

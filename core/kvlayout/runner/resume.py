@@ -132,10 +132,6 @@ class RunState:
     directory: Path
     data: dict
 
-    @property
-    def complete(self) -> bool:
-        return bool(self.data.get("complete"))
-
     def _refuse(self, what: str) -> StateError:
         return StateError(f"--resume {self.directory}: {what}")
 

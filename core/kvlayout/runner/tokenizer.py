@@ -16,8 +16,6 @@ BYTE_BOS, BYTE_EOS = 256, 257
 class ByteTokenizer:
     """One token per UTF-8 byte; ids >= 256 are specials and decode to nothing."""
 
-    name = "bytes"
-
     def __init__(self, eos_ids: Sequence[int] = (BYTE_EOS,)):
         self.eos_ids = frozenset(eos_ids)
 
@@ -30,8 +28,6 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A `tokenizer.json` read by the `tokenizers` library (no transformers needed)."""
-
-    name = "tokenizer.json"
 
     def __init__(self, path: Path, eos_ids: Sequence[int]):
         from tokenizers import Tokenizer
