@@ -6,8 +6,8 @@ side. A decode step writes one token and returns every key it attends:
 - flat: the write is O(1 token) in place and the read `[0, L)` is a view of
   the pool, so the step should cost about what the read alone costs ("read"
   column: the same two views evaluated with no write);
-- ring: the read is the last 4k keys; once the window wraps the ring's end it
-  is two runs joined by one copy of the window, which is O(window), not O(L).
+- ring: the read is the last 4k keys, one run of the ring's mirrored slots
+  (a view) even once the window wraps the ring's end: O(1), not O(window).
 
 "keys" is how many keys the last timed step returned (S of its AttendSpec).
 

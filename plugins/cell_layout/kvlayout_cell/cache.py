@@ -64,7 +64,7 @@ class CellCache(CellStepper, FacesBase):
         # Pools hold whole pages of PAGE_TILE slots (past the last cell: never written, masked when
         # read), so every size they grow through is one that pages of up to PAGE_TILE cells tile.
         max_slots = _tiled(config.capacity)
-        initial = min(_tiled(config.initial_capacity), max_slots)
+        initial = _tiled(config.initial_capacity)  # the pool clamps it to max_slots
 
         def pool(lc):
             return MLXPool(initial, max_slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype)

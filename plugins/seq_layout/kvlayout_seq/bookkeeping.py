@@ -140,8 +140,9 @@ class RingPolicy:
             kind = MaskKind.EXPLICIT
         else:
             kind = MaskKind.CAUSAL
-        # With a mirror, slots [s, s + read_len) hold the window in order even past the wrap.
-        reads = (Run(read_start % self.slots, read_len),) if self.mirror else self._runs(read_start, read_len)
+        # One run, always: with a mirror, slots [s, s + read_len) hold the window in order even past
+        # the wrap; without one (slots == capacity) no position reaches the wrap.
+        reads = (Run(read_start % self.slots, read_len),)
         return SeqStepPlan(
             start=start,
             length=length,

@@ -77,7 +77,7 @@ class SeqCache(FacesBase):
         self.v_pools: list[MLXPool] = []
         for (heads, dim), policy in zip(self._shapes, self._book.layers):
             # Flat pools grow lazily; a ring is recycled from the first lap, so allocate it whole.
-            initial = min(config.initial_capacity, policy.slots) if policy.kind == "flat" else policy.storage
+            initial = config.initial_capacity if policy.kind == "flat" else policy.storage  # the pool clamps
             self.k_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
             self.v_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
 
@@ -210,9 +210,9 @@ def _band_mask(length: int, read_len: int, window: int) -> mx.array:
 
 
 def _gather(pool: MLXPool, plan: SeqStepPlan) -> mx.array:
-    parts = [pool.read(run.slot, run.length) for run in plan.reads]
-    # One run (flat, or a mirrored ring) is a view of the pool; two would copy the window.
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    """The plan's one read run (flat, or a ring's window in its mirror): a view of the pool."""
+    (run,) = plan.reads
+    return pool.read(run.slot, run.length)
 
 
 def _show(pos: np.ndarray) -> str:
