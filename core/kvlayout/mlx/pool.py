@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from kvlayout.args import int_scalar
 from kvlayout.errors import KVLayoutError
 from kvlayout.pool import Pool
 
@@ -29,18 +30,12 @@ def storage_dtype(dtype: Any) -> mx.Dtype:
     raise KVLayoutError(f"pool dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise KVLayoutError(f"{name}={value!r}: expected an integer >= {minimum}")
-    return int(value)
-
-
 class MLXPool(Pool):
     def __init__(self, initial_slots: int, max_slots: int, n_heads: int, head_dim: int, dtype: Any = "float16"):
-        self._max = _check_int("max_slots", max_slots, 1)
-        initial = min(_check_int("initial_slots", initial_slots, 0), self._max)
-        self._heads = _check_int("n_heads", n_heads, 1)
-        self._dim = _check_int("head_dim", head_dim, 1)
+        self._max = int_scalar("max_slots", max_slots, KVLayoutError, minimum=1)
+        initial = min(int_scalar("initial_slots", initial_slots, KVLayoutError, minimum=0), self._max)
+        self._heads = int_scalar("n_heads", n_heads, KVLayoutError, minimum=1)
+        self._dim = int_scalar("head_dim", head_dim, KVLayoutError, minimum=1)
         self._dtype = storage_dtype(dtype)
         self._buf = mx.zeros((1, self._heads, initial, self._dim), dtype=self._dtype)  # [1, H, slots, D]
 
@@ -70,7 +65,7 @@ class MLXPool(Pool):
 
     def write(self, start: int, update: mx.array) -> None:
         n = self._check_update(update)
-        start = _check_int("start", start, 0)
+        start = int_scalar("start", start, KVLayoutError, minimum=0)
         if start + n > self._max:
             raise KVLayoutError(
                 f"write of {n} slot(s) at start={start} ends at {start + n}, past max_slots={self._max}"
@@ -96,8 +91,8 @@ class MLXPool(Pool):
         self._buf[:, :, mx.array(idx), :] = update.astype(self._dtype)
 
     def read(self, start: int, length: int) -> mx.array:
-        start = _check_int("start", start, 0)
-        length = _check_int("length", length, 0)
+        start = int_scalar("start", start, KVLayoutError, minimum=0)
+        length = int_scalar("length", length, KVLayoutError, minimum=0)
         if start + length > self.slots:
             raise KVLayoutError(
                 f"read of {length} slot(s) at start={start} ends at {start + length}, "

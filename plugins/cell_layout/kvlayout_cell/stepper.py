@@ -24,7 +24,7 @@ import numpy as np
 
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
-from kvlayout_cell.args import int_array, int_scalar
+from kvlayout.args import int_array, int_scalar
 from kvlayout_cell.table import CellTable
 
 

@@ -32,17 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from kvlayout.args import int_scalar
 from kvlayout.errors import CapacityError, KVLayoutError, StepError
 from kvlayout.faces import MaskKind, Run, SeqStepPlan
-
-
-def check_count(name: str, value: Any, minimum: int = 0, error: type[KVLayoutError] = KVLayoutError) -> int:
-    """`value` as an int; bools, floats and anything below `minimum` are refused (`error`)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise error(f"{name}={value!r}: expected an integer, got {type(value).__name__}")
-    if value < minimum:
-        raise error(f"{name}={value}: expected an integer >= {minimum}")
-    return int(value)
 
 
 def band_mask(length: int, read_len: int, window: int) -> np.ndarray:
@@ -179,11 +171,11 @@ class SeqBook:
     """
 
     def __init__(self, capacity: int, policies: list[tuple[str, int]], max_write: int | None = None):
-        self.capacity = check_count("capacity", capacity, 1)
+        self.capacity = int_scalar("capacity", capacity, KVLayoutError, minimum=1)
         if not policies:
             raise KVLayoutError("policies: expected one (kind, window) per layer, got none")
         if max_write is not None:
-            max_write = check_count("max_write", max_write, 1)
+            max_write = int_scalar("max_write", max_write, KVLayoutError, minimum=1)
         shared: dict[tuple[str, int], FlatPolicy | RingPolicy] = {}
         for kind, window in policies:
             if (kind, window) in shared:
@@ -191,7 +183,7 @@ class SeqBook:
             if kind == "flat":
                 shared[kind, window] = FlatPolicy(self.capacity)
             elif kind == "ring":
-                window = check_count("window", window, 1)
+                window = int_scalar("window", window, KVLayoutError, minimum=1)
                 shared[kind, window] = RingPolicy(window, max_write or window, self.capacity)
             else:
                 raise KVLayoutError(f"policy kind {kind!r}: expected flat or ring")
@@ -220,7 +212,7 @@ class SeqBook:
         return max((p.floor for p in self.policies), default=0)
 
     def can_extend(self, n: int = 1) -> bool:
-        return self.length + check_count("n", n, error=StepError) <= self.capacity
+        return self.length + int_scalar("n", n, StepError, minimum=0) <= self.capacity
 
     def check_layer(self, layer: Any) -> int:
         is_int = isinstance(layer, (int, np.integer)) and not isinstance(layer, (bool, np.bool_))
@@ -300,7 +292,7 @@ class SeqBook:
         Rewinding to 0 needs no position a ring may have lost, so it always
         succeeds: it is `clear()`, which also forgets what the rings reused.
         """
-        new_len = check_count("new_len", new_len, error=StepError)
+        new_len = int_scalar("new_len", new_len, StepError, minimum=0)
         if new_len == 0:
             self.clear()
             return True

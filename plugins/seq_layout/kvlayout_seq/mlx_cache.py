@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from kvlayout.args import int_array
 from kvlayout.config import CacheConfig
 from kvlayout.errors import StepError
 from kvlayout.faces import AttendSpec, FacesBase, MaskKind, SeqStepPlan
@@ -23,38 +24,11 @@ from kvlayout_seq.bookkeeping import SeqBook, band_mask
 
 
 def _positions(positions: Any) -> np.ndarray:
-    """`positions` as an int64 vector; floats, bools and NaN are refused, naming the argument."""
-    if isinstance(positions, (list, tuple, range)):
-        bad = [
-            p for p in positions if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer))
-        ]
-        if bad:
-            raise StepError(f"positions: expected integers, got {bad[0]!r} ({type(bad[0]).__name__})")
-        try:
-            arr = np.asarray(positions, dtype=np.int64)
-        except OverflowError:
-            raise StepError(f"positions: {max(positions, key=abs)} does not fit in 64 bits") from None
-    elif isinstance(positions, mx.array):
-        # Checking them needs their values: an mx.array of positions is evaluated here.
-        if not mx.issubdtype(positions.dtype, mx.integer):
-            raise StepError(f"positions: expected an integer array, got dtype {positions.dtype}")
-        arr = _as_int64(np.array(positions))
-    elif isinstance(positions, np.ndarray):
-        if not np.issubdtype(positions.dtype, np.integer):
-            raise StepError(f"positions: expected an integer array, got dtype {positions.dtype}")
-        arr = _as_int64(positions)
-    else:
+    """`positions` as an int64 vector (`int_array`); anything but a sequence or array of them is refused,
+    naming the argument. An mx.array of positions is evaluated here: checking them needs their values."""
+    if not isinstance(positions, (list, tuple, range, np.ndarray, mx.array)):
         raise StepError(f"positions: expected a list or array of integers, got {type(positions).__name__}")
-    if arr.ndim != 1:
-        raise StepError(f"positions: expected one integer per token (1-d), got shape {arr.shape}")
-    return arr
-
-
-def _as_int64(arr: np.ndarray) -> np.ndarray:
-    """An integer array as int64; a uint64 past int64 is refused (the cast would wrap it negative)."""
-    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
-        raise StepError(f"positions: {int(arr.max())} does not fit in 64 bits")
-    return arr.astype(np.int64)
+    return int_array("positions", positions, StepError)
 
 
 class SeqCache(FacesBase):

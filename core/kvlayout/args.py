@@ -1,4 +1,4 @@
-"""Argument checks shared by the cell table and its MLX face (numpy only).
+"""Integer argument checks shared by the pool and both layouts (numpy only, no MLX import).
 
 A position or an id is an integer. Lists, numpy arrays and anything numpy can
 read (an MLX array included) are accepted; floats, bools and NaN are refused
@@ -17,7 +17,7 @@ from kvlayout.errors import KVLayoutError
 
 def int_array(name: str, values: Any, error: type[KVLayoutError]) -> np.ndarray:
     """`values` as a 1-d int64 array; `error` naming `name` if it is not integers."""
-    if isinstance(values, (list, tuple)) and any(isinstance(x, (bool, np.bool_)) for x in values):
+    if isinstance(values, (list, tuple)) and not {bool, np.bool_}.isdisjoint(map(type, values)):  # no subclasses
         raise error(f"{name}: expected integers, got a bool in {list(values)!r}")
     try:
         arr = np.asarray(values)
