@@ -146,7 +146,8 @@ class CellEngine:
         return self.chunk - sum(k for s, k in plan if s.pending > 1)
 
     def _try(self, plan: list[tuple[Running, int]]) -> bool:
-        return self.bc.declare_step([s.seq_id for s, k in plan for _ in range(k)])
+        # The step's id per token as one array: a layout checks an array without a Python loop.
+        return self.bc.declare_step(np.repeat([s.seq_id for s, _ in plan], [k for _, k in plan]))
 
     def _declare(self) -> list[tuple[Running, int]]:
         """Declare the next step, preempting or admitting as the table allows."""
