@@ -15,9 +15,8 @@ import attrs
 import numpy as np
 
 from kvlayout.errors import CapacityError
-from kvlayout.runner.records import Progress, Request, Sample, Sampling, Stats, take_token, unplanned
+from kvlayout.runner.records import Progress, Request, Sample, Sampling, Stats, sample_next, unplanned
 from kvlayout.runner.recovery import ForwardFailed, guarded_forward
-from kvlayout.runner.sampling import sample_token
 
 
 @attrs.define(eq=False)
@@ -259,21 +258,14 @@ class CellEngine:
         return forks
 
     def _advance(self, s: Running, row: np.ndarray) -> None:
-        sample = s.samples[0]
-        token = sample_token(row, self.sampling.temperature, self.sampling.top_p, sample.rng)
-        finished = take_token(sample, token, s.request, self.eos)
-        if not (finished and sample.finish_reason == "stop"):
-            self.stats.generated_tokens += 1
+        token, finished, done = sample_next(s.samples[0], row, s.request, self.sampling, self.eos, self.stats)
         if finished:
             self.running.remove(s)
             self.bc.seq_rm(s.seq_id)  # frees the cells no other sample shares
-            self.progress(1 + unplanned(sample, s.request))
         else:
             s.tokens.append(token)
-            self.progress(1)
+        self.progress(done)
 
     def _note_held(self, batch: int) -> None:
         held = self.bc.capacity - self.bc.free_cells
-        self.stats.peak_cells = max(self.stats.peak_cells, held)
-        self.stats.peak_tokens = max(self.stats.peak_tokens, sum(s.cached for s in self.running))
-        self.stats.max_batch = max(self.stats.max_batch, batch)
+        self.stats.note_held(held, sum(s.cached for s in self.running), batch)

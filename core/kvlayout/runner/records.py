@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import attrs
 import numpy as np
 
-from kvlayout.runner.sampling import sample_rng
+from kvlayout.runner.sampling import sample_rng, sample_token
 
 Progress = Callable[[int], None]  # advance by this many tokens of the planned total
 
@@ -98,6 +98,12 @@ class Stats:
         self.prefill_s += seconds * prefill / fed
         self.decode_s += seconds * decode / fed
 
+    def note_held(self, cells: int, tokens: int, batch: int) -> None:
+        """After a step: cells the cache holds, tokens the live sequences hold, sequences it carried."""
+        self.peak_cells = max(self.peak_cells, cells)
+        self.peak_tokens = max(self.peak_tokens, tokens)
+        self.max_batch = max(self.max_batch, batch)
+
 
 @attrs.frozen
 class RunResult:
@@ -156,3 +162,16 @@ def take_token(sample: Sample, token: int, request: Request, eos: frozenset[int]
 def unplanned(sample: Sample, request: Request) -> int:
     """Planned tokens a finished sample will never generate (for the progress total)."""
     return request.max_tokens - len(sample.generated)
+
+
+def sample_next(sample: Sample, row: np.ndarray, request: Request, sampling: Sampling, eos, stats: Stats):
+    """Sample the next token from `row` `[V]` and record it: (token, finished, how far progress moves).
+
+    A token counts as generated unless it is the EOS that stopped the sample; a finished sample
+    also settles the planned tokens it will never generate.
+    """
+    token = sample_token(row, sampling.temperature, sampling.top_p, sample.rng)
+    finished = take_token(sample, token, request, eos)
+    if not (finished and sample.finish_reason == "stop"):
+        stats.generated_tokens += 1
+    return token, finished, 1 + (unplanned(sample, request) if finished else 0)

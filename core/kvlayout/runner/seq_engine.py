@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 
 from kvlayout.errors import CapacityError
-from kvlayout.runner.records import Progress, Request, Sample, Sampling, Stats, take_token, unplanned
+from kvlayout.runner.records import Progress, Request, Sample, Sampling, Stats, sample_next, unplanned
 from kvlayout.runner.recovery import ForwardFailed, Interrupted, guarded_forward
-from kvlayout.runner.sampling import sample_token
 
 
 class SeqEngine:
@@ -93,17 +92,12 @@ class SeqEngine:
             self.cached = cached
             finished = False
             if done:
-                token = sample_token(row[0], self.sampling.temperature, self.sampling.top_p, s.rng)
-                finished = take_token(s, token, r, self.eos)
+                token, finished, moved = sample_next(s, row[0], r, self.sampling, self.eos, self.stats)
                 if not finished:
                     tokens.append(token)
             self.stats.account(time.perf_counter() - t0, k - decode, decode)
-            self.stats.max_batch = max(self.stats.max_batch, 1)
-            held = self.control.length
-            self.stats.peak_cells = max(self.stats.peak_cells, held)
-            self.stats.peak_tokens = max(self.stats.peak_tokens, held)
+            self.stats.note_held(self.control.length, self.control.length, 1)
             if done:
-                self.stats.generated_tokens += 1 if not (finished and s.finish_reason == "stop") else 0
-                self.progress(1 + (unplanned(s, r) if finished else 0))
+                self.progress(moved)
             if finished:
                 return True
