@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvlayout.errors import StateError, StepError
-from kvlayout.mlx.tensors import DTYPE_CODES, from_raw, to_raw
+from kvlayout.mlx.tensors import read_kv, to_raw
 from kvlayout.persist import StateFile, numpy_of, raw_numpy, read_state, save_state
 
 LAYOUT = "mlx:cell"
@@ -89,18 +89,8 @@ def _check_state(f: StateFile, content: str) -> None:
         raise f.refuse(f"cell-layout state version {version!r}; this kvlayout-cell reads version {STATE_VERSION}")
 
 
-def _layer_tensors(f: StateFile, config: Any, n: int) -> list[tuple[mx.array, mx.array]]:
-    code = DTYPE_CODES[config.kv_dtype]
-    out = []
-    for i in range(config.n_layers):
-        lc = config.layer(i)
-        shape = (1, lc.n_kv_heads, n, lc.head_dim)
-        out.append(tuple(from_raw(f.tensor(f"{name}.{i}", code, shape)) for name in ("k", "v")))
-    return out
-
-
 def _scatter(cache: Any, cells: np.ndarray, layers: list[tuple[mx.array, mx.array]]) -> None:
-    """Write each layer's saved K and V (`_layer_tensors`) into `cells`; nothing for no cell."""
+    """Write each layer's saved K and V (`read_kv`) into `cells`; nothing for no cell."""
     if not cells.size:
         return
     for i, (k, v) in enumerate(layers):
@@ -122,7 +112,7 @@ def load_cache(f: StateFile) -> Any:
     live = f.state.get("live")
     if not isinstance(live, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in live):
         raise f.refuse(f"state.live={live!r}: expected a list of ids")
-    layers = _layer_tensors(f, config, n)
+    layers = read_kv(f, config, [n] * config.n_layers)
     cache.restore(cells, pos, owners, np.asarray(live, dtype=np.int64), StateError)
     _scatter(cache, cells, layers)
     return cache
@@ -151,7 +141,7 @@ def load_seq(cache: Any, path: str | os.PathLike) -> int | None:
     n = pos.size
     if n and (pos.min() < 0 or (np.diff(pos) <= 0).any()):
         raise f.refuse("pos: expected ascending distinct positions >= 0")
-    layers = _layer_tensors(f, cache.config, n)
+    layers = read_kv(f, cache.config, [n] * cache.config.n_layers)
     # Pressure is an answer: not enough free cells or no free id gives None, nothing changed.
     if n > cache.free_cells or cache.live_ids().size >= cache.max_seqs:
         return None

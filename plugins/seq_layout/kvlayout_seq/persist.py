@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlayout.errors import StepError
-from kvlayout.mlx.tensors import DTYPE_CODES, from_raw, to_raw
+from kvlayout.mlx.tensors import read_kv, to_raw
 from kvlayout.persist import StateFile, save_state
 
 LAYOUT = "mlx:seq"
@@ -76,12 +76,7 @@ def load_cache(f: StateFile) -> Any:
     if not isinstance(retained, list) or len(retained) != len(book.policies):
         raise f.refuse(f"state.retained={retained!r}: expected one entry per distinct layer policy ({len(book.policies)})")
     retained = [_int(f, "retained", r, 0, length if p.kind == "ring" else 0) for r, p in zip(retained, book.policies)]
-    code = DTYPE_CODES[config.kv_dtype]
-    layers = []
-    for i, policy in enumerate(book.layers):
-        lc = config.layer(i)
-        shape = (1, lc.n_kv_heads, _kept(policy, length), lc.head_dim)
-        layers.append(tuple(from_raw(f.tensor(f"{name}.{i}", code, shape)) for name in ("k", "v")))
+    layers = read_kv(f, config, [_kept(policy, length) for policy in book.layers])
     for policy, r in zip(book.policies, retained):
         if policy.kind == "ring":
             policy.retained = r
