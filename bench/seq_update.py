@@ -75,8 +75,8 @@ def measure(repeats: int, seed: int = 0) -> list[dict]:
         return spec.keys.shape[2]
 
     def read_only(cache):
-        keys = cache.k_pools[0].read(0, cache.length)  # [1, H, L, D]
-        values = cache.v_pools[0].read(0, cache.length)
+        keys = cache.key_pools[0].read(0, cache.length)  # [1, H, L, D]
+        values = cache.value_pools[0].read(0, cache.length)
         mx.eval(keys, values)
 
     jobs = [(key, "decode") for key in caches] + [(("flat", n), "read") for n in LENGTHS]

@@ -189,7 +189,7 @@ def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         assert cell.declare_step([s0] * L)
         cell.update_and_fetch(0, list(range(L)), fill, fill)
         ref.update_and_fetch(fill, fill)
-        mx.eval(seq.k_pools[0]._buf, cell.keys[0]._buf, ref.keys)
+        mx.eval(seq.key_pools[0]._buf, cell.key_pools[0]._buf, ref.keys)
 
         def one_seq():
             p = seq.length
@@ -222,12 +222,12 @@ def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
 
     def grow_seq():
         c = SeqCache(config(n, initial_capacity=256))
-        return appended("seq", lambda: c.k_pools[0].slots, lambda p: put_seq(c, p))
+        return appended("seq", lambda: c.key_pools[0].slots, lambda p: put_seq(c, p))
 
     def grow_cell():
         c = CellCache(config(n, initial_capacity=256), make_plugin_manager())
         s = c.seq_new()
-        return appended("cell", lambda: c.keys[0].slots, lambda p: put_cell(c, s, p))
+        return appended("cell", lambda: c.key_pools[0].slots, lambda p: put_cell(c, s, p))
 
     def grow_ref():
         c = KVCache()
@@ -457,8 +457,8 @@ def row_bookkeep(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         cells = np.arange(used_end, dtype=np.int64)
         cache.occupy(cells, cells % n_seqs, cells // n_seqs)  # seq s holds cells s, s+64, ... (K/V left random)
         kv0 = mx.array(rng.normal(size=(1, H_KV, used_end, D)).astype(np.float32))
-        cache.keys[0].write(0, kv0)
-        cache.values[0].write(0, kv0)
+        cache.key_pools[0].write(0, kv0)
+        cache.value_pools[0].write(0, kv0)
         ids = list(range(n_seqs))
         kv = mx.zeros((1, H_KV, n_seqs, D))
         q = mx.array(rng.normal(size=(1, h_q, n_seqs, D)).astype(np.float32))
@@ -470,8 +470,8 @@ def row_bookkeep(z: dict, ctx: dict) -> tuple[str, list[Row]]:
             t0 = time.perf_counter()
             assert cache.declare_step(ids)
             step = cache.place_step(0, positions)
-            groups = cache._groups(0, step)  # the grouping, planned once per step (numpy + conversion)
-            mx.eval(cache._mask(0, step), *([] if groups is None else [groups.tokens, groups.cells, groups.out]))
+            groups = cache.step_groups(0, step)  # the grouping, planned once per step (numpy + conversion)
+            mx.eval(cache.step_mask(0, step), *([] if groups is None else [groups.tokens, groups.cells, groups.out]))
             dt = time.perf_counter() - t0
             for s, p in zip(ids, positions):  # undo, untimed: same used_end next repeat
                 cache.seq_rm(s, p)
@@ -528,7 +528,7 @@ def decode_step_setup(n_seqs: int, length: int, h_q: int, h_kv: int, d: int, chu
             assert cache.declare_step([s] * n)
             kv = mx.array(rng.normal(size=(1, h_kv, n, d)).astype(np.float32))
             cache.update_and_fetch(0, list(range(start, start + n)), kv, kv * 0.5)
-            mx.eval(cache.keys[0]._buf, cache.values[0]._buf)
+            mx.eval(cache.key_pools[0]._buf, cache.value_pools[0]._buf)
     assert cache.declare_step(ids)
     k1 = mx.array(rng.normal(size=(1, h_kv, n_seqs, d)).astype(np.float32))
     spec = cache.update_and_fetch(0, [length] * n_seqs, k1, k1 * 0.5)

@@ -66,8 +66,8 @@ def state(c: CellCache) -> dict:
         used_end=c.used_end,
         can_extend=[c.can_extend(n) for n in range(c.capacity + 2)],
         ids=[(c.seq_len(s), c.next_pos(s)) for s in range(c.max_seqs)],
-        slots=[p.slots for p in c.keys + c.values],
-        pools=[np.array(p.read(0, p.slots)) for p in c.keys + c.values],
+        slots=[p.slots for p in c.key_pools + c.value_pools],
+        pools=[np.array(p.read(0, p.slots)) for p in c.key_pools + c.value_pools],
     )
 
 

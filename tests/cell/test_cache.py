@@ -85,26 +85,26 @@ def test_a_windowed_layer_hides_older_cells_while_a_flat_one_does_not():
 def test_pools_grow_from_two_slots_and_keep_earlier_cells():
     c = cache(capacity=16, initial_capacity=2)
     s0 = c.seq_new()
-    assert c.keys[0].slots == 2 and c.keys[0].max_slots == 16
+    assert c.key_pools[0].slots == 2 and c.key_pools[0].max_slots == 16
     k0, v0 = kv(2, seed=0)
     assert c.declare_step([s0] * 2)
     c.update_and_fetch(0, [0, 1], k0, v0)
     k1, v1 = kv(3, seed=1)
     assert c.declare_step([s0] * 3)
     spec = c.update_and_fetch(0, [2, 3, 4], k1, v1)
-    assert c.keys[0].slots == 8
+    assert c.key_pools[0].slots == 8
     assert np.array_equal(np.array(spec.keys), np.concatenate([np.array(k0), np.array(k1)], axis=2))
     assert np.array_equal(np.array(spec.values), np.concatenate([np.array(v0), np.array(v1)], axis=2))
 
 
 def test_pools_past_one_page_hold_whole_pages_of_256_slots_but_only_capacity_cells():
     c = cache(capacity=1000, initial_capacity=300)
-    assert (c.keys[0].slots, c.keys[0].max_slots) == (512, 1024)  # 300 -> 512, 1000 -> 1024
+    assert (c.key_pools[0].slots, c.key_pools[0].max_slots) == (512, 1024)  # 300 -> 512, 1000 -> 1024
     assert c.free_cells == 1000 and c.capacity == 1000
     s0 = c.seq_new()
     assert c.declare_step([s0] * 1000) and not c.declare_step([s0] * 1001)
     small = cache(capacity=100, initial_capacity=300)
-    assert (small.keys[0].slots, small.keys[0].max_slots) == (100, 100)  # one page or less: as asked
+    assert (small.key_pools[0].slots, small.key_pools[0].max_slots) == (100, 100)  # one page or less: as asked
 
 
 def test_fp32_input_is_stored_as_bf16():

@@ -195,7 +195,7 @@ def test_layers_of_one_window_share_one_grouping_each_with_its_own_pool():
     k = mx.zeros((1, H_KV, 2, D))
     s0, s1 = (c.update_and_fetch(layer, [0, 0], k, k) for layer in range(2))
     assert s0.groups.cells is s1.groups.cells and s0.groups.tokens is s1.groups.tokens
-    assert s0.groups.keys.shape == (1, H_KV, c.keys[0].slots, D)  # the whole pool: the gather takes rows of it
+    assert s0.groups.keys.shape == (1, H_KV, c.key_pools[0].slots, D)  # the whole pool: the gather takes rows of it
     assert s0.mask is s1.mask and s0.keys.shape == (1, H_KV, 2, D)  # the dense fields stay as they were
 
 

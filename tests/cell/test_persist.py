@@ -36,7 +36,7 @@ def kv_bits(cache) -> list[np.ndarray]:
     """Every layer's K and V at the occupied cells, as raw bits."""
     cells, _, _ = cache.occupied()
     out = []
-    for pools in (cache.keys, cache.values):
+    for pools in (cache.key_pools, cache.value_pools):
         for pool in pools:
             raw = to_raw(pool.read(0, cache.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
             out.append(np.frombuffer(bytes(raw.data), dtype=np.uint8))
@@ -171,7 +171,7 @@ def test_a_sequence_moves_to_another_cache_with_fresh_cells_and_a_fresh_id(tmp_p
     cells, pos = dst.seq_cells(sid)
     src_cells, src_pos = src.seq_cells(2)
     assert pos.tolist() == src_pos.tolist()
-    for pools_dst, pools_src in ((dst.keys, src.keys), (dst.values, src.values)):
+    for pools_dst, pools_src in ((dst.key_pools, src.key_pools), (dst.value_pools, src.value_pools)):
         for p_dst, p_src in zip(pools_dst, pools_src):
             got = np.array(p_dst.read(0, dst.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
             want = np.array(p_src.read(0, src.used_end)[:, :, mx.array(src_cells.astype(np.int32)), :])

@@ -17,7 +17,7 @@ def test_the_builder_makes_a_cache_with_pools_spanning_the_table():
     config = CacheConfig(capacity=100, n_layers=2, layers=[LayerConfig(2, 8)], initial_capacity=512, max_seqs=3)
     cache = kvlayout.build("mlx", "cell", config)
     assert (cache.capacity, cache.max_seqs, cache.free_cells, cache.used_end) == (100, 3, 100, 0)
-    assert cache.keys[1].slots == 100 and cache.values[1].max_slots == 100
+    assert cache.key_pools[1].slots == 100 and cache.value_pools[1].max_slots == 100
 
 
 def test_the_plugins_own_placement_is_the_last_resort():

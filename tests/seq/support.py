@@ -59,8 +59,8 @@ def snapshot(cache: SeqCache) -> dict:
         length=cache.length,
         floor=cache.book.floor,
         retained=[getattr(p, "retained", None) for p in cache.book.policies],
-        slots=[p.slots for p in cache.k_pools + cache.v_pools],
-        bytes=[np.array(p.read(0, p.slots)) for p in cache.k_pools + cache.v_pools],
+        slots=[p.slots for p in cache.key_pools + cache.value_pools],
+        bytes=[np.array(p.read(0, p.slots)) for p in cache.key_pools + cache.value_pools],
     )
 
 

@@ -59,38 +59,38 @@ def test_a_partial_layer_list_is_a_config_error():
 
 def test_growth_from_initial_2_preserves_earlier_cells():
     cache = make_cache(initial_capacity=2)
-    assert cache.k_pools[0].slots == 2
+    assert cache.key_pools[0].slots == 2
     k, v = kv(5)
     step(cache, 0, k[:, :, :2], v[:, :, :2])
-    assert cache.k_pools[0].slots == 2
+    assert cache.key_pools[0].slots == 2
     spec = step(cache, 2, k[:, :, 2:], v[:, :, 2:])
-    assert cache.k_pools[0].slots == 8  # doubled twice: 2 -> 4 -> 8
+    assert cache.key_pools[0].slots == 8  # doubled twice: 2 -> 4 -> 8
     np.testing.assert_array_equal(np.array(spec.keys), np.array(k))
     np.testing.assert_array_equal(np.array(spec.values), np.array(v))
 
 
 def test_initial_0_grows_on_the_first_write():
     cache = make_cache(initial_capacity=0)
-    assert cache.k_pools[0].slots == 0
+    assert cache.key_pools[0].slots == 0
     k, v = kv(1)
     spec = step(cache, 0, k, v)
-    assert cache.k_pools[0].slots == 1
+    assert cache.key_pools[0].slots == 1
     np.testing.assert_array_equal(np.array(spec.keys), np.array(k))
 
 
 def test_flat_pools_start_at_the_capacity_when_it_is_below_initial_capacity():
     cache = make_cache(capacity=32, initial_capacity=512)
-    assert cache.k_pools[0].slots == cache.v_pools[0].slots == 32
+    assert cache.key_pools[0].slots == cache.value_pools[0].slots == 32
 
 
 def test_ring_pools_are_allocated_whole_before_any_write():
     cache = make_cache(windows=(4,), max_write=2, initial_capacity=0)
-    assert cache.k_pools[0].slots == cache.v_pools[0].slots == 10  # 4 + 2 - 1 slots, and their mirror
+    assert cache.key_pools[0].slots == cache.value_pools[0].slots == 10  # 4 + 2 - 1 slots, and their mirror
 
 
 def test_a_ring_that_never_wraps_is_not_mirrored():
     cache = make_cache(windows=(4,), capacity=6)  # 7 slots would exceed every position: 6, no wrap
-    assert cache.k_pools[0].slots == 6
+    assert cache.key_pools[0].slots == 6
 
 
 def test_a_wrapped_ring_window_is_a_view_of_the_pool_not_a_copy():
@@ -100,7 +100,7 @@ def test_a_wrapped_ring_window_is_a_view_of_the_pool_not_a_copy():
     fed = [kv(1, seed=i) for i in range(6)]
     for p, (k, v) in enumerate(fed):
         spec = cache.update_and_fetch(0, [p], k, v)
-    pool = np.array(cache.k_pools[0].read(0, 8))
+    pool = np.array(cache.key_pools[0].read(0, 8))
     np.testing.assert_array_equal(pool[:, :, :4], pool[:, :, 4:])  # the mirror repeats the ring
     want = np.concatenate([np.array(k) for k, _ in fed[2:]], axis=2)
     np.testing.assert_array_equal(np.array(spec.keys), want)

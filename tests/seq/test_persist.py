@@ -25,7 +25,7 @@ def bits(a: mx.array) -> bytes:
 def kept_bits(cache: SeqCache) -> list[bytes]:
     """What the file keeps: a flat layer's [0, length), a ring's every slot."""
     out = []
-    for policy, kp, vp in zip(cache.book.layers, cache.k_pools, cache.v_pools):
+    for policy, kp, vp in zip(cache.book.layers, cache.key_pools, cache.value_pools):
         n = policy.slots if policy.kind == "ring" else cache.length
         out += [bits(kp.read(0, n)), bits(vp.read(0, n))]
     return out

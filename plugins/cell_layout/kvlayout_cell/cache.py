@@ -69,8 +69,8 @@ class CellCache(CellStepper, FacesBase):
         def pool(lc):
             return MLXPool(initial, max_slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype)
 
-        self.keys = [pool(lc) for lc in layers]
-        self.values = [pool(lc) for lc in layers]
+        self.key_pools = [pool(lc) for lc in layers]
+        self.value_pools = [pool(lc) for lc in layers]
         self._mx_mask: dict[int, tuple[Any, mx.array]] = {}  # window -> (step, its mask as MLX)
         self._mx_groups: dict[int, tuple[Any, str, AttendGroups | None]] = {}  # window -> (step, path, groups)
 
@@ -123,27 +123,27 @@ class CellCache(CellStepper, FacesBase):
         step = self.place_step(layer, pos)
         start = _run_start(step.cells)
         if start is not None:  # one ascending run (lowest-free placement, usually): a slice write, no scatter
-            self.keys[layer].write(start, k)
-            self.values[layer].write(start, v)
+            self.key_pools[layer].write(start, k)
+            self.value_pools[layer].write(start, v)
         else:  # cells of one step are distinct (placement checks it), as write_cells requires
-            self.keys[layer].write_cells(step.cells, k)
-            self.values[layer].write_cells(step.cells, v)
-        keys = self.keys[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
-        values = self.values[layer].read(0, step.read_len)
-        groups = self._groups(layer, step)
+            self.key_pools[layer].write_cells(step.cells, k)
+            self.value_pools[layer].write_cells(step.cells, v)
+        keys = self.key_pools[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
+        values = self.value_pools[layer].read(0, step.read_len)
+        groups = self.step_groups(layer, step)
         if groups is not None:
             # The whole pool buffer (a row-contiguous view): the grouped gather then copies
             # only the rows it takes. Dropped with the spec, like the read above.
-            slots = self.keys[layer].slots
+            slots = self.key_pools[layer].slots
             groups = attrs.evolve(
-                groups, keys=self.keys[layer].read(0, slots), values=self.values[layer].read(0, slots)
+                groups, keys=self.key_pools[layer].read(0, slots), values=self.value_pools[layer].read(0, slots)
             )  # [1, H_kv, slots, D] each
-            mask = functools.partial(self._mask, layer, step)  # built only if a consumer reads spec.mask
+            mask = functools.partial(self.step_mask, layer, step)  # built only if a consumer reads spec.mask
         else:
-            mask = self._mask(layer, step)
+            mask = self.step_mask(layer, step)
         return AttendSpec(keys, values, MaskKind.EXPLICIT, mask, groups)
 
-    def _groups(self, layer: int, step) -> AttendGroups | None:
+    def step_groups(self, layer: int, step) -> AttendGroups | None:
         """The step's grouping for this layer's window (None: dense), planned once per window per step."""
         window = self._windows[layer]
         path = self.attention_path
@@ -153,8 +153,8 @@ class CellCache(CellStepper, FacesBase):
             lc = self.config.layer(layer)
             # Every layer's pool holds as many slots (they take the same cells); the row is this
             # layer's, for every layer of this window (models give them one shape).
-            pool = (self.keys[layer].slots, lc.n_kv_heads * lc.head_dim)
-            if path == "auto" and not pages_in_place(self.keys[layer].dtype):
+            pool = (self.key_pools[layer].slots, lc.n_kv_heads * lc.head_dim)
+            if path == "auto" and not pages_in_place(self.key_pools[layer].dtype):
                 pool = None  # attend() would gather the pages' cells: plan gathered batches
             plan = plan_cells(
                 placed.seq_ids, placed.positions, window, step.read_len, self.seq_keys, path, self.held, pool
@@ -170,7 +170,7 @@ class CellCache(CellStepper, FacesBase):
             self._mx_groups[window] = held
         return held[2]
 
-    def _mask(self, layer: int, step) -> mx.array:
+    def step_mask(self, layer: int, step) -> mx.array:
         """The step's mask as bool [1, 1, T, read_len], converted once per window per step."""
         window = self._windows[layer]
         held = self._mx_mask.get(window)

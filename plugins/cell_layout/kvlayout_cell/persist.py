@@ -52,7 +52,7 @@ def _gather(cache: Any, cells: np.ndarray) -> dict:
     out = {}
     idx = mx.array(cells.astype(np.int32))
     for i in range(cache.n_layers):
-        for name, pool in (("k", cache.keys[i]), ("v", cache.values[i])):
+        for name, pool in (("k", cache.key_pools[i]), ("v", cache.value_pools[i])):
             if cells.size:
                 part = pool.read(0, int(cells.max()) + 1)[:, :, idx, :]  # [1, H_kv, n, D]
             else:
@@ -94,8 +94,8 @@ def _scatter(cache: Any, cells: np.ndarray, layers: list[tuple[mx.array, mx.arra
     if not cells.size:
         return
     for i, (k, v) in enumerate(layers):
-        cache.keys[i].write_cells(cells, k)
-        cache.values[i].write_cells(cells, v)
+        cache.key_pools[i].write_cells(cells, k)
+        cache.value_pools[i].write_cells(cells, v)
 
 
 def load_cache(f: StateFile) -> Any:

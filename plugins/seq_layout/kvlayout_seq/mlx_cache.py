@@ -47,13 +47,13 @@ class SeqCache(FacesBase):
             config.max_write,
         )
         self._shapes = [(lc.n_kv_heads, lc.head_dim) for lc in layers]
-        self.k_pools: list[MLXPool] = []
-        self.v_pools: list[MLXPool] = []
+        self.key_pools: list[MLXPool] = []
+        self.value_pools: list[MLXPool] = []
         for (heads, dim), policy in zip(self._shapes, self._book.layers):
             # Flat pools grow lazily; a ring is recycled from the first lap, so allocate it whole.
             initial = config.initial_capacity if policy.kind == "flat" else policy.storage  # the pool clamps
-            self.k_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
-            self.v_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
+            self.key_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
+            self.value_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
 
     # SequenceControl
 
@@ -84,7 +84,7 @@ class SeqCache(FacesBase):
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.k_pools + self.v_pools)
+        return sum(p.nbytes for p in self.key_pools + self.value_pools)
 
     def can_extend(self, n: int = 1) -> bool:
         return self._book.can_extend(n)
@@ -128,7 +128,7 @@ class SeqCache(FacesBase):
         """
         pos = _positions(positions)
         layer, plan = self._plan(layer, pos, k, v)
-        k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
+        k_pool, v_pool = self.key_pools[layer], self.value_pools[layer]
         # Nothing below may raise: the plan was checked whole, pools were sized by the policy.
         _scatter(k_pool, plan, k)
         _scatter(v_pool, plan, v)

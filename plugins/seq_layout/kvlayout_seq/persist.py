@@ -43,8 +43,8 @@ def save_cache(cache: Any, path: str | os.PathLike) -> Path:
     tensors = {}
     for i, policy in enumerate(book.layers):
         n = _kept(policy, book.length)
-        tensors[f"k.{i}"] = to_raw(cache.k_pools[i].read(0, n))  # [1, H_kv, n, D]
-        tensors[f"v.{i}"] = to_raw(cache.v_pools[i].read(0, n))
+        tensors[f"k.{i}"] = to_raw(cache.key_pools[i].read(0, n))  # [1, H_kv, n, D]
+        tensors[f"v.{i}"] = to_raw(cache.value_pools[i].read(0, n))
     state = {
         "state_version": STATE_VERSION,
         "length": book.length,
@@ -86,6 +86,6 @@ def load_cache(f: StateFile) -> Any:
     for i, (k, v) in enumerate(layers):
         if k.shape[2]:
             for start in {0, book.layers[i].mirror}:  # a mirrored ring holds its slots twice
-                cache.k_pools[i].write(start, k)
-                cache.v_pools[i].write(start, v)
+                cache.key_pools[i].write(start, k)
+                cache.value_pools[i].write(start, v)
     return cache
