@@ -31,6 +31,7 @@ import numpy as np
 import common
 from kvlayout.registry import plugin_manager
 from kvlayout_cell.stepper import CellStepper
+from kvlayout_cell.table import CellTable
 
 N_SEQS, H_Q, H_KV, D = 64, 32, 8, 128
 
@@ -47,11 +48,13 @@ COLUMNS = [
 
 
 def filled_table(used_end: int) -> CellStepper:
-    table = CellStepper(used_end + 2 * N_SEQS, N_SEQS, [0], plugin_manager())
+    table = CellStepper(CellTable(used_end + 2 * N_SEQS, N_SEQS), [0], plugin_manager())
     for _ in range(N_SEQS):
         table.seq_new()
     cells = np.arange(used_end, dtype=np.int64)
-    table.occupy(cells, cells % N_SEQS, cells // N_SEQS)  # seq s holds cells s, s+64, ...
+    # One step through the protocol: lowest-free placement puts token i in cell i, so seq s holds s, s+64, ...
+    assert table.declare_step(cells % N_SEQS)
+    assert table.place_step(0, cells // N_SEQS).cells.tolist() == cells.tolist()
     return table
 
 
@@ -60,7 +63,7 @@ def time_bookkeeping(table: CellStepper, repeats: int):
     times, step = [], None
     for _ in range(repeats):
         positions = [table.next_pos(s) for s in ids]
-        table.free_list()  # warm, as in a steady decode
+        table.table.free_list()  # warm, as in a steady decode
         t0 = time.perf_counter()
         assert table.declare_step(ids)
         step = table.place_step(0, positions)

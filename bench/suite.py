@@ -455,7 +455,7 @@ def row_bookkeep(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         for _ in range(n_seqs):
             cache.seq_new()
         cells = np.arange(used_end, dtype=np.int64)
-        cache.occupy(cells, cells % n_seqs, cells // n_seqs)  # seq s holds cells s, s+64, ... (K/V left random)
+        cache.stepper.table.occupy(cells, cells % n_seqs, cells // n_seqs)  # seq s holds cells s, s+64, ... (K/V left random)
         kv0 = mx.array(rng.normal(size=(1, H_KV, used_end, D)).astype(np.float32))
         cache.key_pools[0].write(0, kv0)
         cache.value_pools[0].write(0, kv0)
@@ -533,7 +533,7 @@ def decode_step_setup(n_seqs: int, length: int, h_q: int, h_kv: int, d: int, chu
     k1 = mx.array(rng.normal(size=(1, h_kv, n_seqs, d)).astype(np.float32))
     spec = cache.update_and_fetch(0, [length] * n_seqs, k1, k1 * 0.5)
     q = mx.array(rng.normal(size=(1, h_q, n_seqs, d)).astype(np.float32))  # [1, Hq, T, D]
-    owned = np.stack([np.flatnonzero(cache._owned(s, cache.used_end)) for s in ids])  # [N, length + 1]
+    owned = np.stack([cache.stepper.table.seq_cells(s)[0] for s in ids])  # [N, length + 1], by position
     idx = mx.array(owned.reshape(-1).astype(np.int32))
     ideal_k = mx.take(spec.keys, idx, axis=2).reshape(h_kv, n_seqs, length + 1, d).transpose(1, 0, 2, 3)
     ideal_v = mx.take(spec.values, idx, axis=2).reshape(h_kv, n_seqs, length + 1, d).transpose(1, 0, 2, 3)

@@ -12,7 +12,8 @@ from kvlayout.errors import (
     StateError,
     StepError,
 )
-from kvlayout.faces import AttendBatch, AttendGroups, AttendSpec, CellStep, MaskKind
+from kvlayout.faces import CellStep
+from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout.hookspecs import hookimpl
 from kvlayout.persist import load
 from kvlayout.registry import available, build, plugin_manager, resolve

@@ -2,62 +2,24 @@
 
 A runtime programs against these Protocols, never against a layout class: it
 asks a cache for a face (`as_control()`, `as_batch_control()`,
-`as_cell_stepper()`) and gets the cache back or None.
+`as_cell_stepper()`) and gets a face object or None. A face object exposes
+exactly the members its Protocol names (`Face.of`), so a runtime cannot lean
+on anything else a layout happens to have. What `update_and_fetch` (the
+KVCache face) returns, and `attend()` consumes, lives in `kvlayout.spec`.
 """
 
 from __future__ import annotations
 
-import enum
-from typing import Any, Protocol, Sequence, runtime_checkable
+import functools
+import inspect
+import operator
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Sequence, runtime_checkable
 
 import attrs
 import numpy as np
 
-
-class MaskKind(enum.Enum):
-    """What `attend()` must apply: nothing, lower-right causal, or `AttendSpec.mask`."""
-
-    NONE = "none"
-    CAUSAL = "causal"
-    EXPLICIT = "explicit"
-
-
-@attrs.frozen
-class Run:
-    """A contiguous range of pool slots: `length` slots from `slot`."""
-
-    slot: int
-    length: int
-
-
-@attrs.frozen
-class SeqStepPlan:
-    """Where one layer of a seq-layout step writes and what it reads.
-
-    `writes` receive the step's tokens in order; `reads` hold the keys visible
-    to the step, oldest first, starting at logical position `read_start`.
-    `mirror` (> 0) asks for every write run to be written again `mirror` slots
-    further (a ring kept twice over, so that its window, wrapped or not, is
-    one run of `reads`). Planning is pure: a plan changes nothing until it is
-    committed.
-    """
-
-    start: int
-    length: int
-    writes: tuple[Run, ...]
-    reads: tuple[Run, ...]
-    read_start: int
-    mask_kind: MaskKind
-    window: int = 0
-    mirror: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-    @property
-    def read_len(self) -> int:
-        return sum(run.length for run in self.reads)
+if TYPE_CHECKING:
+    from kvlayout.spec import AttendSpec
 
 
 @attrs.frozen(eq=False)
@@ -88,104 +50,26 @@ class CellStep:
         return mask
 
 
-@attrs.frozen(eq=False)
-class AttendGroups:
-    """A sparse step's tokens in G groups, each with the only cells it may attend.
-
-    Prepared once per window per step (the index arrays are shared by every
-    layer with that window); `keys`/`values` are the layer's own.
-
-    - `tokens` int32 `[G, Qg]`: the step's token indices of each group; a
-      group with fewer tokens repeats its last one (its output is dropped).
-    - `cells` int32 `[G, Kg]`: the cells (indices on the cell axis of `keys`)
-      each group may attend; a shorter group pads with any valid cell, masked.
-    - `mask` bool `[G, 1, Qg, Kg]` (True = attend), or None when every slot
-      is visible (no key padding and no query sees less than its group).
-    - `out` int32 `[T]`: where token t's output sits among the `G * Qg`
-      grouped query slots (group-major).
-    - `keys`/`values` `[1, H_kv, S, D]`, S > every cell: what the cells index.
-      Row-contiguous arrays (a layout passes its whole pool buffer) let the
-      gather read them as `[H_kv * S, D]` rows with no copy.
-    - `page` (optional, 0 = off): B > 0 makes `cells` int32 `[G, P]` page
-      indices instead, page p being cells `[p * B, (p + 1) * B)`, read in
-      place (S must be a multiple of B: the pages are a view of the pool,
-      where gathering would copy the rows); `tail` (optional) int32
-      `[G, Kt]` are cells gathered beside them. The group attends the
-      `P * B` slots of its pages, in page order, then its tail, under `mask`
-      `[G, 1, Qg, P * B + Kt]`.
-    - `more` (optional): further batches of groups, each an `AttendBatch`
-      shaped like the fields above, each run apart so it is padded only to
-      its own longest group; `out` then indexes the grouped query slots of
-      all batches, concatenated in order (the fields first).
-    """
-
-    tokens: Any
-    cells: Any
-    mask: Any
-    out: Any
-    keys: Any = None
-    values: Any = None
-    more: tuple[AttendBatch, ...] = ()
-    page: int = 0
-    tail: Any = None
-
-    def batches(self) -> tuple[AttendBatch, ...]:
-        """Every batch, the fields' first, as AttendBatch records."""
-        head = AttendBatch(self.tokens, self.cells, self.mask, self.page, self.tail)
-        return (head, *self.more)
-
-
-@attrs.frozen(eq=False)
-class AttendBatch:
-    """One batch of groups of an AttendGroups: its fields of the same names, for one batch."""
-
-    tokens: Any
-    cells: Any
-    mask: Any
-    page: int = 0
-    tail: Any = None
-
-
-@attrs.frozen(eq=False)
-class AttendSpec:
-    """Keys and values a layer attends to, and how to mask them.
-
-    `keys`/`values` are `[1, H_kv, S, D]`; `mask` is a bool `[1, 1, T, S]`
-    array for EXPLICIT only, None otherwise.
-
-    `groups` (optional, additive): when a layout sets it, `attend()` computes
-    the same result as the dense EXPLICIT mask by attending each group of
-    tokens to its own cells only (one batched SDPA over the groups); the
-    dense fields stay valid, so any consumer may ignore `groups`.
-
-    `mask` may be given as a function of no argument that computes it: a
-    layout whose `groups` carry the work builds the dense mask only for a
-    consumer that reads it (on first access, then kept).
-    """
-
-    keys: Any
-    values: Any
-    mask_kind: MaskKind
-    _mask: Any = attrs.field(default=None, alias="mask", repr=False)
-    groups: AttendGroups | None = None
-
-    @property
-    def mask(self) -> Any:
-        mask = self._mask
-        if callable(mask):
-            mask = mask()
-            object.__setattr__(self, "_mask", mask)  # computed once; the record stays frozen otherwise
-        return mask
-
-
 @runtime_checkable
 class CacheControl(Protocol):
+    """What any runtime may ask of a cache between forwards.
+
+    Lack of room is an answer (False/None), never an exception; a refused
+    call changes nothing.
+    """
+
     @property
-    def capacity(self) -> int: ...
+    def capacity(self) -> int:
+        """The most tokens (seq) or cells (cell) the cache can ever hold."""
+        ...
 
-    def can_extend(self, n: int = 1) -> bool: ...
+    def can_extend(self, n: int = 1) -> bool:
+        """Whether `n` more tokens fit now."""
+        ...
 
-    def clear(self) -> None: ...
+    def clear(self) -> None:
+        """Forget everything held; the cache is as built."""
+        ...
 
 
 @runtime_checkable
@@ -193,40 +77,81 @@ class SequenceControl(CacheControl, Protocol):
     """One sequence: a single logical length for the whole model."""
 
     @property
-    def length(self) -> int: ...
+    def length(self) -> int:
+        """Tokens held: the next step's first position."""
+        ...
 
-    def rewind(self, new_len: int) -> bool: ...
+    @property
+    def max_step(self) -> int:
+        """The most tokens one step (one forward) may carry through this cache; a runtime chunks
+        longer prompts to it (a ring layer, say, takes at most its window per step)."""
+        ...
+
+    def rewind(self, new_len: int) -> bool:
+        """Shorten to `new_len` tokens; False (nothing changed) where the layout cannot (a ring
+        that already reused the slots below its floor). `rewind(0)` always succeeds."""
+        ...
 
 
 @runtime_checkable
 class BatchControl(CacheControl, Protocol):
-    """Many sequences over one pool of cells."""
+    """Many sequences over one pool of cells, each under an integer id.
+
+    One forward is one step: `declare_step` names each token's sequence
+    first (the admission gate), then the layers place and read the step.
+    """
 
     @property
-    def free_cells(self) -> int: ...
+    def free_cells(self) -> int:
+        """Cells no sequence owns."""
+        ...
 
     @property
-    def used_end(self) -> int: ...
+    def used_end(self) -> int:
+        """One past the last occupied cell (0 when none is): what a step reads up to."""
+        ...
 
     @property
-    def max_seqs(self) -> int: ...
+    def max_seqs(self) -> int:
+        """How many ids may be live at once (ids are `[0, max_seqs)`)."""
+        ...
 
-    def declare_step(self, seq_ids: Sequence[int]) -> bool: ...
+    def declare_step(self, seq_ids: Sequence[int]) -> bool:
+        """Name the sequence of each token of the next forward; False (nothing changed) when the
+        free cells are too few. Ids must be live."""
+        ...
 
-    def seq_new(self) -> int | None: ...
+    def seq_new(self) -> int | None:
+        """A new live, empty id (the lowest free); None when every id is live."""
+        ...
 
-    def seq_clone(self, src: int, upto: int | None = None) -> int | None: ...
+    def seq_clone(self, src: int, upto: int | None = None) -> int | None:
+        """A new id sharing `src`'s cells with position < `upto` (all when None), copying none;
+        None when every id is live."""
+        ...
 
-    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None: ...
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
+        """Drop `seq_id`'s positions `[p0, p1)` (p1 None: to its end); cells nobody owns any more
+        are freed, and an id left owning nothing is released."""
+        ...
 
-    def seq_len(self, seq_id: int) -> int: ...
+    def seq_len(self, seq_id: int) -> int:
+        """Cells `seq_id` owns (0 for an id not live)."""
+        ...
 
-    def next_pos(self, seq_id: int) -> int: ...
+    def next_pos(self, seq_id: int) -> int:
+        """One past the newest position `seq_id` holds (0 when it holds none)."""
+        ...
 
 
 @runtime_checkable
 class CellStepper(Protocol):
-    def place_step(self, layer: int, positions: Sequence[int]) -> CellStep: ...
+    """The layer side of a declared cell step: where its tokens go and what each sees."""
+
+    def place_step(self, layer: int, positions: Sequence[int]) -> CellStep:
+        """The declared step for `layer` at `positions`: placed by the first layer served, the same
+        cells for every later one (see `CellStep`)."""
+        ...
 
 
 @runtime_checkable
@@ -266,3 +191,61 @@ class FacesBase:
 
     def as_cell_stepper(self) -> CellStepper | None:
         return None
+
+
+def contract(protocol: type) -> tuple[str, ...]:
+    """The public members a face Protocol names, its Protocol bases' included, sorted."""
+    names: set[str] = set()
+    for klass in protocol.__mro__:
+        if klass not in (object, Protocol, Generic):
+            names.update(name for name in vars(klass) if not name.startswith("_"))
+    return tuple(sorted(names))
+
+
+class Face:
+    """A face object: exactly one contract's members of the object behind it (see `face_of`)."""
+
+    __slots__ = ("_impl",)
+
+
+def face_of(protocol: type, impl: Any) -> Any:
+    """A face object of `protocol` over `impl`: what a layout returns from `as_*()`.
+
+    `face_of(BatchControl, stepper)` forwards `declare_step`, `seq_new`, ...
+    to the stepper and has nothing else, so a runtime cannot reach past the
+    contract (to a layout's `restore`, say). Methods are `impl`'s own bound
+    methods, looked up once (a call costs no extra frame); properties are
+    read through on each access. Every member is a real attribute of the
+    face's class, so `isinstance(face, protocol)` holds on every Python
+    version. TypeError names what `impl` lacks.
+    """
+    return _face_class(protocol)(impl)
+
+
+@functools.cache
+def _face_class(protocol: type) -> type:
+    members = contract(protocol)
+    properties = {n for n in members if isinstance(inspect.getattr_static(protocol, n), property)}
+    methods = tuple(n for n in members if n not in properties)
+
+    def __init__(self, impl: Any) -> None:
+        missing = [n for n in members if not hasattr(impl, n)]
+        if missing:
+            raise TypeError(f"{type(impl).__name__} lacks {', '.join(missing)} of the {protocol.__name__} face")
+        self._impl = impl
+        for name in methods:
+            setattr(self, name, getattr(impl, name))
+
+    def __repr__(self) -> str:
+        return f"<{protocol.__name__} face of {self._impl!r}>"
+
+    namespace: dict[str, Any] = {
+        "__slots__": methods,
+        "__init__": __init__,
+        "__repr__": __repr__,
+        "__doc__": f"The {protocol.__name__} face: {', '.join(members)}, forwarded (see kvlayout.faces.face_of).",
+    }
+    for name in properties:
+        doc = inspect.getattr_static(protocol, name).__doc__
+        namespace[name] = property(operator.attrgetter(f"_impl.{name}"), doc=doc)
+    return type(f"{protocol.__name__}Face", (Face,), namespace)

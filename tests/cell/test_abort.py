@@ -16,14 +16,14 @@ from tests.helpers import TinyStack
 
 def state(table) -> tuple:
     """Everything the table holds: observable counts plus the cells, owners, live ids and free list."""
-    cells, pos, owners = table.occupied()
+    cells, pos, owners = table.table.occupied()
     return (
         snapshot(table),
         cells.tolist(),
         pos.tolist(),
         owners.tolist(),
-        table.live_ids().tolist(),
-        table.free_list().tolist(),
+        table.table.live_ids().tolist(),
+        table.table.free_list().tolist(),
     )
 
 
@@ -56,13 +56,13 @@ def test_abort_restores_a_hole_below_used_end_and_a_shared_prefix():
     fill(t, a, range(6))
     b = t.seq_clone(a, upto=4)  # shares cells 0..3
     t.seq_rm(a, 4, 5)  # a hole at cell 4, below used_end
-    t.free_list()  # the lazily rebuilt free list exists before the step
+    t.table.free_list()  # the lazily rebuilt free list exists before the step
     before = state(t)
     step(t, [(a, 6), (b, 4), (b, 5)])  # refills the hole, then grows the table
     assert t.used_end > before[0][1]
     assert t.abort_step()
     assert state(t) == before
-    assert t.free_list().tolist() == [4, *range(6, 16)]
+    assert t.table.free_list().tolist() == [4, *range(6, 16)]
 
 
 def test_after_an_abort_the_next_step_lands_where_it_would_have():
@@ -131,7 +131,7 @@ def test_random_steps_with_random_aborts_match_a_table_that_never_saw_them(seed)
     windows = (0, 3)
     t, twin = stepper(capacity=40, windows=windows, max_seqs=4), stepper(capacity=40, windows=windows, max_seqs=4)
     for _ in range(60):
-        live = t.live_ids().tolist()
+        live = t.table.live_ids().tolist()
         r = rng.random()
         if r < 0.15 or not live:
             assert t.seq_new() == twin.seq_new()

@@ -38,8 +38,25 @@ def serve(c, seq_ids, positions, seed=0):
 
 def test_the_cache_shows_the_batch_and_stepper_faces_only():
     c = cache()
-    assert c.as_batch_control() is c and c.as_cell_stepper() is c and c.as_control() is None
-    assert isinstance(c, BatchControl) and isinstance(c, CellStepper) and isinstance(c, KVCache)
+    assert c.as_control() is None and isinstance(c, KVCache)
+    bc, cs = c.as_batch_control(), c.as_cell_stepper()
+    assert bc is c.as_batch_control() and cs is c.as_cell_stepper()  # one face object each, per cache
+    assert isinstance(bc, BatchControl) and isinstance(cs, CellStepper)
+    public = lambda face: sorted(n for n in dir(face) if not n.startswith("_"))  # noqa: E731
+    assert public(bc) == ["can_extend", "capacity", "clear", "declare_step", "free_cells", "max_seqs", "next_pos",
+                          "seq_clone", "seq_len", "seq_new", "seq_rm", "used_end"]  # no occupy, restore, release
+    assert public(cs) == ["place_step"]
+
+
+def test_the_faces_drive_the_cache_they_came_from():
+    c = cache()
+    bc, cs = c.as_batch_control(), c.as_cell_stepper()
+    s = bc.seq_new()
+    assert bc.declare_step([s, s])
+    assert cs.place_step(0, [0, 1]).cells.tolist() == [0, 1]
+    assert (c.seq_len(s), bc.free_cells, bc.used_end) == (2, 14, 2)
+    bc.seq_rm(s)
+    assert (c.free_cells, c.used_end, bc.seq_len(s)) == (16, 0, 0)
 
 
 def test_a_prefill_scatters_the_input_and_masks_causally():
@@ -65,7 +82,7 @@ def test_a_freed_cell_refills_below_a_live_one():
     assert c.declare_step([b])
     k, v = kv(1, seed=2)
     spec = c.update_and_fetch(0, [1], k, v)
-    assert c.place_step(1, [1]).cells.tolist() == [0]
+    assert c.as_cell_stepper().place_step(1, [1]).cells.tolist() == [0]
     assert spec.keys.shape[2] == 4
     assert np.array(spec.mask)[0, 0, 0].tolist() == [True, False, False, True]
     assert np.array_equal(np.array(spec.keys)[:, :, 0], np.array(k)[:, :, 0])

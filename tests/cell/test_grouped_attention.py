@@ -175,7 +175,7 @@ def test_a_plan_pads_queries_with_the_last_token_and_keys_with_masked_cells():
     assert plan.tokens.tolist() == [[0, 1], [2, 2]]  # groups in order of appearance; seq 2 repeats its token
     assert plan.cells.tolist() == [[0, 1], [2, 0]]
     assert plan.out.tolist() == [0, 1, 2]
-    assert plan.mask.tolist() == [[[True, False], [True, True]], [[True, False], [True, False]]]
+    assert plan.mask.tolist() == [[[[True, False], [True, True]]], [[[True, False], [True, False]]]]  # [G, 1, Qg, Kg]
 
 
 def test_a_plan_of_equal_private_decodes_needs_no_mask():
@@ -253,12 +253,12 @@ def test_plan_cells_agrees_with_plan_groups_on_what_each_token_sees():
         for layer, window in enumerate((0, 3, 5)):
             step = c.update_and_fetch(layer, pos, mx.zeros((1, H_KV, T, D)), mx.zeros((1, H_KV, T, D)))
             mask = np.array(step.mask)[0, 0]  # [T, read_len]
-            for plan in (plan_groups(ids, mask, "grouped"), plan_cells(ids, pos, window, mask.shape[1], c.seq_keys, "grouped")):
+            for plan in (plan_groups(ids, mask, "grouped"), plan_cells(ids, pos, window, mask.shape[1], c.stepper.table.seq_keys, "grouped")):
                 batches = [(b.tokens, b.cells, b.mask) for b in plan.batches()]
                 seen = np.zeros_like(mask)
                 slots = []
                 for tok, cells, m in batches:
-                    m = np.ones(tok.shape + cells.shape[1:], dtype=bool) if m is None else m
+                    m = np.ones(tok.shape + cells.shape[1:], dtype=bool) if m is None else m[:, 0]  # [G, Qg, Kg]
                     for g in range(tok.shape[0]):
                         for i in range(tok.shape[1]):
                             seen[tok[g, i], cells[g][m[g, i]]] = True
@@ -278,16 +278,20 @@ def test_a_grouped_step_builds_its_dense_mask_only_when_read_even_after_the_tabl
         assert c.declare_step([a, b])
         specs[path] = c.update_and_fetch(0, [2, 1], mx.zeros((1, H_KV, 2, D)), mx.zeros((1, H_KV, 2, D)))
         assert (specs[path].groups is not None) == (path in ("grouped", "paged"))
-    step = caches["grouped"]._placed.steps[0]
-    assert callable(step._mask)  # not built: the grouped path never read it
+    built = []
+    table = caches["grouped"].stepper.table
+    visible = table.visible
+    # Records the positions of every dense mask built from the table: this step's are [2, 1].
+    table.visible = lambda seq_ids, positions, *a: built.append(positions.tolist()) or visible(seq_ids, positions, *a)
     for c in caches.values():  # the step ends and the table moves on before anyone reads the mask
         c.seq_rm(a, 1)
         assert c.declare_step([b])
         c.update_and_fetch(0, [2], mx.zeros((1, H_KV, 1, D)), mx.zeros((1, H_KV, 1, D)))
     want = np.array(specs["dense"].mask)
     assert want[0, 0].tolist() == [[True, True, False, True, False], [False, False, True, False, True]]
-    np.testing.assert_array_equal(np.array(specs["grouped"].mask), want)
-    np.testing.assert_array_equal(step.mask, want[0, 0])
+    assert [2, 1] not in built  # the grouped path never built this step's dense mask
+    np.testing.assert_array_equal(np.array(specs["grouped"].mask), want)  # built now, from the cells as they were
+    assert built.count([2, 1]) == 1
 
 
 def test_page_batch_reads_the_pages_a_group_fills_and_gathers_the_rest():

@@ -28,13 +28,13 @@ def config(kv_dtype="float32", capacity=64, max_seqs=8, windows=WINDOWS, head_di
 
 
 def table_state(cache) -> tuple:
-    cells, pos, owners = cache.occupied()
-    return snapshot(cache), cells.tolist(), pos.tolist(), owners.tolist(), cache.live_ids().tolist(), cache.free_list().tolist()
+    cells, pos, owners = cache.stepper.table.occupied()
+    return snapshot(cache), cells.tolist(), pos.tolist(), owners.tolist(), cache.stepper.table.live_ids().tolist(), cache.stepper.table.free_list().tolist()
 
 
 def kv_bits(cache) -> list[np.ndarray]:
     """Every layer's K and V at the occupied cells, as raw bits."""
-    cells, _, _ = cache.occupied()
+    cells, _, _ = cache.stepper.table.occupied()
     out = []
     for pools in (cache.key_pools, cache.value_pools):
         for pool in pools:
@@ -102,7 +102,7 @@ def test_the_cell_cache_has_the_persistent_face():
 def test_a_restored_cache_generates_exactly_as_the_original_goes_on(tmp_path, kv_dtype):
     cache = busy_cache(kv_dtype)
     back = kvlayout.load(cache.save(tmp_path / "cell.safetensors"))
-    live = cache.live_ids().tolist()
+    live = cache.stepper.table.live_ids().tolist()
     for i in range(4):
         tokens = [(s, 100 + 10 * i + s) for s in live]
         np.testing.assert_array_equal(Run(back).step(tokens), Run(cache).step(tokens))
@@ -114,7 +114,7 @@ def test_an_empty_cache_round_trips(tmp_path):
     s = cache.seq_new()  # live, owning nothing
     back = kvlayout.load(cache.save(tmp_path / "e.safetensors"))
     assert table_state(back) == table_state(cache)
-    assert back.live_ids().tolist() == [s]
+    assert back.stepper.table.live_ids().tolist() == [s]
 
 
 def test_saving_in_the_middle_of_a_forward_is_refused(tmp_path):
@@ -168,8 +168,8 @@ def test_a_sequence_moves_to_another_cache_with_fresh_cells_and_a_fresh_id(tmp_p
     assert sid == 2
     assert (dst.seq_len(sid), dst.next_pos(sid)) == (src.seq_len(2), src.next_pos(2))
     assert dst.free_cells == before_free - src.seq_len(2)
-    cells, pos = dst.seq_cells(sid)
-    src_cells, src_pos = src.seq_cells(2)
+    cells, pos = dst.stepper.table.seq_cells(sid)
+    src_cells, src_pos = src.stepper.table.seq_cells(2)
     assert pos.tolist() == src_pos.tolist()
     for pools_dst, pools_src in ((dst.key_pools, src.key_pools), (dst.value_pools, src.value_pools)):
         for p_dst, p_src in zip(pools_dst, pools_src):
@@ -204,7 +204,7 @@ def test_load_seq_refuses_a_cache_with_other_layers_or_dtype(tmp_path):
         cache = CellCache(other, pm=make_plugin_manager())
         with pytest.raises(StateError, match="cannot take"):
             cache.load_seq(path)
-        assert cache.live_ids().size == 0
+        assert cache.stepper.table.live_ids().size == 0
 
 
 def test_load_seq_refuses_a_whole_cache_file_and_load_refuses_a_sequence_file(tmp_path):
@@ -236,7 +236,7 @@ def test_an_empty_sequence_round_trips(tmp_path):
     path = cache.save_seq(s, tmp_path / "e.safetensors")
     other = CellCache(attrs.evolve(config(), capacity=8), pm=make_plugin_manager())
     sid = other.load_seq(path)
-    assert sid == 0 and other.seq_len(sid) == 0 and other.live_ids().tolist() == [0]
+    assert sid == 0 and other.seq_len(sid) == 0 and other.stepper.table.live_ids().tolist() == [0]
 
 
 def test_load_seq_ends_an_open_step(tmp_path):

@@ -258,7 +258,7 @@ def test_an_aborted_step_is_announced_for_each_window_it_was_placed_for():
     assert ledger.held == {0, 1, 2, 3, 4}
     assert t.abort_step()
     assert [(w, st) for w, st in ledger.aborted] == [(0, served[0]), (2, served[1])]
-    assert ledger.held == {0, 1, 2} == set(t.occupied()[0].tolist())
+    assert ledger.held == {0, 1, 2} == set(t.table.occupied()[0].tolist())
     assert not t.abort_step() and len(ledger.aborted) == 2  # nothing open: nothing announced
 
 
@@ -287,5 +287,5 @@ def test_the_free_list_after_placements_is_every_cell_no_token_holds(policy):
     fill(t, b, range(2))
     t.seq_rm(a, 1, 2)  # a hole
     fill(t, b, [2])
-    held = set(t.occupied()[0].tolist())
-    assert len(held) == 5 and t.free_list().tolist() == sorted(set(range(16)) - held)
+    held = set(t.table.occupied()[0].tolist())
+    assert len(held) == 5 and t.table.free_list().tolist() == sorted(set(range(16)) - held)

@@ -31,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvlayout.errors import SequenceError, StepError
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.stepper import CellStepper
+from kvlayout_cell.table import CellTable
 
 
 @functools.cache
@@ -129,7 +130,7 @@ MAX_SEQS = st.sampled_from([3, 5, 66])  # 66: owner bits span two 64-bit words
 class CellTableMachine(RuleBasedStateMachine):
     @initialize(capacity=st.integers(4, 32), max_seqs=MAX_SEQS, windows=WINDOWS)
     def setup(self, capacity, max_seqs, windows):
-        self.t = CellStepper(capacity, max_seqs, windows, plugin_manager())
+        self.t = CellStepper(CellTable(capacity, max_seqs), windows, plugin_manager())
         self.m = NaiveCells(capacity, max_seqs)
         self.windows = windows
 
@@ -141,7 +142,7 @@ class CellTableMachine(RuleBasedStateMachine):
     def observed(self):
         t = self.t
         per_id = [(t.seq_len(s), t.next_pos(s)) for s in range(t.max_seqs)]
-        return t.free_cells, t.used_end, tuple(t.free_list().tolist()), per_id
+        return t.free_cells, t.used_end, tuple(t.table.free_list().tolist()), per_id
 
     def refused(self, error, call, match=None):
         """`call()` raises `error` and changes nothing, the model's standing step included."""
@@ -339,7 +340,7 @@ class CellTableMachine(RuleBasedStateMachine):
         t, m = self.t, self.m
         free = m.free()
         assert t.free_cells == len(free)
-        assert t.free_list().tolist() == free
+        assert t.table.free_list().tolist() == free
         assert t.used_end == m.used_end()
         assert t.can_extend(len(free)) and not t.can_extend(len(free) + 1)
         for s in range(m.max_seqs):

@@ -8,18 +8,17 @@ import pytest
 
 from kvlayout import faces
 from kvlayout.faces import (
-    AttendSpec,
     BatchControl,
     CacheControl,
     CellStep,
     CellStepper,
     FacesBase,
     KVCache,
-    MaskKind,
-    Run,
-    SeqStepPlan,
     SequenceControl,
+    contract,
+    face_of,
 )
+from kvlayout.spec import AttendSpec, MaskKind
 
 
 class PlainCache(FacesBase):
@@ -40,6 +39,10 @@ class ToySeqCache(FacesBase):
     def length(self) -> int:
         return self._length
 
+    @property
+    def max_step(self) -> int:
+        return 4
+
     def can_extend(self, n: int = 1) -> bool:
         return self._length + n <= 16
 
@@ -56,7 +59,7 @@ class ToySeqCache(FacesBase):
         return AttendSpec(k, v, MaskKind.CAUSAL)
 
     def as_control(self):
-        return self
+        return face_of(SequenceControl, self)
 
 
 class ToyBatchCache(FacesBase):
@@ -93,10 +96,10 @@ class ToyBatchCache(FacesBase):
         raise NotImplementedError
 
     def as_batch_control(self):
-        return self
+        return face_of(BatchControl, self)
 
     def as_cell_stepper(self):
-        return self
+        return face_of(CellStepper, self)
 
 
 def test_faces_base_recovers_no_face_by_default():
@@ -106,13 +109,53 @@ def test_faces_base_recovers_no_face_by_default():
     assert cache.as_cell_stepper() is None
 
 
-def test_a_layout_overriding_a_recovery_gets_itself_back_and_none_for_the_rest():
+def test_a_layout_overriding_a_recovery_gets_its_face_back_and_none_for_the_rest():
     seq = ToySeqCache()
-    assert seq.as_control() is seq
+    assert isinstance(seq.as_control(), SequenceControl)
     assert seq.as_batch_control() is None and seq.as_cell_stepper() is None
     batch = ToyBatchCache()
-    assert batch.as_batch_control() is batch and batch.as_cell_stepper() is batch
+    assert isinstance(batch.as_batch_control(), BatchControl) and isinstance(batch.as_cell_stepper(), CellStepper)
     assert batch.as_control() is None
+
+
+def public(obj) -> list[str]:
+    return sorted(name for name in dir(obj) if not name.startswith("_"))
+
+
+CONTROL = ["can_extend", "capacity", "clear"]
+SEQUENCE = sorted(CONTROL + ["length", "max_step", "rewind"])
+BATCH = sorted(CONTROL + ["declare_step", "free_cells", "max_seqs", "next_pos", "seq_clone", "seq_len",
+                          "seq_new", "seq_rm", "used_end"])
+
+
+def test_each_contract_names_the_members_the_design_lists():
+    assert list(contract(CacheControl)) == CONTROL
+    assert list(contract(SequenceControl)) == SEQUENCE
+    assert list(contract(BatchControl)) == BATCH
+    assert list(contract(CellStepper)) == ["place_step"]
+
+
+def test_a_face_object_exposes_its_contract_and_nothing_else():
+    seq, batch = ToySeqCache(), ToyBatchCache()
+    assert public(seq.as_control()) == SEQUENCE  # not update_and_fetch, though the toy has it
+    assert public(batch.as_batch_control()) == BATCH  # not place_step
+    assert public(batch.as_cell_stepper()) == ["place_step"]
+    with pytest.raises(AttributeError):
+        seq.as_control().update_and_fetch
+
+
+def test_a_face_object_forwards_calls_and_reads_properties_live():
+    seq = ToySeqCache()
+    control = seq.as_control()
+    seq._length = 5
+    assert control.length == 5  # a property is read through, not copied when the face was made
+    assert control.rewind(3) is True and seq.length == 3 and control.length == 3
+    assert control.max_step == 4
+
+
+def test_a_face_over_an_object_lacking_a_member_is_refused_naming_it():
+    with pytest.raises(TypeError, match="PlainCache lacks .*rewind.* of the SequenceControl face"):
+        face_of(SequenceControl, PlainCache())
 
 
 def test_protocols_are_runtime_checkable_against_what_a_cache_implements():
@@ -125,8 +168,9 @@ def test_protocols_are_runtime_checkable_against_what_a_cache_implements():
 
 
 def test_a_toy_control_behaves_as_the_face_says():
-    seq = ToySeqCache().as_control()
-    seq._length = 5
+    toy = ToySeqCache()
+    seq = toy.as_control()
+    toy._length = 5
     assert seq.rewind(7) is False and seq.length == 5
     assert seq.rewind(2) is True and seq.length == 2
     assert seq.can_extend(14) and not seq.can_extend(15)
@@ -140,10 +184,8 @@ def test_records_are_frozen():
     cells = np.array([3, 1], dtype=np.int32)
     mask = np.ones((2, 4), dtype=bool)
     records = [
-        (Run(slot=4, length=2), "slot"),
         (CellStep(length=2, read_len=4, cells=cells, mask=mask), "cells"),
         (AttendSpec(keys=None, values=None, mask_kind=MaskKind.NONE), "mask"),
-        (SeqStepPlan(3, 2, (Run(3, 2),), (Run(0, 5),), 0, MaskKind.CAUSAL), "start"),
     ]
     for record, field in records:
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
@@ -152,16 +194,6 @@ def test_records_are_frozen():
 
 def test_attend_spec_mask_defaults_to_none():
     assert AttendSpec("k", "v", MaskKind.CAUSAL).mask is None
-
-
-def test_seq_step_plan_end_and_read_len_sum_its_runs():
-    plan = SeqStepPlan(
-        start=10, length=3, writes=(Run(6, 2), Run(0, 1)), reads=(Run(5, 3), Run(0, 2)),
-        read_start=6, mask_kind=MaskKind.EXPLICIT, window=5,
-    )
-    assert plan.end == 13
-    assert plan.read_len == 5
-    assert SeqStepPlan(0, 0, (), (), 0, MaskKind.NONE).read_len == 0
 
 
 def test_faces_module_exports_every_face_of_the_design():

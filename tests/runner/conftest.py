@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout.faces import AttendSpec, MaskKind
+from kvlayout.spec import AttendSpec, MaskKind
 from kvlayout.runner import engine
 from kvlayout.runner.config import RunConfig
 from kvlayout.runner.loading import load_model

@@ -57,7 +57,7 @@ def test_a_flat_step_of_two_sequences_equals_each_alone(tiny_loaded):
             seq = np.array([0] * len(a) + [1] * len(b))
             pos = np.asarray(positions)
             mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
-            from kvlayout.faces import AttendSpec, MaskKind
+            from kvlayout.spec import AttendSpec, MaskKind
 
             return AttendSpec(k, v, MaskKind.EXPLICIT, mx.array(mask)[None, None])
 

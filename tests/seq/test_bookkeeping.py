@@ -5,11 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import attrs
 import pytest
 
 from kvlayout import KVLayoutError, StepError
-from kvlayout.faces import MaskKind, Run
-from kvlayout_seq.bookkeeping import SeqBook, band_mask
+from kvlayout.spec import MaskKind
+from kvlayout_seq.bookkeeping import Run, SeqBook, SeqStepPlan, band_mask
 
 from tests.seq.support import rows
 
@@ -185,3 +186,20 @@ def test_bookkeeping_imports_without_mlx():
 def test_a_book_without_layers_is_refused():
     with pytest.raises(KVLayoutError, match="policies"):
         SeqBook(32, [])
+
+
+def test_seq_step_plan_end_and_read_len_sum_its_runs():
+    plan = SeqStepPlan(
+        start=10, length=3, writes=(Run(6, 2), Run(0, 1)), reads=(Run(5, 3), Run(0, 2)),
+        read_start=6, mask_kind=MaskKind.EXPLICIT, window=5,
+    )
+    assert plan.end == 13
+    assert plan.read_len == 5
+    assert SeqStepPlan(0, 0, (), (), 0, MaskKind.NONE).read_len == 0
+
+
+def test_seq_plan_records_are_frozen():
+    for record, field in ((Run(slot=4, length=2), "slot"),
+                          (SeqStepPlan(3, 2, (Run(3, 2),), (Run(0, 5),), 0, MaskKind.CAUSAL), "start")):
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            setattr(record, field, 0)

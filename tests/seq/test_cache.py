@@ -230,14 +230,19 @@ def test_clear_starts_a_new_sequence_at_zero():
         np.testing.assert_array_equal(np.array(spec.keys), np.array(k2))
 
 
-def test_the_cache_is_its_own_sequence_control_and_nothing_else():
+def test_the_cache_offers_a_sequence_control_face_with_its_contracts_verbs_only():
     from kvlayout.faces import KVCache, SequenceControl
 
     cache = make_cache()
-    assert cache.as_control() is cache
+    control = cache.as_control()
+    assert control is cache.as_control()  # one face object per cache
+    assert isinstance(control, SequenceControl) and isinstance(cache, KVCache)
+    assert sorted(n for n in dir(control) if not n.startswith("_")) == [
+        "can_extend", "capacity", "clear", "length", "max_step", "rewind"]
     assert cache.as_batch_control() is None and cache.as_cell_stepper() is None
-    assert isinstance(cache, SequenceControl) and isinstance(cache, KVCache)
-    assert cache.capacity == 32
+    assert control.capacity == 32
+    forward(cache, 0, *kv(3))
+    assert control.length == 3 and control.rewind(1) and cache.length == 1
 
 
 def test_heads_and_head_dim_follow_each_layers_config():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kvlayout.faces import AttendBatch, AttendGroups, AttendSpec, MaskKind
+from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 
 
 def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:

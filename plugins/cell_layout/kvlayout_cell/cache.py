@@ -1,4 +1,11 @@
-"""CellCache: the cell layout's MLX face over the neutral stepper.
+"""CellCache: the cell layout's MLX side, composed over the neutral stepper.
+
+A CellCache holds a CellStepper (the step protocol), which holds a CellTable
+(the cells). It implements the KVCache, StepAbort and Persistent faces
+itself and hands out two face objects over its stepper:
+`as_batch_control()` (BatchControl: ids, declarations, counts) and
+`as_cell_stepper()` (CellStepper: `place_step`), each with its contract's
+verbs and no more.
 
 Every layer keeps a K and a V MLXPool spanning the whole cell table
 (`max_slots` = capacity, rounded up to whole pages of 256 slots), whatever
@@ -26,18 +33,20 @@ import numpy as np
 
 from kvlayout.config import CacheConfig
 from kvlayout.errors import StepError
-from kvlayout.faces import AttendBatch, AttendGroups, AttendSpec, FacesBase, MaskKind
+from kvlayout.faces import BatchControl, CellStepper, FacesBase, face_of
 from kvlayout.mlx import MLXPool
 from kvlayout.mlx.attention import pages_in_place
 from kvlayout.registry import plugin_manager
-from kvlayout_cell import persist
+from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout.args import int_array, int_scalar
+from kvlayout_cell import persist
 from kvlayout_cell.groups import PAGE_SIZES, plan_cells
-from kvlayout_cell.stepper import CellStepper
+from kvlayout_cell.stepper import CellStepper as Stepper
+from kvlayout_cell.table import CellTable
 
 
-class CellCache(CellStepper, FacesBase):
-    """Many sequences over one pool of cells; the BatchControl and CellStepper faces.
+class CellCache(FacesBase):
+    """Many sequences over one pool of cells: KVCache, StepAbort and Persistent, and two face objects.
 
     `pm` is the plugin manager whose `kvlayout_choose_cells` and
     `kvlayout_step_placed` hooks the cache calls (the process's by default;
@@ -55,12 +64,13 @@ class CellCache(CellStepper, FacesBase):
     def __init__(self, config: CacheConfig, pm: Any = None):
         self.config = config = CacheConfig.coerce(config)  # a mapping is built; anything else refused
         layers = [config.layer(i) for i in range(config.n_layers)]
-        super().__init__(
-            config.capacity,
-            config.max_seqs,
+        self.stepper = Stepper(
+            CellTable(config.capacity, config.max_seqs),
             [lc.policy.window for lc in layers],  # 0 for flat layers
             plugin_manager() if pm is None else pm,
         )
+        self._batch_control = face_of(BatchControl, self.stepper)
+        self._cell_stepper = face_of(CellStepper, self.stepper)
         # Pools hold whole pages of PAGE_TILE slots (past the last cell: never written, masked when
         # read), so every size they grow through is one that pages of up to PAGE_TILE cells tile.
         max_slots = _tiled(config.capacity)
@@ -74,11 +84,64 @@ class CellCache(CellStepper, FacesBase):
         self._mx_mask: dict[int, tuple[Any, mx.array]] = {}  # window -> (step, its mask as MLX)
         self._mx_groups: dict[int, tuple[Any, str, AttendGroups | None]] = {}  # window -> (step, path, groups)
 
-    def as_batch_control(self) -> CellCache:
-        return self
+    @property
+    def n_layers(self) -> int:
+        return self.stepper.n_layers
 
-    def as_cell_stepper(self) -> CellCache:
-        return self
+    def as_batch_control(self) -> BatchControl:
+        """The BatchControl face: ids, declarations and counts of the cells."""
+        return self._batch_control
+
+    def as_cell_stepper(self) -> CellStepper:
+        """The CellStepper face: `place_step`, for a layer that writes its own K/V."""
+        return self._cell_stepper
+
+    def abort_step(self) -> bool:
+        """Undo the open step of a forward that failed part way (see `CellStepper.abort_step`)."""
+        return self.stepper.abort_step()
+
+    # The BatchControl verbs, on the cache as on its face (as SeqCache has its SequenceControl's);
+    # each is the stepper's, which ends the open step where a verb changes cells.
+
+    @property
+    def capacity(self) -> int:
+        return self.stepper.capacity
+
+    @property
+    def max_seqs(self) -> int:
+        return self.stepper.max_seqs
+
+    @property
+    def free_cells(self) -> int:
+        return self.stepper.free_cells
+
+    @property
+    def used_end(self) -> int:
+        return self.stepper.used_end
+
+    def can_extend(self, n: int = 1) -> bool:
+        return self.stepper.can_extend(n)
+
+    def clear(self) -> None:
+        self.stepper.clear()
+
+    def declare_step(self, seq_ids: Sequence[int]) -> bool:
+        return self.stepper.declare_step(seq_ids)
+
+    def seq_new(self) -> int | None:
+        return self.stepper.seq_new()
+
+    def seq_clone(self, src: int, upto: int | None = None) -> int | None:
+        return self.stepper.seq_clone(src, upto)
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
+        self.stepper.seq_rm(seq_id, p0, p1)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self.stepper.seq_len(seq_id)
+
+    def next_pos(self, seq_id: int) -> int:
+        return self.stepper.next_pos(seq_id)
 
     # Save and restore (kvlayout_cell.persist has the format).
 
@@ -120,7 +183,7 @@ class CellCache(CellStepper, FacesBase):
         if pos.size != T:  # before placing, so a miscounted call claims no cell
             raise StepError(f"layer {layer}: {pos.size} position(s) for k/v of {T} token(s)")
 
-        step = self.place_step(layer, pos)
+        step = self.stepper.place_step(layer, pos)
         start = _run_start(step.cells)
         if start is not None:  # one ascending run (lowest-free placement, usually): a slice write, no scatter
             self.key_pools[layer].write(start, k)
@@ -145,34 +208,27 @@ class CellCache(CellStepper, FacesBase):
 
     def step_groups(self, layer: int, step) -> AttendGroups | None:
         """The step's grouping for this layer's window (None: dense), planned once per window per step."""
-        window = self._windows[layer]
+        window = self.stepper.window(layer)
         path = self.attention_path
         held = self._mx_groups.get(window)
         if held is None or held[0] is not step or held[1] != path:
-            placed = self._placed  # the step place_step just served
+            seq_ids, positions = self.stepper.step_tokens()  # the step place_step just served
             lc = self.config.layer(layer)
             # Every layer's pool holds as many slots (they take the same cells); the row is this
             # layer's, for every layer of this window (models give them one shape).
             pool = (self.key_pools[layer].slots, lc.n_kv_heads * lc.head_dim)
             if path == "auto" and not pages_in_place(self.key_pools[layer].dtype):
                 pool = None  # attend() would gather the pages' cells: plan gathered batches
-            plan = plan_cells(
-                placed.seq_ids, placed.positions, window, step.read_len, self.seq_keys, path, self.held, pool
-            )
-            groups = None
-            if plan is not None:
-                head, *more = (_as_mx(b) for b in plan.batches())
-                groups = AttendGroups(
-                    head.tokens, head.cells, head.mask, mx.array(plan.out), more=tuple(more), page=head.page,
-                    tail=head.tail,
-                )
+            table = self.stepper.table
+            plan = plan_cells(seq_ids, positions, window, step.read_len, table.seq_keys, path, table.held, pool)
+            groups = None if plan is None else _as_mx(plan)
             held = (step, path, groups)
             self._mx_groups[window] = held
         return held[2]
 
     def step_mask(self, layer: int, step) -> mx.array:
         """The step's mask as bool [1, 1, T, read_len], converted once per window per step."""
-        window = self._windows[layer]
+        window = self.stepper.window(layer)
         held = self._mx_mask.get(window)
         if held is None or held[0] is not step:
             held = (step, mx.array(step.mask)[None, None])
@@ -188,16 +244,22 @@ def _tiled(n: int) -> int:
     return n if n <= PAGE_TILE else -(-n // PAGE_TILE) * PAGE_TILE
 
 
-def _as_mx(b) -> AttendBatch:
-    """One batch of a GroupPlan as MLX: int32 tokens [G, Qg], cells [G, Kg], mask bool [G, 1, Qg, Kg]
-    (None: all visible), tail [G, Kt] (None: none)."""
-    return AttendBatch(
-        mx.array(b.tokens),
-        mx.array(b.cells),
-        None if b.mask is None else mx.array(b.mask)[:, None],
-        b.page,
-        None if b.tail is None else mx.array(b.tail),
-    )
+def _as_mx(plan: AttendGroups) -> AttendGroups:
+    """A numpy plan (`kvlayout_cell.groups`) as MLX: every batch's int32 tokens [G, Qg], cells
+    [G, Kg], mask bool [G, 1, Qg, Kg] (None: all visible) and tail [G, Kt] (None: none), and `out`."""
+
+    def batch(b: AttendBatch) -> AttendBatch:
+        return attrs.evolve(
+            b,
+            tokens=mx.array(b.tokens),
+            cells=mx.array(b.cells),
+            mask=None if b.mask is None else mx.array(b.mask),
+            tail=None if b.tail is None else mx.array(b.tail),
+        )
+
+    head, *more = (batch(b) for b in plan.batches())
+    return AttendGroups(head.tokens, head.cells, head.mask, mx.array(plan.out), more=tuple(more), page=head.page,
+                        tail=head.tail)
 
 
 def _run_start(cells: np.ndarray) -> int | None:

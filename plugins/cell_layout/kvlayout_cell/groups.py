@@ -57,45 +57,12 @@ gathered cost, which pages only lower.
 
 from __future__ import annotations
 
-import attrs
 import numpy as np
 
 from kvlayout.errors import ConfigError
+from kvlayout.spec import AttendBatch, AttendGroups
 
 PATHS = ("auto", "dense", "grouped", "paged")  # "grouped" gathers every batch; "paged" reads pages wherever it can
-
-
-@attrs.frozen(eq=False)
-class Batch:
-    """One more batch of groups, run as its own SDPA (shapes as in GroupPlan)."""
-
-    tokens: np.ndarray  # int32 [G_b, Q_b]
-    cells: np.ndarray  # int32 [G_b, K_b]; with page = B: page indices [G_b, P_b]
-    mask: np.ndarray | None  # bool [G_b, Q_b, K_b] (K_b = P_b * B + Kt_b when paged), None = all visible
-    page: int = 0  # 0: `cells` are cells (gathered); B: pages of B cells read in place
-    tail: np.ndarray | None = None  # int32 [G_b, Kt_b]: with pages, the cells gathered beside them
-
-
-@attrs.frozen(eq=False)
-class GroupPlan:
-    """The numpy side of `kvlayout.AttendGroups` (see there for the shapes).
-
-    `tokens`/`cells`/`mask` are the first batch; `more` the others, each
-    padded only to its own longest group (see `batch_groups`); `out` indexes
-    the slots of all batches, concatenated in that order.
-    """
-
-    tokens: np.ndarray  # int32 [G, Qg]
-    cells: np.ndarray  # int32 [G, Kg] (pages [G, P] when page > 0)
-    mask: np.ndarray | None  # bool [G, Qg, Kg], None = all visible
-    out: np.ndarray  # int32 [T]
-    more: tuple[Batch, ...] = ()
-    page: int = 0
-    tail: np.ndarray | None = None
-
-    def batches(self) -> tuple[Batch, ...]:
-        """Every batch, the first's fields first."""
-        return (Batch(self.tokens, self.cells, self.mask, self.page, self.tail),) + self.more
 
 
 # What one more batch costs, in query-key pairs: an SDPA call, its gather and the concatenation
@@ -137,8 +104,11 @@ def prefer_grouped(path: str, grouped: int, dense: int) -> bool:
     return grouped < dense
 
 
-def plan_groups(seq_ids: np.ndarray, mask: np.ndarray, path: str = "auto", pool=None) -> GroupPlan | None:
+def plan_groups(seq_ids: np.ndarray, mask: np.ndarray, path: str = "auto", pool=None) -> AttendGroups | None:
     """Group a step's tokens by sequence; None when the dense mask is the cheaper (or forced).
+
+    The plan is a `kvlayout.AttendGroups` of numpy arrays (mask `[G, 1, Qg, Kg]`),
+    its `keys`/`values` unset: the cache converts it to MLX and adds its pools.
 
     `seq_ids` int `[T]` names each token's sequence, `mask` bool `[T, read_len]`
     is the step's dense mask (True = attend). Costs O(T * read_len) numpy.
@@ -190,7 +160,7 @@ def plan_cells(
     path: str = "auto",
     held=None,
     pool=None,
-) -> GroupPlan | None:
+) -> AttendGroups | None:
     """`plan_groups` for a cell-layout step, from each sequence's cells instead of the dense mask.
 
     `seq_ids`/`positions` int `[T]` are the step's tokens, placed already
@@ -282,7 +252,7 @@ def _pick_blocks(rank: np.ndarray, counts: np.ndarray, row_counts: np.ndarray):
     return best[1:]
 
 
-def _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, pool) -> GroupPlan:
+def _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, pool) -> AttendGroups:
     """The plan: tokens of each group (padding repeats its last token), each batch cut to its own
     longest query run and key count, `batch(gi, tokens [G_b, Q_b], K_b)` giving its cells and mask
     (read by pages instead where `page_batch` finds that cheaper), and where each token's output
@@ -303,13 +273,13 @@ def _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, poo
         tail = None
         if paged is not None:
             page, b_cells, tail, b_mask = paged
-        batches.append(Batch(b_tokens, b_cells, None if b_mask.all() else b_mask, page, tail))
+        batches.append(AttendBatch(b_tokens, b_cells, None if b_mask.all() else b_mask[:, None], page, tail))
         slot_of_group[gi] = offset + np.arange(gi.size) * q_b
         offset += gi.size * q_b
     out = np.empty(n_tokens, dtype=np.int32)
     out[order] = slot_of_group[group] + within
     head = batches[0]
-    return GroupPlan(head.tokens, head.cells, head.mask, out, tuple(batches[1:]), head.page, head.tail)
+    return AttendGroups(head.tokens, head.cells, head.mask, out, more=tuple(batches[1:]), page=head.page, tail=head.tail)
 
 
 def _may_page(path: str, pool, q_len: int) -> bool:

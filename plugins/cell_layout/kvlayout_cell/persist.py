@@ -38,9 +38,8 @@ STATE_VERSION = 1
 
 
 def _check_not_mid_forward(cache: Any) -> None:
-    placed = cache._open_step()  # the stepper's open step (same package)
-    if placed is not None and len(placed.served) < cache.n_layers:
-        missing = sorted(set(range(cache.n_layers)) - placed.served)
+    missing = cache.stepper.unserved_layers()
+    if missing:
         raise StepError(
             f"save during a forward: layer(s) {missing} of the placed step were not served; "
             "finish the forward or abort_step() first"
@@ -63,15 +62,16 @@ def _gather(cache: Any, cells: np.ndarray) -> dict:
 
 def save_cache(cache: Any, path: str | os.PathLike) -> Path:
     _check_not_mid_forward(cache)
-    cells, pos, owners = cache.occupied()
+    table = cache.stepper.table
+    cells, pos, owners = table.occupied()
     tensors = {"cells": raw_numpy(cells), "pos": raw_numpy(pos), "owners": raw_numpy(owners)}
     tensors.update(_gather(cache, cells))
-    state = {"state_version": STATE_VERSION, "live": [int(s) for s in cache.live_ids()]}
+    state = {"state_version": STATE_VERSION, "live": [int(s) for s in table.live_ids()]}
     return save_state(path, layout=LAYOUT, content="cache", config=cache.config, state=state, tensors=tensors)
 
 
 def save_seq(cache: Any, seq_id: int, path: str | os.PathLike) -> Path:
-    cells, pos = cache.seq_cells(seq_id)  # SequenceError for an id not live
+    cells, pos = cache.stepper.table.seq_cells(seq_id)  # SequenceError for an id not live
     _check_not_mid_forward(cache)
     tensors = {"pos": raw_numpy(pos)}
     tensors.update(_gather(cache, cells))
@@ -108,12 +108,12 @@ def load_cache(f: StateFile) -> Any:
     cells = numpy_of(f.tensor("cells", "I64", (None,)))
     n = cells.size
     pos = numpy_of(f.tensor("pos", "I64", (n,)))
-    owners = numpy_of(f.tensor("owners", "U64", (n, cache.owner_words)))
+    owners = numpy_of(f.tensor("owners", "U64", (n, cache.stepper.table.owner_words)))
     live = f.state.get("live")
     if not isinstance(live, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in live):
         raise f.refuse(f"state.live={live!r}: expected a list of ids")
     layers = read_kv(f, config, [n] * config.n_layers)
-    cache.restore(cells, pos, owners, np.asarray(live, dtype=np.int64), StateError)
+    cache.stepper.restore(cells, pos, owners, np.asarray(live, dtype=np.int64), StateError)
     _scatter(cache, cells, layers)
     return cache
 
@@ -142,11 +142,11 @@ def load_seq(cache: Any, path: str | os.PathLike) -> int | None:
     if n and (pos.min() < 0 or (np.diff(pos) <= 0).any()):
         raise f.refuse("pos: expected ascending distinct positions >= 0")
     layers = read_kv(f, cache.config, [n] * cache.config.n_layers)
-    # Pressure is an answer: not enough free cells or no free id gives None, nothing changed.
-    if n > cache.free_cells or cache.live_ids().size >= cache.max_seqs:
+    # Placed as a step would be: through the placement hook, announced to observers. Pressure is an
+    # answer: not enough free cells or no free id gives None, nothing changed.
+    placed = cache.stepper.place_sequence(pos)
+    if placed is None:
         return None
-    cells = cache._choose(n) if n else np.zeros(0, dtype=np.int64)  # the placement hook (same package)
-    seq_id = cache.seq_new()
-    cache.occupy(cells, np.full(n, seq_id, dtype=np.int64), pos.astype(np.int64))
+    seq_id, cells = placed
     _scatter(cache, cells, layers)
     return seq_id

@@ -1,7 +1,9 @@
 """The step protocol of the cell layout: declare, place once, reuse per layer.
 
-Still neutral (numpy and the plugin manager, no tensor type). One forward is
-one step:
+Still neutral (numpy and the plugin manager, no tensor type). A CellStepper
+holds a CellTable and is the only thing that changes it: every verb that
+touches the cells goes through here, so the stepper always knows when the
+open step ends. One forward is one step:
 
 1. `declare_step(seq_ids)` names the sequence of each token (the admission
    gate: False when the free cells are too few);
@@ -12,7 +14,11 @@ one step:
    `kvlayout_step_placed`, then shared by every layer with that window.
 
 A step stays valid while the table's epoch is the one placement left: any verb
-(seq_new, seq_clone, seq_rm, clear) ends it, and so does a new declaration.
+(seq_new, seq_clone, seq_rm, clear, restore, place_sequence) ends it, and so
+does a new declaration. The BatchControl face (`kvlayout.faces`) is this
+class's verbs of that contract; the rest (`abort_step`, `place_sequence`,
+`restore`, `unserved_layers`, `step_tokens`) serve the cache and its persist
+module.
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
+from kvlayout.args import int_array, int_scalar
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
-from kvlayout.args import int_array, int_scalar
 from kvlayout_cell.table import CellTable
 
 
@@ -50,11 +56,11 @@ class _Declared:
     epoch: int
 
 
-class CellStepper(CellTable):
-    """A cell table that places steps for `len(windows)` layers (window 0 = flat)."""
+class CellStepper:
+    """Places steps for `len(windows)` layers (window 0 = flat) over `table`, which it alone changes."""
 
-    def __init__(self, capacity: int, max_seqs: int, windows: Sequence[int], pm: Any):
-        super().__init__(capacity, max_seqs)
+    def __init__(self, table: CellTable, windows: Sequence[int], pm: Any):
+        self.table = table  # read it freely; change it only through the stepper's verbs
         self._windows = tuple(int_scalar("window", w, ConfigError, minimum=0) for w in windows)
         self._pm = pm
         self._declared: _Declared | None = None
@@ -63,6 +69,71 @@ class CellStepper(CellTable):
     @property
     def n_layers(self) -> int:
         return len(self._windows)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s window (0 = flat)."""
+        return self._windows[layer]
+
+    # -- the table's counts, read through (BatchControl) ------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.table.capacity
+
+    @property
+    def max_seqs(self) -> int:
+        return self.table.max_seqs
+
+    @property
+    def free_cells(self) -> int:
+        return self.table.free_cells
+
+    @property
+    def used_end(self) -> int:
+        return self.table.used_end
+
+    def can_extend(self, n: int = 1) -> bool:
+        return self.table.can_extend(n)
+
+    def seq_len(self, seq_id: int) -> int:
+        """Cells `seq_id` owns (0 for an id not live)."""
+        return self.table.seq_len(seq_id)
+
+    def next_pos(self, seq_id: int) -> int:
+        """One past the newest position `seq_id` holds (0 when it holds none)."""
+        return self.table.next_pos(seq_id)
+
+    # -- verbs that change the table: each ends the open step first ------------
+
+    def clear(self) -> None:
+        """Free every cell and release every id."""
+        self._keep_masks()
+        self.table.clear()
+
+    def seq_new(self) -> int | None:
+        """The lowest id not live, now live and empty; None when all are in use."""
+        return self.table.seq_new()  # changes no cell: no mask to keep
+
+    def seq_clone(self, src: int, upto: int | None = None) -> int | None:
+        """A new id sharing src's cells with position < upto (all when None); no cell is copied.
+
+        Refused (SequenceError) when src is not live; None when no id is left.
+        """
+        self._keep_masks()
+        return self.table.seq_clone(src, upto)
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
+        """Drop seq_id's claim on positions [p0, p1) (see `CellTable.seq_rm`)."""
+        self._keep_masks()
+        self.table.seq_rm(seq_id, p0, p1)
+
+    def restore(self, cells: np.ndarray, pos: np.ndarray, owners: np.ndarray, live: np.ndarray, error: type) -> None:
+        """Become the table `occupied()` and `live_ids()` described (see `CellTable.restore`);
+        `error`, nothing changed, for a description that breaks an invariant."""
+        self._keep_masks()
+        self.table.restore(cells, pos, owners, live, error)
+
+    # -- the step protocol ---------------------------------------------------
 
     def declare_step(self, seq_ids: Sequence[int]) -> bool:
         """Name the sequence of each token of the next forward.
@@ -75,34 +146,13 @@ class CellStepper(CellTable):
         ids = int_array("seq_ids", seq_ids, SequenceError)
         if ids.size == 0:
             raise StepError("declare_step: seq_ids is empty: expected at least one token's sequence id")
-        self.check_live_ids(ids)
-        if ids.size > self.free_cells:
+        self.table.check_live_ids(ids)
+        if ids.size > self.table.free_cells:
             return False
         self._keep_masks()
-        self._declared = _Declared(ids.copy(), self.epoch)
+        self._declared = _Declared(ids.copy(), self.table.epoch)
         self._placed = None
         return True
-
-    def _before_change(self) -> None:
-        self._keep_masks()
-
-    def _open_step(self) -> _Placed | None:
-        """The open step (see `abort_step`): placed, and no verb or declaration since; else None."""
-        placed = self._placed
-        return placed if placed is not None and placed.epoch == self.epoch else None
-
-    def _keep_masks(self) -> None:
-        """The open step ends: if a mask of it was never built, keep what building it reads.
-
-        A copy of positions and owner words up to the step's read_len (O(used_end) memcpy, far
-        less than a [T, used_end] mask), so a consumer that reads `step.mask` late still gets the
-        step's mask, not one of the table as it is by then.
-        """
-        placed = getattr(self, "_placed", None)  # CellTable.clear touches before __init__ sets it
-        if placed is None or placed.frozen is not None or placed.epoch != self.epoch:
-            return
-        if len(placed.built) < len(placed.steps):
-            placed.frozen = self.snapshot()
 
     def place_step(self, layer: int, positions: Sequence[int]) -> CellStep:
         """The step for `layer`: placed by the first layer served, reused by the others.
@@ -130,7 +180,7 @@ class CellStepper(CellTable):
                 )
             placed.served.add(layer)
             return self._step(placed, self._windows[layer])
-        declared = self._declared if self._declared is not None and self._declared.epoch == self.epoch else None
+        declared = self._declared if self._declared is not None and self._declared.epoch == self.table.epoch else None
         if declared is None:
             why = " (a verb since the last declaration ended that step)" if self._declared or self._placed else ""
             raise StepError(f"layer {layer}: no step declared{why}; expected declare_step(seq_ids) first")
@@ -139,12 +189,8 @@ class CellStepper(CellTable):
                 f"layer {layer}: {pos.size} position(s) for a step declared with "
                 f"{declared.seq_ids.size} token(s)"
             )
-        self.check_tokens(declared.seq_ids, pos)
-        cells = self._choose(pos.size)
-        before = self.before_occupy(declared.seq_ids)
-        self.occupy(cells, declared.seq_ids, pos)  # the only mutation; everything above may refuse
-        placed = _Placed(declared.seq_ids, pos.copy(), cells, self.used_end, self.epoch, {layer}, {}, before)
-        self._placed, self._declared = placed, None
+        placed = self._place(declared.seq_ids, pos, {layer})
+        self._declared = None
         return self._step(placed, self._windows[layer])
 
     def abort_step(self) -> bool:
@@ -152,12 +198,13 @@ class CellStepper(CellTable):
 
         The open step is the one the first `place_step` after a declaration
         placed, served on every layer or not, until a new declaration or any
-        verb (`seq_new`, `seq_clone`, `seq_rm`, `clear`, `load_seq`) ends it.
-        Aborting it releases exactly the cells it claimed and puts back every
-        sequence's `seq_len` and `next_pos`, the free count, `used_end` and
-        the free list. Afterwards no declaration stands: declare the next
-        forward again. With no open step nothing changes (a standing
-        declaration that was never placed stays) and the answer is False.
+        verb (`seq_new`, `seq_clone`, `seq_rm`, `clear`, `restore`,
+        `place_sequence`) ends it. Aborting it releases exactly the cells it
+        claimed and puts back every sequence's `seq_len` and `next_pos`, the
+        free count, `used_end` and the free list. Afterwards no declaration
+        stands: declare the next forward again. With no open step nothing
+        changes (a standing declaration that was never placed stays) and the
+        answer is False.
 
         The pools are not rolled back: the layers that ran before a failure
         wrote K/V into the released cells, which are free again, so their
@@ -170,14 +217,86 @@ class CellStepper(CellTable):
             return False
         self._keep_masks()
         self._placed = self._declared = None
-        self.release(placed.cells, placed.seq_ids, placed.before)
+        self.table.release(placed.cells, placed.seq_ids, placed.before)
         for window, step in placed.steps.items():  # those announced by kvlayout_step_placed
             self._pm.hook.kvlayout_step_aborted(step=step, window=window)
         return True
 
+    def place_sequence(self, positions: Sequence[int]) -> tuple[int, np.ndarray] | None:
+        """A new sequence holding `positions` (ascending, distinct, >= 0): `(seq_id, cells)`.
+
+        What restoring a saved sequence takes: its tokens are placed as one
+        step would place them (cells from `kvlayout_choose_cells`, each window
+        announced through `kvlayout_step_placed`), and the step is closed at
+        once, so there is nothing to abort and no layer to serve. None,
+        nothing changed, when the free cells or ids are too few; StepError,
+        nothing changed, for bad positions or a bad hook answer. The caller
+        writes the K/V into `cells` (token i's into cells[i]).
+        """
+        pos = int_array("positions", positions, StepError)
+        if pos.size and (pos.min() < 0 or (np.diff(pos) <= 0).any()):
+            raise StepError(f"positions {pos.tolist()!r:.80}: expected ascending distinct positions >= 0")
+        if pos.size > self.table.free_cells or self.table.live_ids().size >= self.table.max_seqs:
+            return None
+        cells = self._choose(pos.size) if pos.size else np.zeros(0, dtype=np.int64)  # may refuse: before any change
+        self._keep_masks()
+        seq_id = self.table.seq_new()
+        if pos.size:
+            placed = self._claim(np.full(pos.size, seq_id, dtype=np.int64), pos, cells, set(range(self.n_layers)))
+            for window in sorted(set(self._windows)):
+                self._step(placed, window)
+            self._keep_masks()  # closed: a late reader of an announced mask gets it as placed
+        self._placed = self._declared = None
+        return seq_id, cells
+
+    def unserved_layers(self) -> list[int]:
+        """The layers the open step has not served yet (none open: [])."""
+        placed = self._open_step()
+        return [] if placed is None else sorted(set(range(self.n_layers)) - placed.served)
+
+    def step_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """(seq_ids, positions) of the open step's tokens; StepError when none is open."""
+        placed = self._open_step()
+        if placed is None:
+            raise StepError("no step is open: expected declare_step and place_step first")
+        return placed.seq_ids, placed.positions
+
+    # -- inside ----------------------------------------------------------------
+
+    def _open_step(self) -> _Placed | None:
+        """The open step (see `abort_step`): placed, and no verb or declaration since; else None."""
+        placed = self._placed
+        return placed if placed is not None and placed.epoch == self.table.epoch else None
+
+    def _keep_masks(self) -> None:
+        """The open step ends: if a mask of it was never built, keep what building it reads.
+
+        A copy of positions and owner words up to the step's read_len (O(used_end) memcpy, far
+        less than a [T, used_end] mask), so a consumer that reads `step.mask` late still gets the
+        step's mask, not one of the table as it is by then.
+        """
+        placed = self._open_step()
+        if placed is not None and placed.frozen is None and len(placed.built) < len(placed.steps):
+            placed.frozen = self.table.snapshot()
+
+    def _place(self, seq_ids: np.ndarray, pos: np.ndarray, served: set[int]) -> _Placed:
+        """Check the tokens, claim cells for them from the hook; the open step. Refuses (StepError,
+        SequenceError) before anything changes."""
+        self.table.check_tokens(seq_ids, pos)
+        return self._claim(seq_ids, pos, self._choose(pos.size), served)
+
+    def _claim(self, seq_ids: np.ndarray, pos: np.ndarray, cells: np.ndarray, served: set[int]) -> _Placed:
+        """Occupy `cells` (checked free) with the tokens; the open step, undoable by abort_step."""
+        table = self.table
+        before = table.before_occupy(seq_ids)
+        table.occupy(cells, seq_ids, pos)  # the only mutation
+        placed = _Placed(seq_ids, pos.copy(), cells, table.used_end, table.epoch, served, {}, before)
+        self._placed = placed
+        return placed
+
     def _choose(self, count: int) -> np.ndarray:
         """`count` distinct free cells from the hook; StepError quoting a bad answer."""
-        free = self.free_list()
+        free = self.table.free_list()
         answer = self._pm.hook.kvlayout_choose_cells(free=free, count=count)
         expected = f"expected {count} distinct cells from the free list"
         if answer is None:
@@ -193,7 +312,7 @@ class CellStepper(CellTable):
         )
         if ok:
             cells = cells.astype(np.int64)
-            ok = np.unique(cells).size == count and self.are_free(cells)
+            ok = np.unique(cells).size == count and self.table.are_free(cells)
         if not ok:
             raise StepError(f"kvlayout_choose_cells answered {answer!r:.120}: {expected}")
         return cells
@@ -204,7 +323,7 @@ class CellStepper(CellTable):
 
             def mask() -> np.ndarray:  # [T, read_len], built on first access: grouped attention never reads it
                 # Read after the step ended, it comes from the cells as the step saw them (`_keep_masks`).
-                m = self.visible(placed.seq_ids, placed.positions, window, placed.cells, placed.frozen)
+                m = self.table.visible(placed.seq_ids, placed.positions, window, placed.cells, placed.frozen)
                 m.flags.writeable = False  # shared by every layer with this window, and by observers
                 placed.built.add(window)
                 return m

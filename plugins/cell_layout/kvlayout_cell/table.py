@@ -48,7 +48,6 @@ class CellTable:
 
     def clear(self) -> None:
         """Free every cell and release every id."""
-        self._before_change()
         self._pos = np.full(self._capacity, -1, dtype=np.int64)  # [capacity], -1 = free
         self._owners = np.zeros((self._capacity, self._words), dtype=np.uint64)  # [capacity, words] bitset
         self._count = np.zeros(self._max_seqs, dtype=np.int64)  # cells owned, per id
@@ -61,10 +60,6 @@ class CellTable:
 
     def _touch(self) -> None:
         self._epoch += 1
-
-    def _before_change(self) -> None:
-        """Called by every verb that may change a cell, before it does (a subclass keeps what it
-        still needs of the cells as they are: CellStepper, the masks of a step not built yet)."""
 
     @property
     def epoch(self) -> int:
@@ -134,7 +129,6 @@ class CellTable:
 
         Refused (SequenceError) when src is not live; None when no id is left.
         """
-        self._before_change()
         src = self._check_live("src", src)
         if upto is not None:
             upto = int_scalar("upto", upto, SequenceError, minimum=0)
@@ -159,7 +153,6 @@ class CellTable:
         tail cells; an id left owning nothing is released. Refused
         (SequenceError) for an id not live or a malformed range.
         """
-        self._before_change()
         s = self._check_live("seq_id", seq_id)
         p0 = int_scalar("p0", p0, SequenceError, minimum=0)
         if p1 is not None:
@@ -259,7 +252,6 @@ class CellTable:
         The caller has run `check_tokens`; the cells are checked here to be
         distinct and free (StepError otherwise, nothing changed).
         """
-        self._before_change()
         if cells.shape != seq_ids.shape:
             raise StepError(f"{cells.size} cell(s) for {seq_ids.size} token(s)")
         if cells.size == 0:
@@ -372,7 +364,6 @@ class CellTable:
         count and the free list return to what they were. Liveness is
         untouched: occupy never changes it. The epoch moves on.
         """
-        self._before_change()
         ids, newest, used_end, free = before
         self._pos[cells] = -1
         self._owners[cells] = 0
@@ -413,7 +404,6 @@ class CellTable:
         """Become the table `occupied()` and `live_ids()` described; `error` (nothing changed) if they
         break an invariant: a cell out of range or repeated, a negative position, a cell with no owner
         or an owner out of range or not live, a sequence holding one position twice."""
-        self._before_change()
         n = cells.shape[0] if cells.ndim == 1 else -1
         if n < 0 or pos.shape != (n,) or owners.shape != (n, self._words):
             raise error(f"cells {cells.shape}, positions {pos.shape}, owners {owners.shape}: expected [n], [n], [n, {self._words}]")

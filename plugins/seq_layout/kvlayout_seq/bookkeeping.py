@@ -30,11 +30,50 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kvlayout.args import int_scalar
 from kvlayout.errors import CapacityError, KVLayoutError, StepError
-from kvlayout.faces import MaskKind, Run, SeqStepPlan
+from kvlayout.spec import MaskKind
+
+
+@attrs.frozen
+class Run:
+    """A contiguous range of pool slots: `length` slots from `slot`."""
+
+    slot: int
+    length: int
+
+
+@attrs.frozen
+class SeqStepPlan:
+    """Where one layer of a seq-layout step writes and what it reads.
+
+    `writes` receive the step's tokens in order; `reads` hold the keys visible
+    to the step, oldest first, starting at logical position `read_start`.
+    `mirror` (> 0) asks for every write run to be written again `mirror` slots
+    further (a ring kept twice over, so that its window, wrapped or not, is
+    one run of `reads`). Planning is pure: a plan changes nothing until it is
+    committed.
+    """
+
+    start: int
+    length: int
+    writes: tuple[Run, ...]
+    reads: tuple[Run, ...]
+    read_start: int
+    mask_kind: MaskKind
+    window: int = 0
+    mirror: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def read_len(self) -> int:
+        return sum(run.length for run in self.reads)
 
 
 def band_mask(length: int, read_len: int, window: int) -> np.ndarray:

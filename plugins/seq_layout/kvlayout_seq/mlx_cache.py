@@ -17,10 +17,11 @@ import numpy as np
 from kvlayout.args import int_array
 from kvlayout.config import CacheConfig
 from kvlayout.errors import StepError
-from kvlayout.faces import AttendSpec, FacesBase, MaskKind, SeqStepPlan
+from kvlayout.faces import FacesBase, SequenceControl, face_of
+from kvlayout.spec import AttendSpec, MaskKind
 from kvlayout.mlx import MLXPool
 
-from kvlayout_seq.bookkeeping import SeqBook, band_mask
+from kvlayout_seq.bookkeeping import SeqBook, SeqStepPlan, band_mask
 
 
 def _positions(positions: Any) -> np.ndarray:
@@ -54,11 +55,13 @@ class SeqCache(FacesBase):
             initial = config.initial_capacity if policy.kind == "flat" else policy.storage  # the pool clamps
             self.key_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
             self.value_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
+        self._control = face_of(SequenceControl, self)
 
     # SequenceControl
 
-    def as_control(self) -> SeqCache:
-        return self
+    def as_control(self) -> SequenceControl:
+        """The SequenceControl face: capacity, length, max_step, can_extend, clear, rewind."""
+        return self._control
 
     @property
     def capacity(self) -> int:

@@ -1,0 +1,114 @@
+"""What a layout hands `attend()`: the keys and values of one layer's step and how to mask them.
+
+These records are the contract between a layout's `update_and_fetch` (the
+KVCache face) and `kvlayout.mlx.attend`, which consumes them. They hold
+arrays of any kind (`Any`): MLX arrays when a layout hands them to
+`attend()`, numpy arrays while a layout plans them (the cell layout's
+grouping is planned in numpy, then converted field by field). Nothing here
+imports MLX, so a layout's neutral bookkeeping may use `MaskKind`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+
+class MaskKind(enum.Enum):
+    """What `attend()` must apply: nothing, lower-right causal, or `AttendSpec.mask`."""
+
+    NONE = "none"
+    CAUSAL = "causal"
+    EXPLICIT = "explicit"
+
+
+@attrs.frozen(eq=False)
+class AttendGroups:
+    """A sparse step's tokens in G groups, each with the only cells it may attend.
+
+    Prepared once per window per step (the index arrays are shared by every
+    layer with that window); `keys`/`values` are the layer's own.
+
+    - `tokens` int32 `[G, Qg]`: the step's token indices of each group; a
+      group with fewer tokens repeats its last one (its output is dropped).
+    - `cells` int32 `[G, Kg]`: the cells (indices on the cell axis of `keys`)
+      each group may attend; a shorter group pads with any valid cell, masked.
+    - `mask` bool `[G, 1, Qg, Kg]` (True = attend), or None when every slot
+      is visible (no key padding and no query sees less than its group).
+    - `out` int32 `[T]`: where token t's output sits among the `G * Qg`
+      grouped query slots (group-major).
+    - `keys`/`values` `[1, H_kv, S, D]`, S > every cell: what the cells index.
+      Row-contiguous arrays (a layout passes its whole pool buffer) let the
+      gather read them as `[H_kv * S, D]` rows with no copy.
+    - `page` (optional, 0 = off): B > 0 makes `cells` int32 `[G, P]` page
+      indices instead, page p being cells `[p * B, (p + 1) * B)`, read in
+      place (S must be a multiple of B: the pages are a view of the pool,
+      where gathering would copy the rows); `tail` (optional) int32
+      `[G, Kt]` are cells gathered beside them. The group attends the
+      `P * B` slots of its pages, in page order, then its tail, under `mask`
+      `[G, 1, Qg, P * B + Kt]`.
+    - `more` (optional): further batches of groups, each an `AttendBatch`
+      shaped like the fields above, each run apart so it is padded only to
+      its own longest group; `out` then indexes the grouped query slots of
+      all batches, concatenated in order (the fields first).
+    """
+
+    tokens: Any
+    cells: Any
+    mask: Any
+    out: Any
+    keys: Any = None
+    values: Any = None
+    more: tuple[AttendBatch, ...] = ()
+    page: int = 0
+    tail: Any = None
+
+    def batches(self) -> tuple[AttendBatch, ...]:
+        """Every batch, the fields' first, as AttendBatch records."""
+        head = AttendBatch(self.tokens, self.cells, self.mask, self.page, self.tail)
+        return (head, *self.more)
+
+
+@attrs.frozen(eq=False)
+class AttendBatch:
+    """One batch of groups of an AttendGroups: its fields of the same names, for one batch."""
+
+    tokens: Any
+    cells: Any
+    mask: Any
+    page: int = 0
+    tail: Any = None
+
+
+@attrs.frozen(eq=False)
+class AttendSpec:
+    """Keys and values a layer attends to, and how to mask them.
+
+    `keys`/`values` are `[1, H_kv, S, D]`; `mask` is a bool `[1, 1, T, S]`
+    array for EXPLICIT only, None otherwise.
+
+    `groups` (optional, additive): when a layout sets it, `attend()` computes
+    the same result as the dense EXPLICIT mask by attending each group of
+    tokens to its own cells only (one batched SDPA over the groups); the
+    dense fields stay valid, so any consumer may ignore `groups`.
+
+    `mask` may be given as a function of no argument that computes it: a
+    layout whose `groups` carry the work builds the dense mask only for a
+    consumer that reads it (on first access, then kept).
+    """
+
+    keys: Any
+    values: Any
+    mask_kind: MaskKind
+    _mask: Any = attrs.field(default=None, alias="mask", repr=False)
+    groups: AttendGroups | None = None
+
+    @property
+    def mask(self) -> Any:
+        mask = self._mask
+        if callable(mask):
+            mask = mask()
+            object.__setattr__(self, "_mask", mask)  # computed once; the record stays frozen otherwise
+        return mask
