@@ -11,6 +11,7 @@ import kvlayout
 from kvlayout import CacheConfig, LayerConfig, LayerPolicy, SequenceError, StateError, StepError
 from kvlayout import persist
 from kvlayout.faces import Persistent
+from kvlayout.hookspecs import hookimpl
 from kvlayout.mlx.tensors import to_raw
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
@@ -181,6 +182,54 @@ def test_a_sequence_moves_to_another_cache_with_fresh_cells_and_a_fresh_id(tmp_p
         got = Run(dst).step([(sid, 50 + i)])
         want = Run(src).step([(2, 50 + i)])
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+class HighestFirst:
+    """A placement policy (highest free cells first) that also records every placement it hears of."""
+
+    def __init__(self):
+        self.placed = []
+
+    @hookimpl
+    def kvlayout_choose_cells(self, free, count):
+        return free[::-1][:count]
+
+    @hookimpl
+    def kvlayout_step_placed(self, step, window):
+        self.placed.append((window, step.cells.tolist()))
+
+
+def test_a_loaded_sequence_goes_through_placement_and_its_observers_hear_of_it(tmp_path):
+    path = busy_cache().save_seq(0, tmp_path / "seq.safetensors")  # 7 cells, positions 0..6
+    pm = make_plugin_manager()
+    policy = HighestFirst()
+    pm.register(policy)
+    dst = CellCache(config(capacity=16), pm=pm)
+    sid = dst.load_seq(path)
+    cells, pos = dst.stepper.table.seq_cells(sid)
+    assert cells.tolist() == list(range(15, 8, -1)) and pos.tolist() == list(range(7))  # the policy's cells
+    assert policy.placed == [(0, cells.tolist()), (3, cells.tolist())]  # once per window (0 and 3)
+    assert not dst.abort_step()  # the placement is closed: nothing to abort
+    assert dst.stepper.unserved_layers() == []  # and no layer left to serve: the cache saves at once
+    dst.save(tmp_path / "whole.safetensors")
+
+
+class BadPolicy:
+    @hookimpl(tryfirst=True)
+    def kvlayout_choose_cells(self, free, count):
+        return [0] * count  # repeats a cell
+
+
+def test_load_seq_refuses_a_bad_placement_answer_and_changes_nothing(tmp_path):
+    path = busy_cache().save_seq(0, tmp_path / "seq.safetensors")
+    pm = make_plugin_manager()
+    dst = CellCache(config(), pm=pm)
+    Run(dst).step([(dst.seq_new(), 1), (dst.seq_new(), 2)])
+    before = table_state(dst)
+    pm.register(BadPolicy())
+    with pytest.raises(StepError, match="kvlayout_choose_cells answered"):
+        dst.load_seq(path)
+    assert table_state(dst) == before
 
 
 def test_load_seq_answers_none_and_changes_nothing_when_cells_or_ids_are_short(tmp_path):
