@@ -1,10 +1,30 @@
-"""Builder: the record a layout plugin hands the registry."""
+"""Builder: the record a layout plugin hands the registry, and its "backend:kind" key.
+
+The key names a layout everywhere a string must (`--layout mlx:seq`, a saved
+file's header, error messages); `layout_key` writes it and `split_layout_key`
+reads it, and nothing else does.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import attrs
+
+from kvlayout.errors import ConfigError
+
+
+def layout_key(backend_id: str, kind: str) -> str:
+    """The key naming a layout: "mlx:cell"."""
+    return f"{backend_id}:{kind}"
+
+
+def split_layout_key(key: Any, what: str = "layout") -> tuple[str, str]:
+    """(backend_id, kind) of a "backend:kind" key; ConfigError naming `what` for anything else."""
+    backend, sep, kind = key.partition(":") if isinstance(key, str) else ("", "", "")
+    if not sep or not backend or not kind:
+        raise ConfigError(f"{what} {key!r}: expected backend:kind, e.g. mlx:seq")
+    return backend, kind
 
 
 @attrs.frozen
@@ -32,7 +52,7 @@ class Builder:
 
     @property
     def key(self) -> str:
-        return f"{self.backend_id}:{self.kind}"
+        return layout_key(self.backend_id, self.kind)
 
     def provider(self) -> str:
         if self.distribution is None:

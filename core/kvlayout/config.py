@@ -10,45 +10,33 @@ from typing import Any, Mapping
 
 import attrs
 
+from kvlayout.checks import int_scalar, reject_unknown
 from kvlayout.errors import ConfigError
 
 KV_DTYPES = ("float16", "bfloat16", "float32")
 POLICY_KINDS = ("flat", "ring")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _int_at_least(minimum: int):
+    """An attrs validator: an integer (a Python int: configs are serialized) >= `minimum`."""
 
-
-def _int_at_least(minimum: int, what: str):
     def check(instance, attribute, value):
-        if not _is_int(value) or value < minimum:
-            raise ConfigError(
-                f"{type(instance).__name__}.{attribute.name}={value!r}: expected an integer {what}"
-            )
+        int_scalar(f"{type(instance).__name__}.{attribute.name}", value, ConfigError, minimum, numpy=False)
 
     return check
 
 
 def _optional_positive(instance, attribute, value):
     if value is not None:
-        _int_at_least(1, "> 0 or None")(instance, attribute, value)
+        _int_at_least(1)(instance, attribute, value)
 
 
-def _reject_unknown(cls: type, data: Mapping[str, Any]) -> None:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
-    valid = [f.name for f in attrs.fields(cls)]
-    unknown = sorted(set(data) - set(valid))
-    if unknown:
-        raise ConfigError(
-            f"{cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"valid keys: {', '.join(valid)}"
-        )
+def _known_keys(cls: type, data: Any) -> Mapping[str, Any]:
+    """`data` checked to hold only `cls`'s fields, and every field without a default."""
+    fields = attrs.fields(cls)
+    required = [f.name for f in fields if f.default is attrs.NOTHING]
     # A key left out of a TOML table is a config mistake too, not a TypeError.
-    missing = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in data]
-    if missing:
-        raise ConfigError(f"{cls.__name__}: missing required key(s) {', '.join(map(repr, missing))}")
+    return reject_unknown(data, [f.name for f in fields], cls.__name__, required=required)
 
 
 @attrs.frozen
@@ -63,8 +51,7 @@ class LayerPolicy:
             raise ConfigError(
                 f"LayerPolicy.kind={self.kind!r}: expected one of {', '.join(POLICY_KINDS)}"
             )
-        if not _is_int(self.window):
-            raise ConfigError(f"LayerPolicy.window={self.window!r}: expected an integer")
+        int_scalar("LayerPolicy.window", self.window, ConfigError, numpy=False)
         if self.kind == "ring" and self.window <= 0:
             raise ConfigError(f"LayerPolicy.window={self.window!r}: a ring layer needs window > 0")
         if self.kind == "flat" and self.window != 0:
@@ -74,7 +61,7 @@ class LayerPolicy:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> LayerPolicy:
-        _reject_unknown(cls, data)
+        _known_keys(cls, data)
         return cls(**data)
 
     def to_mapping(self) -> dict[str, Any]:
@@ -89,8 +76,8 @@ def _to_policy(value: Any) -> LayerPolicy:
 class LayerConfig:
     """The K/V shape of one layer and how it keeps history."""
 
-    n_kv_heads: int = attrs.field(validator=_int_at_least(1, "> 0"))
-    head_dim: int = attrs.field(validator=_int_at_least(1, "> 0"))
+    n_kv_heads: int = attrs.field(validator=_int_at_least(1))
+    head_dim: int = attrs.field(validator=_int_at_least(1))
     policy: LayerPolicy = attrs.field(factory=LayerPolicy, converter=_to_policy)
 
     @policy.validator
@@ -100,7 +87,7 @@ class LayerConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> LayerConfig:
-        _reject_unknown(cls, data)
+        _known_keys(cls, data)
         return cls(**data)
 
     def to_mapping(self) -> dict[str, Any]:
@@ -127,13 +114,13 @@ class CacheConfig:
     `min(initial_capacity, their max)` and grow by doubling.
     """
 
-    capacity: int = attrs.field(validator=_int_at_least(1, "> 0"))
-    n_layers: int = attrs.field(validator=_int_at_least(1, "> 0"))
+    capacity: int = attrs.field(validator=_int_at_least(1))
+    n_layers: int = attrs.field(validator=_int_at_least(1))
     layers: tuple[LayerConfig, ...] = attrs.field(converter=_to_layers)
     kv_dtype: str = attrs.field(default="float16")
-    initial_capacity: int = attrs.field(default=512, validator=_int_at_least(0, ">= 0"))
+    initial_capacity: int = attrs.field(default=512, validator=_int_at_least(0))
     max_write: int | None = attrs.field(default=None, validator=_optional_positive)
-    max_seqs: int = attrs.field(default=64, validator=_int_at_least(1, "> 0"))
+    max_seqs: int = attrs.field(default=64, validator=_int_at_least(1))
 
     @layers.validator
     def _check_layers(self, attribute, value):
@@ -153,13 +140,12 @@ class CacheConfig:
             )
 
     def layer(self, i: int) -> LayerConfig:
-        if not _is_int(i) or not 0 <= i < self.n_layers:
-            raise ConfigError(f"layer index {i!r}: expected an integer in [0, {self.n_layers})")
+        i = int_scalar("layer index", i, ConfigError, 0, self.n_layers - 1)
         return self.layers[0] if len(self.layers) == 1 else self.layers[i]
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> CacheConfig:
-        _reject_unknown(cls, data)
+        _known_keys(cls, data)
         return cls(**data)
 
     @classmethod

@@ -48,6 +48,7 @@ import attrs
 import numpy as np
 import safetensors
 
+from kvlayout.builder import split_layout_key
 from kvlayout.config import CacheConfig
 from kvlayout.errors import ConfigError, KVLayoutError, StateError
 
@@ -224,8 +225,7 @@ def _fsync_dir(directory: Path) -> None:
 def _provider(layout: str, pm: Any) -> tuple[str | None, str | None]:
     from kvlayout import registry
 
-    backend, _, kind = layout.partition(":")
-    builder = registry.resolve(backend, kind, pm)
+    builder = registry.resolve(*split_layout_key(layout), pm)
     return builder.distribution, builder.version
 
 
@@ -353,9 +353,8 @@ def load(path: str | os.PathLike, config: CacheConfig | None = None, pm: Any = N
     f = read_state(path)
     if f.content != "cache":
         raise f.refuse(f"holds one sequence of {f.layout}, not a cache; load it with load_seq on such a cache")
-    backend, _, kind = f.layout.partition(":")
     try:
-        builder = registry.resolve(backend, kind, pm)
+        builder = registry.resolve(*split_layout_key(f.layout, "the file's layout"), pm)
     except KVLayoutError as exc:
         raise f.refuse(f"saved by layout {f.layout}, which cannot be resolved: {exc}") from exc
     if f.distribution != builder.distribution:

@@ -20,7 +20,7 @@ import attrs
 import pluggy
 
 from kvlayout import hookspecs
-from kvlayout.builder import Builder
+from kvlayout.builder import Builder, layout_key
 from kvlayout.errors import ConfigError, DuplicateLayout, KVLayoutError, LayoutNotFound
 
 ENTRY_POINT_GROUP = "kvlayout"
@@ -120,7 +120,7 @@ def resolve(backend_id: str, kind: str, pm: PluginManager | None = None) -> Buil
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{name}={value!r}: expected a non-empty string, e.g. resolve('mlx', 'cell')")
     builders = available(pm)
-    key = f"{backend_id}:{kind}"
+    key = layout_key(backend_id, kind)
     matches = [b for b in builders if b.key == key]
     if len(matches) > 1:
         raise DuplicateLayout(

@@ -143,6 +143,18 @@ def test_a_file_whose_table_breaks_an_invariant_is_refused(tmp_path):
         kvlayout.load(tmp_path / "bad.safetensors")
 
 
+@pytest.mark.parametrize("live", [None, "0,1", [0, True], [[0, 1]], [0.0, 1.0]])
+def test_a_file_whose_live_ids_are_not_a_list_of_integers_is_refused_by_name(tmp_path, live):
+    cache = busy_cache()
+    good = persist.read_state(cache.save(tmp_path / "good.safetensors"))
+    persist.save_state(
+        tmp_path / "bad.safetensors", layout="mlx:cell", content="cache", config=cache.config,
+        state={**good.state, "live": live}, tensors=good.tensors,
+    )
+    with pytest.raises(StateError, match=r"bad\.safetensors: state\.live"):
+        kvlayout.load(tmp_path / "bad.safetensors")
+
+
 def test_a_file_with_a_wrong_tensor_shape_is_refused(tmp_path):
     cache = busy_cache()
     good = persist.read_state(cache.save(tmp_path / "good.safetensors"))

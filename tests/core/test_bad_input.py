@@ -75,9 +75,9 @@ CONFIG = {
     "from_mapping of a list": (CacheConfig.from_mapping, dict(data=[("capacity", 8)]), "CacheConfig"),
     "from_mapping of None": (CacheConfig.from_mapping, dict(data=None), "CacheConfig"),
     "layer missing head_dim": (CacheConfig.from_mapping, dict(data={**GOOD_CACHE, "layers": [{"n_kv_heads": 1}]}), "head_dim"),
-    "layer(i) out of range": (CacheConfig(**GOOD_CACHE).layer, dict(i=2), "layer index 2"),
-    "layer(i) negative": (CacheConfig(**GOOD_CACHE).layer, dict(i=-1), "layer index -1"),
-    "layer(i) a float": (CacheConfig(**GOOD_CACHE).layer, dict(i=0.0), "layer index 0.0"),
+    "layer(i) out of range": (CacheConfig(**GOOD_CACHE).layer, dict(i=2), "layer index=2"),
+    "layer(i) negative": (CacheConfig(**GOOD_CACHE).layer, dict(i=-1), "layer index=-1"),
+    "layer(i) a float": (CacheConfig(**GOOD_CACHE).layer, dict(i=0.0), "layer index=0.0"),
 }
 
 

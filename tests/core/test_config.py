@@ -83,7 +83,7 @@ def test_messages_say_what_is_allowed():
     with pytest.raises(ConfigError) as info:
         LayerPolicy(kind="paged")
     assert "flat" in str(info.value) and "ring" in str(info.value)
-    with pytest.raises(ConfigError, match="> 0"):
+    with pytest.raises(ConfigError, match=">= 1"):
         cache(capacity=0)
 
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.args import int_scalar
+from kvlayout.checks import int_scalar
 from kvlayout.errors import KVLayoutError
 from kvlayout.pool import Pool
 

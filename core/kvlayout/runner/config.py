@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 import attrs
 
+from kvlayout.builder import layout_key, split_layout_key
+from kvlayout.checks import int_scalar, reject_unknown
 from kvlayout.config import KV_DTYPES
 from kvlayout.errors import ConfigError
 
@@ -69,8 +71,7 @@ def _fail(key: str, value: Any, expected: str) -> ConfigError:
 
 
 def _int(key: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _fail(key, value, f"an integer >= {minimum}")
+    int_scalar(key, value, ConfigError, minimum, numpy=False)  # TOML gives Python ints
 
 
 def _number(key: str, value: Any) -> float:
@@ -98,7 +99,7 @@ class LayoutSection:
 
     @property
     def key(self) -> str:
-        return f"{self.backend}:{self.kind}"
+        return layout_key(self.backend, self.kind)
 
 
 @attrs.frozen
@@ -220,7 +221,7 @@ class RunConfig:
             "sampling": SamplingSection,
             "engine": EngineSection,
         }
-        _reject_unknown(data, [*sections, "requests"], "", source)
+        reject_unknown(data, [*sections, "requests"], source)
         kwargs: dict[str, Any] = {}
         for name, section in sections.items():
             if name in data:
@@ -236,10 +237,7 @@ class RunConfig:
 
     def with_layout(self, key: str) -> RunConfig:
         """`--layout backend:kind` overrides the config's layout."""
-        backend, sep, kind = key.partition(":")
-        if not sep:
-            raise ConfigError(f"--layout {key!r}: expected backend:kind, e.g. mlx:seq")
-        return attrs.evolve(self, layout=LayoutSection(backend, kind))
+        return attrs.evolve(self, layout=LayoutSection(*split_layout_key(key, "--layout")))
 
     def model_dir(self) -> Path | None:
         """The model directory; a relative path is taken from the config file's directory."""
@@ -248,21 +246,9 @@ class RunConfig:
         return (self.base_dir / Path(self.model.path).expanduser()).resolve()
 
 
-def _reject_unknown(data: Any, valid: list[str], prefix: str, source: str) -> None:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{source}: {prefix or 'config'}: expected a table, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(valid))
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(
-            f"{source}: unknown key {key!r}; valid keys{' in [' + prefix + ']' if prefix else ''}: "
-            f"{', '.join(valid)}"
-        )
-
-
 def _section(cls: type, data: Any, prefix: str, source: str, **extra: Any):
     valid = [f.name for f in attrs.fields(cls) if f.name != "where"]
-    _reject_unknown(data, valid, prefix, source)
+    reject_unknown(data, valid, source, prefix)
     try:
         return cls(**data, **extra)
     except ConfigError as exc:

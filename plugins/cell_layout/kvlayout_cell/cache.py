@@ -38,7 +38,7 @@ from kvlayout.mlx import MLXPool
 from kvlayout.mlx.attention import pages_in_place
 from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
-from kvlayout.args import int_array, int_scalar
+from kvlayout.checks import int_array, int_scalar
 from kvlayout_cell import persist
 from kvlayout_cell.groups import PAGE_SIZES, plan_cells
 from kvlayout_cell.stepper import CellStepper as Stepper

@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvlayout.checks import int_array
 from kvlayout.errors import StateError, StepError
 from kvlayout.mlx.tensors import read_kv, to_raw
 from kvlayout.persist import StateFile, numpy_of, raw_numpy, read_state, save_state
@@ -109,11 +110,9 @@ def load_cache(f: StateFile) -> Any:
     n = cells.size
     pos = numpy_of(f.tensor("pos", "I64", (n,)))
     owners = numpy_of(f.tensor("owners", "U64", (n, cache.stepper.table.owner_words)))
-    live = f.state.get("live")
-    if not isinstance(live, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in live):
-        raise f.refuse(f"state.live={live!r}: expected a list of ids")
+    live = int_array("state.live", f.state.get("live"), f.refuse)  # the live ids
     layers = read_kv(f, config, [n] * config.n_layers)
-    cache.stepper.restore(cells, pos, owners, np.asarray(live, dtype=np.int64), StateError)
+    cache.stepper.restore(cells, pos, owners, live, StateError)
     _scatter(cache, cells, layers)
     return cache
 

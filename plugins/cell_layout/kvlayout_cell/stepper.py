@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from kvlayout.args import int_array, int_scalar
+from kvlayout.checks import int_array, int_scalar
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
 from kvlayout_cell.table import CellTable

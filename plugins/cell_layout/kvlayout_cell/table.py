@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvlayout.errors import ConfigError, SequenceError, StepError
-from kvlayout.args import int_scalar
+from kvlayout.checks import int_scalar
 
 _ONE = np.uint64(1)
 

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvlayout.args import int_scalar
+from kvlayout.checks import int_scalar
 from kvlayout.errors import CapacityError, KVLayoutError, StepError
 from kvlayout.spec import MaskKind
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.args import int_array
+from kvlayout.checks import int_array
 from kvlayout.config import CacheConfig
 from kvlayout.errors import StepError
 from kvlayout.faces import FacesBase, SequenceControl, face_of

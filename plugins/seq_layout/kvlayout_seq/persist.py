@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvlayout.checks import int_scalar
 from kvlayout.errors import StepError
 from kvlayout.mlx.tensors import read_kv, to_raw
 from kvlayout.persist import StateFile, save_state
@@ -54,9 +55,7 @@ def save_cache(cache: Any, path: str | os.PathLike) -> Path:
 
 
 def _int(f: StateFile, key: str, value: Any, low: int, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise f.refuse(f"state.{key}={value!r}: expected an integer in [{low}, {high}]")
-    return value
+    return int_scalar(f"state.{key}", value, f.refuse, low, high, numpy=False)
 
 
 def load_cache(f: StateFile) -> Any:
