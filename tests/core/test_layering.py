@@ -1,0 +1,118 @@
+"""The tree's architecture, checked: who may import whom (docs/design.md, "Parts").
+
+Every module of the three distributions is parsed (not imported) and its
+imports, top-level or inside functions, are checked against the layering:
+the neutral core and the layouts' bookkeeping never import MLX; engines
+never import the runner, the bench or a layout package; nothing but the
+bench imports a layout package by name (layouts are reached through the
+registry); and no module imports another's underscored name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = {
+    "kvlayout": ROOT / "core" / "kvlayout",
+    "kvlayout_seq": ROOT / "plugins" / "seq_layout" / "kvlayout_seq",
+    "kvlayout_cell": ROOT / "plugins" / "cell_layout" / "kvlayout_cell",
+}
+
+# Modules that must not import MLX: the contracts and the integer/numpy bookkeeping.
+NEUTRAL = [
+    "kvlayout.builder", "kvlayout.checks", "kvlayout.config", "kvlayout.errors", "kvlayout.faces",
+    "kvlayout.hookspecs", "kvlayout.persist", "kvlayout.pool", "kvlayout.registry", "kvlayout.spec",
+    "kvlayout_seq.bookkeeping", "kvlayout_cell.table", "kvlayout_cell.stepper", "kvlayout_cell.groups",
+]
+LAYOUTS = ("kvlayout_seq", "kvlayout_cell")
+# (importer prefix, forbidden prefixes): each part imports downward only.
+FORBIDDEN = [
+    ("kvlayout.mlx", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout.engines", ("kvlayout.runner", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout.runner", ("kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout_seq", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", "kvlayout_cell")),
+    ("kvlayout_cell", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", "kvlayout_seq")),
+]
+for core in ("builder", "checks", "config", "errors", "faces", "hookspecs", "persist", "pool", "registry", "spec"):
+    FORBIDDEN.append((f"kvlayout.{core}", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli",
+                                           "kvlayout.mlx", *LAYOUTS)))
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, root in SOURCES.items():
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
+    return found
+
+
+def imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for every import statement, relative ones resolved."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            out.append((base, [alias.name for alias in node.names]))
+    return out
+
+
+MODULES = modules()
+
+
+def within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def violations(name: str, path: Path) -> list[str]:
+    """Every import of module `name` (at `path`) that breaks a rule above, as "rule: module"."""
+    found = imports(name, path)
+    out = []
+    if name in NEUTRAL:
+        out += [f"mlx in neutral code: {m}" for m, _ in found if within(m, "mlx") or within(m, "kvlayout.mlx")]
+    for prefix, forbidden in FORBIDDEN:
+        if within(name, prefix):
+            out += [f"upward: {m}" for m, _ in found if any(within(m, f) for f in forbidden)]
+    out += [
+        f"underscored: {m}.{n}"
+        for m, names in found
+        for n in names
+        if n.startswith("_") and not n.startswith("__") and m != name
+    ]
+    return out
+
+
+def test_the_layering_covers_the_tree():
+    assert {"kvlayout.faces", "kvlayout.spec", "kvlayout_cell.stepper", "kvlayout.runner"} <= set(MODULES)
+    assert all(name in MODULES for name in NEUTRAL)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_each_module_keeps_the_layering(name):
+    assert violations(name, MODULES[name]) == []
+
+
+def test_a_module_breaking_each_rule_is_caught(tmp_path):
+    path = tmp_path / "stepper.py"
+    path.write_text(
+        "import mlx.core as mx\n"
+        "def late():\n    from kvlayout.runner import job\n"
+        "from .table import _owns\n"
+    )
+    assert violations("kvlayout_cell.stepper", path) == [
+        "mlx in neutral code: mlx.core",
+        "upward: kvlayout.runner",
+        "underscored: kvlayout_cell.table._owns",
+    ]
