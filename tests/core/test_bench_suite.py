@@ -1,7 +1,8 @@
-"""The bench suite as a package of kvlayout: its plot, its wheel."""
+"""The bench suite as a package of kvlayout: its plot, its cell layouts, its manners, its wheel."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -11,10 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
+import kvlayout.bench
 from kvlayout.bench import plot
+from kvlayout.bench.cell_rows import interleaved_cells
+from kvlayout.bench.layouts import cell_table
 from kvlayout.bench.record import Row
 
 ROOT = Path(__file__).resolve().parents[2]
+BENCH = Path(kvlayout.bench.__file__).parent
 
 
 def some_rows() -> list[Row]:
@@ -43,6 +48,25 @@ def test_plot_labels_each_bar_by_row_and_case_on_a_log_axis_marked_at_equal():
     bars = sorted(ax.patches, key=lambda p: p.get_y())
     ends = [p.get_x() + p.get_width() for p in bars]  # each bar runs from 1 to its ratio
     assert np.allclose(ends, [2.5, 0.8, 0.004]) and all(p.get_x() == 1.0 for p in bars)
+
+
+def test_interleaved_cells_give_sequence_s_the_cells_s_plus_multiples_of_the_count():
+    cache, control = interleaved_cells(256, 64, np.random.default_rng(0))
+    assert control.used_end == 256
+    for s in (0, 5, 63):
+        cells, positions = cell_table(cache).seq_cells(s)
+        assert cells.tolist() == list(range(s, 256, 64)) and positions.tolist() == [0, 1, 2, 3]
+
+
+def test_the_bench_reaches_no_underscored_name_of_another_module():
+    reaches = []
+    for path in sorted(BENCH.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.attr] if isinstance(node, ast.Attribute) else []
+            if isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("kvlayout.bench"):
+                names = [alias.name for alias in node.names]
+            reaches += [f"{path.name}:{node.lineno} {n}" for n in names if n.startswith("_") and not n.startswith("__")]
+    assert reaches == []
 
 
 def test_a_wheel_of_kvlayout_carries_the_bench_suite(tmp_path):

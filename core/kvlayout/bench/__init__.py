@@ -30,5 +30,6 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
 
 Sizes are in `sizes`; timing in `timing`; the table in `table`, the plot in
 `plot`; `suite.run_suite` runs the rows. mlx-lm and matplotlib come with the
-`bench` extra (`peers`).
+`bench` extra (`peers`). The rows use the layouts through their public faces;
+the little they need beyond those is in `layouts`, nowhere else.
 """

@@ -1,4 +1,10 @@
-"""Rows 5 and 6 (bookkeep, grouped): the cell cache's per-step work and its attention beside the ideal."""
+"""Rows 5 and 6 (bookkeep, grouped): the cell cache's per-step work and its attention beside the ideal.
+
+Both drive the cell cache through its faces only: sequences and declarations
+through `as_batch_control()`, placement through `as_cell_stepper()` or
+`update_and_fetch`; reading which cells a sequence holds goes through
+`layouts.cell_table`.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,11 @@ import mlx.core as mx
 import numpy as np
 
 from kvlayout import CacheConfig, LayerConfig
+from kvlayout.bench.layouts import cell_cache, cell_table, eval_pools
 from kvlayout.bench.record import Row
 from kvlayout.bench.sizes import D, H_KV
 from kvlayout.bench.timing import interleaved, timed
 from kvlayout.mlx import attend
-from kvlayout.registry import make_plugin_manager
 
 
 def grouped_and_dense(q, spec, scale):
@@ -23,45 +29,57 @@ def grouped_and_dense(q, spec, scale):
             lambda: timed(lambda: mx.eval(attend(q, dense, scale))))
 
 
-def row_bookkeep(z: dict, ctx: dict) -> tuple[str, list[Row]]:
-    from kvlayout_cell.cache import CellCache
+def interleaved_cells(used_end: int, n_seqs: int, rng: np.random.Generator):
+    """A cell cache whose cells [0, used_end) hold n_seqs sequences interleaved: seq s holds cells
+    s, s + n_seqs, ... at positions 0, 1, ... (K/V random).
 
+    Laid out by one step through the protocol: under lowest-free placement token i of the step
+    goes to cell i, so declaring ids cells % n_seqs at positions cells // n_seqs gives that layout
+    (checked). Returns (cache, its BatchControl face).
+    """
+    cap = used_end + 2 * n_seqs
+    cache = cell_cache(CacheConfig(capacity=cap, n_layers=1, layers=[LayerConfig(H_KV, D)], kv_dtype="float32",
+                                   max_seqs=n_seqs, initial_capacity=cap))
+    control = cache.as_batch_control()
+    ids = [control.seq_new() for _ in range(n_seqs)]
+    cells = np.arange(used_end, dtype=np.int64)
+    kv0 = mx.array(rng.normal(size=(1, H_KV, used_end, D)).astype(np.float32))
+    assert control.declare_step(cells % n_seqs)
+    cache.update_and_fetch(0, cells // n_seqs, kv0, kv0)  # the spec is dropped: no read outlives the write
+    table = cell_table(cache)
+    assert all(np.array_equal(table.seq_cells(s)[0], cells[s::n_seqs]) for s in ids), "placement is not lowest-free"
+    return cache, control
+
+
+def row_bookkeep(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     n_seqs, h_q = 64, 32
     out = []
     rng = np.random.default_rng(5)
     for used_end in z["book_sizes"]:
-        cache = CellCache(CacheConfig(capacity=used_end + 2 * n_seqs, n_layers=1, layers=[LayerConfig(H_KV, D)],
-                                      kv_dtype="float32", max_seqs=n_seqs, initial_capacity=used_end + 2 * n_seqs),
-                          make_plugin_manager())
-        for _ in range(n_seqs):
-            cache.seq_new()
-        cells = np.arange(used_end, dtype=np.int64)
-        cache.occupy(cells, cells % n_seqs, cells // n_seqs)  # seq s holds cells s, s+64, ... (K/V left random)
-        kv0 = mx.array(rng.normal(size=(1, H_KV, used_end, D)).astype(np.float32))
-        cache.key_pools[0].write(0, kv0)
-        cache.value_pools[0].write(0, kv0)
+        cache, control = interleaved_cells(used_end, n_seqs, rng)
+        stepper = cache.as_cell_stepper()
         ids = list(range(n_seqs))
         kv = mx.zeros((1, H_KV, n_seqs, D))
         q = mx.array(rng.normal(size=(1, h_q, n_seqs, D)).astype(np.float32))
         mx.eval(q, kv)
 
         def book():
-            positions = [cache.next_pos(s) for s in ids]
-            cache.free_list()  # warm, as in a steady decode
+            positions = [control.next_pos(s) for s in ids]
+            cell_table(cache).free_list()  # warm, as in a steady decode
             t0 = time.perf_counter()
-            assert cache.declare_step(ids)
-            step = cache.place_step(0, positions)
+            assert control.declare_step(ids)
+            step = stepper.place_step(0, positions)
             groups = cache.step_groups(0, step)  # the grouping, planned once per step (numpy + conversion)
             mx.eval(cache.step_mask(0, step), *([] if groups is None else [groups.tokens, groups.cells, groups.out]))
             dt = time.perf_counter() - t0
             for s, p in zip(ids, positions):  # undo, untimed: same used_end next repeat
-                cache.seq_rm(s, p)
+                control.seq_rm(s, p)
             return dt
 
         tb = interleaved({"book": book}, max(z["repeats"], 5))["book"]
         # One layer's attention over the same window: a spec for this step from layer 0.
-        positions = [cache.next_pos(s) for s in ids]
-        assert cache.declare_step(ids)
+        positions = [control.next_pos(s) for s in ids]
+        assert control.declare_step(ids)
         spec = cache.update_and_fetch(0, positions, kv, kv)
         g, d = grouped_and_dense(q, spec, D**-0.5)
         sides = {"grouped attn": g}
@@ -75,7 +93,7 @@ def row_bookkeep(z: dict, ctx: dict) -> tuple[str, list[Row]]:
             out.append(Row.from_times("5 bookkeep", f"{used_end // 1024}k cells vs dense attn", t, "bookkeeping",
                                       "dense attn"))
         for s in ids:
-            cache.seq_rm(s, positions[s])
+            control.seq_rm(s, positions[s])
     sizes = ", ".join(f"{s // 1024}k" for s in z["book_sizes"])
     work = (f"64 sequences x 1 token over {sizes} occupied cells (seq s holds cells s, s+64, ...); bookkeeping = "
             "declare_step + place_step (mask for one window) + the grouping plan + both converted to MLX, once "
@@ -89,43 +107,42 @@ def decode_step_setup(n_seqs: int, length: int, h_q: int, h_kv: int, d: int, chu
     """A cell cache holding n_seqs sequences of `length` tokens, prefilled round-robin in chunks
     (so each owns several runs of cells), and the spec of one decode step (one token each).
 
-    Returns (q, spec, ideal_k, ideal_v, cache): ideal_* are each sequence's own K/V, contiguous, as
+    Returns (q, spec, ideal_k, ideal_v): ideal_* are each sequence's own K/V, contiguous, as
     `[n_seqs, H_kv, length + 1, D]` (what attending each sequence alone would read).
     """
-    from kvlayout_cell.cache import CellCache
-
     rng = np.random.default_rng(seed)
     cap = n_seqs * (length + 1)
-    cache = CellCache(CacheConfig(capacity=cap, n_layers=1, layers=[LayerConfig(h_kv, d)], kv_dtype="float32",
-                                  max_seqs=max(n_seqs, 1), initial_capacity=cap), make_plugin_manager())
+    cache = cell_cache(CacheConfig(capacity=cap, n_layers=1, layers=[LayerConfig(h_kv, d)], kv_dtype="float32",
+                                   max_seqs=max(n_seqs, 1), initial_capacity=cap))
     cache.attention_path = path
-    ids = [cache.seq_new() for _ in range(n_seqs)]
+    control = cache.as_batch_control()
+    ids = [control.seq_new() for _ in range(n_seqs)]
     for start in range(0, length, chunk):
         for s in ids:
             n = min(chunk, length - start)
-            assert cache.declare_step([s] * n)
+            assert control.declare_step([s] * n)
             kv = mx.array(rng.normal(size=(1, h_kv, n, d)).astype(np.float32))
             cache.update_and_fetch(0, list(range(start, start + n)), kv, kv * 0.5)
-            mx.eval(cache.key_pools[0]._buf, cache.value_pools[0]._buf)
-    assert cache.declare_step(ids)
+            eval_pools(cache.key_pools[0], cache.value_pools[0])
+    assert control.declare_step(ids)
     k1 = mx.array(rng.normal(size=(1, h_kv, n_seqs, d)).astype(np.float32))
     spec = cache.update_and_fetch(0, [length] * n_seqs, k1, k1 * 0.5)
     q = mx.array(rng.normal(size=(1, h_q, n_seqs, d)).astype(np.float32))  # [1, Hq, T, D]
-    owned = np.stack([np.flatnonzero(cache._owned(s, cache.used_end)) for s in ids])  # [N, length + 1]
+    owned = np.stack([cell_table(cache).seq_cells(s)[0] for s in ids])  # [N, length + 1], by position
     idx = mx.array(owned.reshape(-1).astype(np.int32))
     ideal_k = mx.take(spec.keys, idx, axis=2).reshape(h_kv, n_seqs, length + 1, d).transpose(1, 0, 2, 3)
     ideal_v = mx.take(spec.values, idx, axis=2).reshape(h_kv, n_seqs, length + 1, d).transpose(1, 0, 2, 3)
     ideal_k, ideal_v = mx.contiguous(ideal_k), mx.contiguous(ideal_v)  # [N, Hkv, L, D]
     mx.eval(q, ideal_k, ideal_v, spec.keys, spec.values, spec.mask)
-    return q, spec, ideal_k, ideal_v, cache
+    return q, spec, ideal_k, ideal_v
 
 
 def row_grouped(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     n, L = z["group_seqs"], z["group_len"]
     h_q, h_kv, d = z["attn_heads"]
     scale = d**-0.5
-    q, spec, ik, iv, _ = decode_step_setup(n, L, h_q, h_kv, d, path="auto")
-    _, gathered, _, _, _ = decode_step_setup(n, L, h_q, h_kv, d, path="grouped")  # the same K/V, gathered
+    q, spec, ik, iv = decode_step_setup(n, L, h_q, h_kv, d, path="auto")
+    _, gathered, _, _ = decode_step_setup(n, L, h_q, h_kv, d, path="grouped")  # the same K/V, gathered
     qi = mx.contiguous(q.transpose(2, 1, 0, 3))  # [N, Hq, 1, D]
     mx.eval(qi)
     g, dn = grouped_and_dense(q, spec, scale)

@@ -7,10 +7,10 @@ import numpy as np
 
 from kvlayout import CacheConfig, LayerConfig
 from kvlayout.bench import peers
+from kvlayout.bench.layouts import cell_cache, eval_pools, seq_cache
 from kvlayout.bench.record import Row
 from kvlayout.bench.sizes import D, H_KV
 from kvlayout.bench.timing import interleaved, timed
-from kvlayout.registry import make_plugin_manager
 
 
 def _config(capacity: int, **kw) -> CacheConfig:
@@ -18,9 +18,6 @@ def _config(capacity: int, **kw) -> CacheConfig:
 
 
 def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
-    from kvlayout_cell.cache import CellCache
-    from kvlayout_seq.mlx_cache import SeqCache
-
     KVCache = peers.mlx_lm("models.cache").KVCache
     rng = np.random.default_rng(0)
     token = mx.array(rng.normal(size=(1, H_KV, 1, D)).astype(np.float16))  # [1, H, 1, D]
@@ -32,8 +29,8 @@ def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         spec = c.update_and_fetch(0, [p], token, token)
         mx.eval(spec.keys, spec.values)
 
-    def put_cell(c, s, p):
-        c.declare_step([s])
+    def put_cell(c, control, s, p):
+        control.declare_step([s])
         spec = c.update_and_fetch(0, [p], token, token)
         mx.eval(spec.keys, spec.values, spec.mask)
 
@@ -43,22 +40,24 @@ def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
 
     for L in z["write_ctx"]:
         cap = L + z["write_reps"] * 4 + 64
-        seq, cell, ref = SeqCache(_config(cap)), CellCache(_config(cap), make_plugin_manager()), KVCache()
-        s0 = cell.seq_new()
+        seq, cell, ref = seq_cache(_config(cap)), cell_cache(_config(cap)), KVCache()
+        seq_control, cell_control = seq.as_control(), cell.as_batch_control()
+        s0 = cell_control.seq_new()
         fill = mx.array(rng.normal(size=(1, H_KV, L, D)).astype(np.float16))
         seq.update_and_fetch(0, list(range(L)), fill, fill)
-        assert cell.declare_step([s0] * L)
+        assert cell_control.declare_step([s0] * L)
         cell.update_and_fetch(0, list(range(L)), fill, fill)
         ref.update_and_fetch(fill, fill)
-        mx.eval(seq.key_pools[0]._buf, cell.key_pools[0]._buf, ref.keys)
+        eval_pools(seq.key_pools[0], seq.value_pools[0], cell.key_pools[0], cell.value_pools[0])
+        mx.eval(ref.keys, ref.values)
 
         def one_seq():
-            p = seq.length
+            p = seq_control.length
             return timed(lambda: put_seq(seq, p))
 
         def one_cell():
-            p = cell.next_pos(s0)
-            return timed(lambda: put_cell(cell, s0, p))
+            p = cell_control.next_pos(s0)
+            return timed(lambda: put_cell(cell, cell_control, s0, p))
 
         def one_ref():
             return timed(lambda: put_ref(ref))
@@ -82,13 +81,14 @@ def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         return float(steps.sum())
 
     def grow_seq():
-        c = SeqCache(_config(n, initial_capacity=256))
+        c = seq_cache(_config(n, initial_capacity=256))
         return appended("seq", lambda: c.key_pools[0].slots, lambda p: put_seq(c, p))
 
     def grow_cell():
-        c = CellCache(_config(n, initial_capacity=256), make_plugin_manager())
-        s = c.seq_new()
-        return appended("cell", lambda: c.key_pools[0].slots, lambda p: put_cell(c, s, p))
+        c = cell_cache(_config(n, initial_capacity=256))
+        control = c.as_batch_control()
+        s = control.seq_new()
+        return appended("cell", lambda: c.key_pools[0].slots, lambda p: put_cell(c, control, s, p))
 
     def grow_ref():
         c = KVCache()

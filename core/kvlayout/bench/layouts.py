@@ -1,0 +1,49 @@
+"""The caches the rows measure, and the few things about them that no face offers.
+
+The rows drive the caches through their faces (`as_batch_control()`,
+`as_cell_stepper()`, `as_control()`) and `update_and_fetch`. What they need
+beyond that is here, one small function each, so a layout reshaped under the
+bench is a one-line fix in this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from kvlayout import CacheConfig
+from kvlayout.mlx import MLXPool
+from kvlayout.registry import make_plugin_manager
+
+
+def cell_cache(config: CacheConfig) -> Any:
+    """A CellCache under a fresh plugin manager: the installed placement (lowest free by default)."""
+    from kvlayout_cell.cache import CellCache
+
+    return CellCache(config, make_plugin_manager())
+
+
+def seq_cache(config: CacheConfig) -> Any:
+    from kvlayout_seq.mlx_cache import SeqCache
+
+    return SeqCache(config)
+
+
+def cell_table(cache: Any) -> Any:
+    """The cell cache's table of cells, for reading it: `seq_cells(s)`, `free_list()`.
+
+    Every access the bench makes to the table goes through here. Today the
+    cache is its own table; once the cell layout composes it, this becomes
+    `cache.stepper.table`.
+    """
+    return cache
+
+
+def eval_pools(*pools: MLXPool) -> None:
+    """Finish every write pending in these pools.
+
+    Evaluates a read of all their slots and drops it at once: a read kept
+    alive would make the pool's next write copy the whole buffer.
+    """
+    mx.eval(*(p.read(0, p.slots) for p in pools))
