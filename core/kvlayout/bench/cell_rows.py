@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvlayout import CacheConfig, LayerConfig
-from kvlayout.bench.layouts import cell_cache, cell_table, eval_pools
+from kvlayout.bench.layouts import cell_cache, cell_table
 from kvlayout.bench.record import Row
 from kvlayout.bench.sizes import D, H_KV
 from kvlayout.bench.timing import interleaved, timed
@@ -123,7 +123,8 @@ def decode_step_setup(n_seqs: int, length: int, h_q: int, h_kv: int, d: int, chu
             assert control.declare_step([s] * n)
             kv = mx.array(rng.normal(size=(1, h_kv, n, d)).astype(np.float32))
             cache.update_and_fetch(0, list(range(start, start + n)), kv, kv * 0.5)
-            eval_pools(cache.key_pools[0], cache.value_pools[0])
+            cache.key_pools[0].evaluate()
+            cache.value_pools[0].evaluate()
     assert control.declare_step(ids)
     k1 = mx.array(rng.normal(size=(1, h_kv, n_seqs, d)).astype(np.float32))
     spec = cache.update_and_fetch(0, [length] * n_seqs, k1, k1 * 0.5)

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
-
 from kvlayout import CacheConfig
-from kvlayout.mlx import MLXPool
 from kvlayout.registry import make_plugin_manager
 
 
@@ -39,11 +36,3 @@ def cell_table(cache: Any) -> Any:
     """
     return cache
 
-
-def eval_pools(*pools: MLXPool) -> None:
-    """Finish every write pending in these pools.
-
-    Evaluates a read of all their slots and drops it at once: a read kept
-    alive would make the pool's next write copy the whole buffer.
-    """
-    mx.eval(*(p.read(0, p.slots) for p in pools))

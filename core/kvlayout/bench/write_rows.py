@@ -7,7 +7,7 @@ import numpy as np
 
 from kvlayout import CacheConfig, LayerConfig
 from kvlayout.bench import peers
-from kvlayout.bench.layouts import cell_cache, eval_pools, seq_cache
+from kvlayout.bench.layouts import cell_cache, seq_cache
 from kvlayout.bench.record import Row
 from kvlayout.bench.sizes import D, H_KV
 from kvlayout.bench.timing import interleaved, timed
@@ -48,7 +48,8 @@ def row_write(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         assert cell_control.declare_step([s0] * L)
         cell.update_and_fetch(0, list(range(L)), fill, fill)
         ref.update_and_fetch(fill, fill)
-        eval_pools(seq.key_pools[0], seq.value_pools[0], cell.key_pools[0], cell.value_pools[0])
+        for pool in (seq.key_pools[0], seq.value_pools[0], cell.key_pools[0], cell.value_pools[0]):
+            pool.evaluate()
         mx.eval(ref.keys, ref.values)
 
         def one_seq():
