@@ -29,8 +29,8 @@ TARGET = 1.5  # write at 64k within 1.5x of the write at 1k
 
 
 def sync(pool: MLXPool) -> None:
-    """Evaluate the pool's buffer; unlike a read() this leaves no reference behind."""
-    mx.eval(pool._buf)
+    """Finish the pool's pending write; unlike evaluating a read() this creates no array."""
+    pool.evaluate()
 
 
 def measure(repeats: int, held_repeats: int, seed: int = 0) -> list[dict]:

@@ -99,26 +99,10 @@ def _init_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_dir() -> Path:
-    """`bench/` of the repository this package was installed from (an editable install)."""
-    return Path(__file__).resolve().parents[2] / "bench"
-
-
 def _bench(args: argparse.Namespace) -> int:
-    import importlib.util
+    # Imported here so the other commands never pay for loading the suite.
+    from kvlayout.bench import suite
 
-    suite_py = bench_dir() / "suite.py"
-    if not suite_py.is_file():
-        print(
-            f"kvlayout: error: the benchmark suite is not here: expected {suite_py}; `kvlayout bench` runs "
-            "from a source checkout (pip install -e . from the repository), not from a built wheel",
-            file=sys.stderr,
-        )
-        return 2
-    spec = importlib.util.spec_from_file_location("kvlayout_bench_suite", suite_py)
-    suite = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = suite  # attrs classes in the suite look their module up
-    spec.loader.exec_module(suite)
     mode = "quick" if args.quick else "full" if args.full else "default"
     rows = [r for r in args.rows.split(",") if r] if args.rows else None
     unknown = [r for r in rows or [] if r not in suite.ROWS]
@@ -152,7 +136,7 @@ def make_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     init.set_defaults(func=_init_model)
     bench = sub.add_parser(
-        "bench", help="kvlayout beside mlx-lm on the same work (the suite in the repository's bench/)"
+        "bench", help="kvlayout beside mlx-lm on the same work (needs the bench extra: pip install 'kvlayout[bench]')"
     )
     bench.add_argument("--out", metavar="DIR", help="also write bench.json and bench.png into DIR")
     size = bench.add_mutually_exclusive_group()

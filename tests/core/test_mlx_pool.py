@@ -229,3 +229,19 @@ def test_a_read_up_to_the_allocated_slots_is_allowed(filled):
 def test_a_pool_of_impossible_shape_or_dtype_is_refused(args):
     with pytest.raises(KVLayoutError):
         MLXPool(*args)
+
+
+def test_evaluate_finishes_pending_writes_and_the_next_write_stays_in_place():
+    n = 1 << 20
+    pool = MLXPool(n, n, 1, 16, "float32")  # 64 MiB: a copy of it would show in the peak
+    pool.evaluate()
+    token = mx.ones((1, 1, 1, 16))
+    mx.eval(token)
+    pool.write(5, token)
+    pool.evaluate()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    pool.write(6, token)
+    pool.evaluate()
+    assert mx.get_peak_memory() - before < pool.nbytes // 2
+    assert np.array_equal(np.array(pool.read(5, 2)), np.ones((1, 1, 2, 16), dtype=np.float32))

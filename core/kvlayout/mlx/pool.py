@@ -90,6 +90,15 @@ class MLXPool(Pool):
         self._grow_to(int(idx.max()) + 1)
         self._buf[:, :, mx.array(idx), :] = update.astype(self._dtype)
 
+    def evaluate(self) -> None:
+        """Finish every write pending on the pool (`mx.eval` of its buffer), creating no array.
+
+        For a caller that times writes or must settle them before a
+        measurement: evaluating a `read()` instead adds a slice to the work
+        and, while that read lives, makes the next write copy the pool.
+        """
+        mx.eval(self._buf)
+
     def read(self, start: int, length: int) -> mx.array:
         start = int_scalar("start", start, KVLayoutError, minimum=0)
         length = int_scalar("length", length, KVLayoutError, minimum=0)

@@ -1,0 +1,35 @@
+"""`kvlayout bench`: kvlayout beside mlx-lm on the same work, one table.
+
+Every comparison runs both sides in this one process, interleaved (one
+repeat of each side per round, the order rotating each round), several
+repeats; the table gives min and median seconds per side and the ratio of the
+medians, A / B in time (below 1: A is faster). Each row states its workload.
+Models come only from `kvlayout init-model` (written into a temporary
+directory and loaded by both sides); nothing is downloaded.
+
+Rows (`suite.ROWS`; the modules that hold them in brackets):
+
+1. write      one-token update per layer at 1k/8k/32k context, and the total
+              time appending tokens one by one from empty: kvlayout seq and
+              cell vs mlx_lm.models.cache.KVCache.              [write_rows]
+2. generate   one sequence, greedy: kvlayout run on mlx:seq / mlx:cell vs
+              mlx-lm's generate_step (the loop under mlx_lm.generate); token
+              ids checked identical.                              [model_rows]
+3. batch      ragged prompts (16..1024 tokens): mlx:cell vs mlx-lm
+              batch_generate (BatchKVCache, left-padded); identical outputs
+              checked; peak K/V bytes.                            [model_rows]
+4. prefix     n samples of one prompt: time to first sampled token and K/V
+              held, mlx:cell (one prefill, forks) vs mlx-lm (n rows). [model_rows]
+5. bookkeep   declare + place + mask (+ grouping) for 64 seqs x 1 token
+              beside one layer's attention over the same window.  [cell_rows]
+6. grouped    a decode step of 32 sequences x 1k cells: the layout's choice
+              (pages read in place here), gathered groups and the dense mask
+              vs the ideal (the same SDPA over each sequence's own, already
+              contiguous, cells).                                 [cell_rows]
+7. fp16       float16 vs float32 attention on this device.       [dtype_rows]
+
+Sizes are in `sizes`; timing in `timing`; the table in `table`, the plot in
+`plot`; `suite.run_suite` runs the rows. mlx-lm and matplotlib come with the
+`bench` extra (`peers`). The rows use the layouts through their public faces;
+the little they need beyond those is in `layouts`, nowhere else.
+"""

@@ -1,0 +1,36 @@
+"""The caches the rows measure, and the few things about them that no face offers.
+
+The rows drive the caches through their faces (`as_batch_control()`,
+`as_cell_stepper()`, `as_control()`) and `update_and_fetch`. What they need
+beyond that is here, one small function each, so a layout reshaped under the
+bench is a one-line fix in this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvlayout import CacheConfig
+from kvlayout.registry import make_plugin_manager
+
+
+def cell_cache(config: CacheConfig) -> Any:
+    """A CellCache under a fresh plugin manager: the installed placement (lowest free by default)."""
+    from kvlayout_cell.cache import CellCache
+
+    return CellCache(config, make_plugin_manager())
+
+
+def seq_cache(config: CacheConfig) -> Any:
+    from kvlayout_seq.mlx_cache import SeqCache
+
+    return SeqCache(config)
+
+
+def cell_table(cache: Any) -> Any:
+    """The cell cache's table of cells, for reading it: `seq_cells(s)`, `free_list()`.
+
+    Every access the bench makes to the table goes through here.
+    """
+    return cache.stepper.table
+

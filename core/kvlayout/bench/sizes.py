@@ -1,0 +1,29 @@
+"""How big each mode's work is; every row reads its sizes from one of these dicts.
+
+The default run is scaled to finish in minutes on a 2-core CPU (each row's
+workload line says where it is smaller than the issue's sizes); "full" is the
+issue's sizes, "quick" a smoke test of seconds.
+"""
+
+from __future__ import annotations
+
+SIZES = {
+    "quick": dict(
+        repeats=2, write_ctx=(1024, 8192), write_reps=5, grow=1024, grow_reps=1, gen_tokens=32,
+        batch_ns=(8,), batch_max_prompt=256, batch_tokens=8, prefix_prompt=256, prefix_ns=(1, 4),
+        book_sizes=(4096,), book_dense_max=4096, group_seqs=8, group_len=256, attn_heads=(8, 2, 64),
+    ),
+    "default": dict(
+        repeats=3, write_ctx=(1024, 8192, 32768), write_reps=20, grow=8192, grow_reps=2, gen_tokens=256,
+        batch_ns=(8, 32), batch_max_prompt=1024, batch_tokens=32, prefix_prompt=1024, prefix_ns=(1, 4, 16),
+        book_sizes=(4096, 32768), book_dense_max=4096, group_seqs=32, group_len=1024, attn_heads=(32, 8, 128),
+    ),
+    "full": dict(
+        repeats=5, write_ctx=(1024, 8192, 32768), write_reps=50, grow=32768, grow_reps=2, gen_tokens=256,
+        batch_ns=(8, 32), batch_max_prompt=1024, batch_tokens=128, prefix_prompt=1024, prefix_ns=(1, 4, 16),
+        book_sizes=(4096, 32768, 131072), book_dense_max=32768, group_seqs=32, group_len=1024,
+        attn_heads=(32, 8, 128),
+    ),
+}
+
+H_KV, D = 8, 128  # rows 1 and 5: the issue's K/V shape (heads, head dim)

@@ -1,0 +1,84 @@
+"""The suite: which rows there are, and running some of them in one mode into a table, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+from kvlayout.bench import peers, plot
+from kvlayout.bench.cell_rows import row_bookkeep, row_grouped
+from kvlayout.bench.dtype_rows import row_fp16
+from kvlayout.bench.model_rows import row_batch, row_generate, row_prefix
+from kvlayout.bench.record import Row, Section
+from kvlayout.bench.sizes import SIZES
+from kvlayout.bench.table import print_table
+from kvlayout.bench.write_rows import row_write
+
+# A row takes its mode's sizes and a context shared by the rows of one run (the model directory,
+# the loaded model) and returns its workload, in words, and its table lines.
+RowFn = Callable[[dict, dict], tuple[str, list[Row]]]
+
+ROWS: dict[str, RowFn] = {
+    "write": row_write,
+    "generate": row_generate,
+    "batch": row_batch,
+    "prefix": row_prefix,
+    "bookkeep": row_bookkeep,
+    "grouped": row_grouped,
+    "fp16": row_fp16,
+}
+MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix")
+
+
+def heading(mode: str) -> str:
+    """What the figures were measured with: the table's first line and the plot's title."""
+    return (f"kvlayout bench ({mode}) · mlx {mx.__version__} on {mx.default_device()} · "
+            f"mlx-lm {peers.mlx_lm_version()} · {platform.machine()}, {platform.system()}")
+
+
+def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | None = None) -> dict:
+    """Run `rows` (default: all, in ROWS order) at `mode`'s sizes; print the table; return the JSON payload.
+
+    With `out`, also write bench.json and bench.png there. ValueError for an
+    unknown row; MissingExtra, before anything is measured, when mlx-lm (for
+    the rows measured against it) or matplotlib (for `out`) is not installed.
+    """
+    z = SIZES[mode]
+    keys = rows or list(ROWS)
+    unknown = [k for k in keys if k not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown row(s) {', '.join(unknown)}; available: {', '.join(ROWS)}")
+    against = [k for k in keys if k in MEASURED_AGAINST_MLX_LM]
+    if against:
+        peers.require("mlx_lm", f"kvlayout bench (rows {', '.join(against)})", package="mlx-lm")
+    if out is not None:
+        plot.require()
+    sections = []
+    with tempfile.TemporaryDirectory(prefix="kvlayout-bench-") as tmp:
+        ctx: dict = {"model_dir": Path(tmp) / "tiny"}  # written by the first row that loads the model
+        for key in keys:
+            t0 = time.perf_counter()
+            work, got = ROWS[key](z, ctx)
+            print(f"[{key}: {time.perf_counter() - t0:.0f}s]", file=sys.stderr)
+            sections.append(Section(key, work, got))
+    title = heading(mode)
+    print(title)
+    print_table(sections)
+    payload = {
+        "mode": mode, "mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
+        "sizes": z,
+        "rows": [{"key": s.key, "workload": s.workload, "results": [r.to_json() for r in s.rows]} for s in sections],
+    }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(payload, indent=2))
+        plot.save(out / "bench.png", [r for s in sections for r in s.rows], title)
+        print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return payload

@@ -1,0 +1,87 @@
+"""The bench suite as a package of kvlayout: its plot, its cell layouts, its manners, its wheel."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+import kvlayout.bench
+from kvlayout.bench import plot
+from kvlayout.bench.cell_rows import interleaved_cells
+from kvlayout.bench.layouts import cell_table
+from kvlayout.bench.record import Row
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = Path(kvlayout.bench.__file__).parent
+
+
+def some_rows() -> list[Row]:
+    return [
+        Row("1 write", "1 token @1k: seq", "seq", "mlx-lm", [2.0, 3.0], [1.0, 1.0]),
+        Row("6 grouped", "decode step: layout / ideal", "layout", "ideal", [1.0], [1.25]),
+        Row("6 grouped", "decode step: layout / dense", "layout", "dense", [0.004], [1.0]),
+    ]
+
+
+def test_plot_labels_each_bar_by_row_and_case_on_a_log_axis_marked_at_equal():
+    rows = some_rows()
+    fig = plot.figure(rows, "kvlayout bench (quick) · mlx 0.0 on cpu")
+    [ax] = fig.axes
+    fig.canvas.draw()  # tick labels are laid out at draw time
+    expected = ["1 write · 1 token @1k: seq", "6 grouped · decode step: layout / ideal",
+                "6 grouped · decode step: layout / dense"]
+    by_y = sorted((t.get_position()[1], t.get_text()) for t in ax.get_yticklabels())
+    assert [text for _, text in by_y] == expected
+    assert ax.get_ylim()[0] > ax.get_ylim()[1]  # inverted: the first table line is the top bar
+    assert ax.get_xscale() == "log" and ax.get_title() == "kvlayout bench (quick) · mlx 0.0 on cpu"
+    assert any(list(line.get_xdata()) == [1.0, 1.0] for line in ax.get_lines())  # the vertical line at 1
+    texts = [t.get_text() for t in ax.texts]
+    assert "equal" in texts
+    assert "2.50  seq / mlx-lm" in texts and "0.80  layout / ideal" in texts and "0.004  layout / dense" in texts
+    bars = sorted(ax.patches, key=lambda p: p.get_y())
+    ends = [p.get_x() + p.get_width() for p in bars]  # each bar runs from 1 to its ratio
+    assert np.allclose(ends, [2.5, 0.8, 0.004]) and all(p.get_x() == 1.0 for p in bars)
+
+
+def test_interleaved_cells_give_sequence_s_the_cells_s_plus_multiples_of_the_count():
+    cache, control = interleaved_cells(256, 64, np.random.default_rng(0))
+    assert control.used_end == 256
+    for s in (0, 5, 63):
+        cells, positions = cell_table(cache).seq_cells(s)
+        assert cells.tolist() == list(range(s, 256, 64)) and positions.tolist() == [0, 1, 2, 3]
+
+
+def test_the_bench_reaches_no_underscored_name_of_another_module():
+    reaches = []
+    for path in sorted(BENCH.glob("*.py")) + sorted((ROOT / "bench").glob("*.py")):  # the suite, the scripts
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.attr] if isinstance(node, ast.Attribute) else []
+            if isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("kvlayout.bench"):
+                names = [alias.name for alias in node.names]
+            reaches += [f"{path.name}:{node.lineno} {n}" for n in names if n.startswith("_") and not n.startswith("__")]
+    assert reaches == []
+
+
+def test_a_wheel_of_kvlayout_carries_the_bench_suite(tmp_path):
+    src = tmp_path / "src"  # a clean copy: no build/ or egg-info of the checkout goes into the wheel
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "core", src / "core", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    t0 = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w",
+         str(tmp_path / "dist")],
+        check=True, capture_output=True,
+    )
+    assert time.perf_counter() - t0 < 60
+    [wheel] = (tmp_path / "dist").glob("kvlayout-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"kvlayout/bench/__init__.py", "kvlayout/bench/suite.py", "kvlayout/bench/plot.py"} <= names
