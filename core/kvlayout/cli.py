@@ -64,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
     # Imported here so `kvlayout plugins` never pays for loading the model code.
     from kvlayout.runner import config, engine, report
 
-    from kvlayout.runner.recovery import Interrupted
+    from kvlayout.engines.recovery import Interrupted
     from kvlayout.runner.resume import StopOnCtrlC
 
     cfg = config.load_config(args.config)

@@ -10,7 +10,7 @@ import pytest
 from kvlayout import StateError
 from kvlayout.cli import main
 from kvlayout.runner import engine, resume
-from kvlayout.runner.recovery import Interrupted
+from kvlayout.engines.recovery import Interrupted
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
 from tests.runner.flaky import FlakyModel, with_model
 

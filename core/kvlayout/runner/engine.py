@@ -1,9 +1,9 @@
 """Drive a model through whichever layout the config resolves.
 
 The engine knows layouts only by their faces. A cache with a BatchControl
-face (`as_batch_control()`) gets continuous batching (cell_engine); one with
+face (`as_batch_control()`) gets continuous batching (engines.cell); one with
 only a SequenceControl face (`as_control()`) runs one sequence at a time
-(seq_engine). Both fill the same records, so greedy outputs can be compared
+(engines.seq). Both fill the same records, so greedy outputs can be compared
 token for token.
 
 `prepare` raises every user error (layout not installed, model directory,
@@ -22,18 +22,12 @@ from kvlayout import registry
 from kvlayout.config import CacheConfig
 from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.mlx.pool import DTYPES
-from kvlayout.runner.cell_engine import CellEngine
+from kvlayout.engines.cell import CellEngine
+from kvlayout.engines.records import Progress, Sampling, Stats, make_requests
+from kvlayout.engines.recovery import Interrupted
+from kvlayout.engines.seq import SeqEngine
 from kvlayout.runner.config import RunConfig
-from kvlayout.runner.recovery import Interrupted
-from kvlayout.runner.records import (
-    Progress,
-    RunResult,
-    SampleResult,
-    Sampling,
-    Stats,
-    make_requests,
-)
-from kvlayout.runner.seq_engine import SeqEngine
+from kvlayout.runner.records import RunResult, SampleResult
 
 __all__ = ["Job", "RunResult", "load", "prepare", "run"]
 

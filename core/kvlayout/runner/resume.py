@@ -155,7 +155,7 @@ class RunState:
         """Put the engine back where it stopped; StateError if the cache disagrees."""
         state = self.data["engine"]
         if state["kind"] == "cell":
-            from kvlayout.runner.cell_engine import Running, Waiting
+            from kvlayout.engines.cell import Running, Waiting
 
             if not hasattr(engine, "running"):
                 raise self._refuse("saved by the cell engine, resumed by another")

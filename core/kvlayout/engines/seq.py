@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from kvlayout.errors import CapacityError
-from kvlayout.runner.records import Progress, Request, Sample, Sampling, Stats, sample_next, unplanned
-from kvlayout.runner.recovery import ForwardFailed, Interrupted, guarded_forward
+from kvlayout.engines.records import Progress, Request, Sample, Sampling, Stats, sample_next, unplanned
+from kvlayout.engines.recovery import ForwardFailed, Interrupted, guarded_forward
 
 
 class SeqEngine:
@@ -18,7 +18,7 @@ class SeqEngine:
 
     A forward that raises is aborted in the cache (`abort_step`) and retried
     once; failing again, the sample finishes with finish_reason "error" and
-    the next one runs (see recovery.py).
+    the next one runs (see engines.recovery).
 
     `current` (request, sample) and `cached` name the sample the cache holds
     and how many of its tokens are in it, so a stopped run can resume it.

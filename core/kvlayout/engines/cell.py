@@ -15,8 +15,8 @@ import attrs
 import numpy as np
 
 from kvlayout.errors import CapacityError
-from kvlayout.runner.records import Progress, Request, Sample, Sampling, Stats, sample_next, unplanned
-from kvlayout.runner.recovery import ForwardFailed, guarded_forward
+from kvlayout.engines.records import Progress, Request, Sample, Sampling, Stats, sample_next, unplanned
+from kvlayout.engines.recovery import ForwardFailed, guarded_forward
 
 
 @attrs.define(eq=False)
@@ -64,7 +64,7 @@ class CellEngine:
     A forward that raises is aborted in the cache (`abort_step`) and each
     sequence it carried is retried once, alone; one that fails again
     finishes with finish_reason "error" and the others carry on (see
-    recovery.py).
+    engines.recovery).
     """
 
     def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: Progress):

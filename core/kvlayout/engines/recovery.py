@@ -7,10 +7,10 @@ run every forward through `guarded_forward`, which then calls the cache's
 the step, and the engine, which advances its own counters only after a
 forward succeeds, is consistent with it. What the engines do next:
 
-- seq_engine: the step is retried once; if it fails again the sample
+- engines.seq: the step is retried once; if it fails again the sample
   finishes with finish_reason "error" (its message in `Sample.error`) and
   the next sample runs.
-- cell_engine: each sequence the step carried is retried once, alone; one
+- engines.cell: each sequence the step carried is retried once, alone; one
   whose retry fails too finishes with "error" (all its samples when it was a
   prompt still prefilling), its cells freed; the others carry on.
 
