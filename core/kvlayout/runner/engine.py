@@ -137,10 +137,10 @@ class Job:
             engine = SeqEngine(self.model, cache, cache.as_control(), eos, sampling, min(limits), stats, progress)
         try:
             if self.resumed is not None:
-                self.resumed.apply_engine(engine, requests)
-                complete = engine.loop(stop) if bc is not None else engine.run(requests, stop)
+                self.resumed.restore_engine(engine, requests)
             else:
-                complete = engine.run(requests, stop)
+                engine.add(requests)
+            complete = engine.run(stop)
         except Interrupted:
             if save_state is not None:
                 stats.wall_s += time.perf_counter() - t0
