@@ -65,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvlayout.runner import config, engine, report
 
     from kvlayout.engines.recovery import Interrupted
-    from kvlayout.runner.resume import StopOnCtrlC
+    from kvlayout.runner.interrupt import StopOnCtrlC
 
     cfg = config.load_config(args.config)
     if args.layout:

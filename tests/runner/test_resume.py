@@ -10,6 +10,7 @@ import pytest
 from kvlayout import StateError
 from kvlayout.cli import main
 from kvlayout.runner import engine, resume
+from kvlayout.runner.interrupt import StopOnCtrlC
 from kvlayout.engines.recovery import Interrupted
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
 from tests.runner.flaky import FlakyModel, with_model
@@ -159,7 +160,7 @@ def test_the_cli_stopped_by_ctrl_c_saves_and_resume_finishes_the_run(tmp_path, t
     full = json.loads(capsys.readouterr().out)
 
     stop = stop_after(6)
-    monkeypatch.setattr(resume.StopOnCtrlC, "__call__", lambda self: stop())  # as if Ctrl-C came at step 7
+    monkeypatch.setattr(StopOnCtrlC, "__call__", lambda self: stop())  # as if Ctrl-C came at step 7
     state = tmp_path / "state"
     assert main(["run", str(toml), "--json", "--save-state", str(state)]) == 130
     err = capsys.readouterr().err
@@ -178,17 +179,6 @@ def test_the_cli_refuses_a_resume_from_another_config_in_one_line(tmp_path, tiny
     assert main(["run", str(toml), "--layout", "mlx:seq", "--resume", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvlayout: error: --resume") and "differs in: layout" in err and "Traceback" not in err
-
-
-def test_the_first_ctrl_c_asks_to_stop_and_the_second_interrupts():
-    with resume.StopOnCtrlC() as stop:
-        assert signal.getsignal(signal.SIGINT) == stop.handle
-        assert stop() is False
-        stop.handle(signal.SIGINT, None)
-        assert stop() is True
-        with pytest.raises(KeyboardInterrupt):
-            stop.handle(signal.SIGINT, None)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 class SignalsAt:
