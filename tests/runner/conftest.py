@@ -51,6 +51,16 @@ def oracle_greedy(model, prompt: Sequence[int], max_tokens: int, eos: frozenset[
         tokens.append(tok)
 
 
+def oracle_outputs(loaded, cfg: RunConfig) -> list[list[list[int]]]:
+    """Every sample's greedy token ids for `cfg`'s requests (text prompts), by the cache-free forward."""
+    model, _, tok, _ = loaded
+    out = []
+    for r in cfg.requests:
+        ids, _ = oracle_greedy(model, tok.encode(r.prompt), r.max_tokens, frozenset(tok.eos_ids))
+        out.append([ids] * r.n)  # greedy: every sample of a request is the same
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return write_preset(tmp_path_factory.mktemp("tiny"), "tiny")

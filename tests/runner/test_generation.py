@@ -7,16 +7,7 @@ import pytest
 
 import kvlayout
 from kvlayout.runner import engine
-from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, oracle_greedy, token_ids
-
-
-def _oracle(loaded, cfg) -> list[list[list[int]]]:
-    model, _, tok, _ = loaded
-    out = []
-    for r in cfg.requests:
-        ids, _ = oracle_greedy(model, tok.encode(r.prompt), r.max_tokens, frozenset(tok.eos_ids))
-        out.append([ids] * r.n)  # greedy: every sample of a request is the same
-    return out
+from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, oracle_outputs, token_ids
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,7 +23,7 @@ def _both(loaded, model_dir, **kw):
 
 def test_greedy_outputs_equal_the_cache_free_forward_under_both_layouts_with_forks(tiny_loaded, tiny_dir):
     seq, cell = _both(tiny_loaded, tiny_dir)
-    want = _oracle(tiny_loaded, make_config(tiny_dir))
+    want = oracle_outputs(tiny_loaded, make_config(tiny_dir))
     assert token_ids(seq) == want
     assert token_ids(cell) == want
     # The n=2 forks of each prompt shared its cells instead of copying them.
@@ -45,7 +36,7 @@ def test_ring_layers_from_sliding_window_match_the_cache_free_forward(ring_loade
     # Prompts and outputs run well past the window of 8: chunks of 5 wrap the ring
     # mid-prompt; chunks of 64 exceed the window (seq steps are then capped at it).
     seq, cell = _both(ring_loaded, ring_dir, engine={"prefill_chunk": chunk})
-    want = _oracle(ring_loaded, make_config(ring_dir))
+    want = oracle_outputs(ring_loaded, make_config(ring_dir))
     assert token_ids(seq) == want
     assert token_ids(cell) == want
 
@@ -57,7 +48,7 @@ def test_a_tiny_capacity_forces_preemption_without_changing_outputs(tiny_loaded,
     cell = engine.run(cfg, loaded=tiny_loaded)
     assert cell.stats.preemptions > 0
     assert cell.stats.peak_cells <= need
-    assert token_ids(cell) == _oracle(tiny_loaded, cfg)
+    assert token_ids(cell) == oracle_outputs(tiny_loaded, cfg)
     assert all(s.finish_reason in ("length", "stop") for samples in cell.outputs for s in samples)
 
 

@@ -114,7 +114,7 @@ class Job:
         """
         from kvlayout.runner import resume
 
-        cfg, args, tok, cache = self.cfg, self.args, self.tokenizer, self.cache
+        cfg, tok, cache = self.cfg, self.tokenizer, self.cache
         requests = make_requests(
             self.prompts, [r.max_tokens for r in cfg.requests], [r.n for r in cfg.requests], cfg.sampling.seed
         )
@@ -130,11 +130,10 @@ class Job:
         if bc is not None:
             engine = CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress)
         else:
-            # A ring layer takes at most its window (or max_write) tokens per step.
-            limits = [cfg.engine.prefill_chunk, *(w for w in args.windows if w)]
-            if cfg.cache.max_write:
-                limits.append(cfg.cache.max_write)
-            engine = SeqEngine(self.model, cache, cache.as_control(), eos, sampling, min(limits), stats, progress)
+            control = cache.as_control()
+            # The layout says how many tokens one step may carry; the runner never derives it.
+            chunk = min(cfg.engine.prefill_chunk, control.max_step)
+            engine = SeqEngine(self.model, cache, control, eos, sampling, chunk, stats, progress)
         try:
             if self.resumed is not None:
                 self.resumed.restore_engine(engine, requests)
