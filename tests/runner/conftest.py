@@ -9,11 +9,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout.spec import AttendSpec, MaskKind
-from kvlayout.runner import engine
+from kvlayout.runner import job
 from kvlayout.runner.config import RunConfig
 from kvlayout.runner.loading import load_model
 from kvlayout.runner.presets import write_preset
+from kvlayout.spec import AttendSpec, MaskKind
 
 # A shared "system prompt" and distinct tails, as byte-tokenizer prompts.
 SYSTEM = "You are a terse assistant. Answer in one line.\n"
@@ -103,5 +103,5 @@ def make_config(model_dir: Path, layout: str = "mlx:cell", requests: list[dict] 
     return RunConfig.from_mapping(data, source="test")
 
 
-def token_ids(result: engine.RunResult) -> list[list[list[int]]]:
+def token_ids(result: job.RunResult) -> list[list[list[int]]]:
     return [[s.token_ids for s in samples] for samples in result.outputs]

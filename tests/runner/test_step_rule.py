@@ -12,7 +12,7 @@ import kvlayout
 from kvlayout import Builder, hookimpl
 from kvlayout.errors import StepError
 from kvlayout.faces import FacesBase, SequenceControl, face_of
-from kvlayout.runner import engine
+from kvlayout.runner import job
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, oracle_outputs, token_ids
 
 
@@ -85,14 +85,14 @@ def test_a_third_party_seq_layout_gets_steps_within_its_own_rule_and_the_same_to
 ):
     requests = [{"prompt": SYSTEM + q, "max_tokens": 8, "n": 2} for q in QUESTIONS]
     # A chunk of 16 is what the shipped seq layout takes on this model (no ring layer bounds it).
-    shipped = engine.run(make_config(tiny_dir, "mlx:seq", requests=requests, engine={"prefill_chunk": 16}), loaded=tiny_loaded)
+    shipped = job.run(make_config(tiny_dir, "mlx:seq", requests=requests, engine={"prefill_chunk": 16}), loaded=tiny_loaded)
     cfg = make_config(tiny_dir, "test:three", requests=requests, engine={"prefill_chunk": 16})
-    job = engine.prepare(cfg, loaded=tiny_loaded)
-    result = job.generate()
-    assert isinstance(job.cache, ThreeTokenSteps)
-    assert max(job.cache.steps) == 3  # the prompts were split in steps of 3, never more
+    prepared = job.prepare(cfg, loaded=tiny_loaded)
+    result = prepared.generate()
+    assert isinstance(prepared.cache, ThreeTokenSteps)
+    assert max(prepared.cache.steps) == 3  # the prompts were split in steps of 3, never more
     assert result.stats.failed_forwards == 0
-    assert sum(job.cache.steps) == result.stats.prefill_tokens + result.stats.decode_tokens
+    assert sum(prepared.cache.steps) == result.stats.prefill_tokens + result.stats.decode_tokens
     assert token_ids(result) == token_ids(shipped)
     assert all(s.finish_reason in ("stop", "length") for samples in result.outputs for s in samples)
 
@@ -101,17 +101,17 @@ def test_the_shipped_seq_layout_takes_max_write_tokens_a_step_past_a_narrower_wi
     # Layer 0 slides over a window of 8; with max_write 20 its ring keeps 8 + 20 - 1 slots and
     # takes 20 tokens a step (max_step), more than the window: prompts wrap it mid-step.
     cfg = make_config(ring_dir, "mlx:seq", cache={"max_write": 20}, engine={"prefill_chunk": 64})
-    job = engine.prepare(cfg, loaded=ring_loaded)
-    assert job.cache.as_control().max_step == 20
+    prepared = job.prepare(cfg, loaded=ring_loaded)
+    assert prepared.cache.as_control().max_step == 20
     steps = []
-    update = job.cache.update_and_fetch
+    update = prepared.cache.update_and_fetch
 
     def recording(layer, positions, k, v):
         if layer == 0:
             steps.append(len(positions))
         return update(layer, positions, k, v)
 
-    job.cache.update_and_fetch = recording
-    result = job.generate()
+    prepared.cache.update_and_fetch = recording
+    result = prepared.generate()
     assert max(steps) == 20
     assert token_ids(result) == oracle_outputs(ring_loaded, cfg)

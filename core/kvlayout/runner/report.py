@@ -11,8 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from kvlayout.runner.engine import Progress as Advance
-from kvlayout.runner.engine import RunResult
+from kvlayout.engines.records import Progress as Advance
+from kvlayout.runner.records import RunResult
 
 
 class TokenRate(ProgressColumn):

@@ -1,6 +1,6 @@
-"""Drive a model through whichever layout the config resolves.
+"""A run of `kvlayout run`: the config checked, the model loaded, the cache built, an engine driven.
 
-The engine knows layouts only by their faces. A cache with a BatchControl
+The runner knows layouts only by their faces. A cache with a BatchControl
 face (`as_batch_control()`) gets continuous batching (engines.cell); one with
 only a SequenceControl face (`as_control()`) runs one sequence at a time
 (engines.seq). Both fill the same records, so greedy outputs can be compared
@@ -20,16 +20,16 @@ import mlx.core as mx
 
 from kvlayout import registry
 from kvlayout.config import CacheConfig
-from kvlayout.errors import ConfigError, KVLayoutError
-from kvlayout.mlx.pool import DTYPES
 from kvlayout.engines.cell import CellEngine
 from kvlayout.engines.records import Progress, Sampling, Stats, make_requests
 from kvlayout.engines.recovery import Interrupted
 from kvlayout.engines.seq import SeqEngine
+from kvlayout.errors import ConfigError, KVLayoutError
+from kvlayout.mlx.pool import DTYPES
 from kvlayout.runner.config import RunConfig
 from kvlayout.runner.records import RunResult, SampleResult
 
-__all__ = ["Job", "RunResult", "load", "prepare", "run"]
+__all__ = ["Job", "RunResult", "load_model_for", "prepare", "run"]
 
 
 def check_capacity(cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
@@ -67,8 +67,11 @@ def cache_config(cfg: RunConfig, args, kv_dtype: str) -> CacheConfig:
     )
 
 
-def load(cfg: RunConfig):
-    """(model, args, tokenizer, name) for the config's [model] section."""
+def load_model_for(cfg: RunConfig):
+    """Load the model the config's [model] section names: (model, args, tokenizer, name).
+
+    (A saved cache is loaded by `kvlayout.load`; this loads only a model.)
+    """
     from kvlayout.runner.loading import load_model
     from kvlayout.runner.presets import build_preset
 
@@ -159,14 +162,14 @@ class Job:
 def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     """Resolve the layout, load the model, check every request fits, build the cache.
 
-    `loaded` reuses a (model, args, tokenizer, name) from `load`. Every user
+    `loaded` reuses a (model, args, tokenizer, name) from `load_model_for`. Every user
     error (layout not installed, model directory, capacity) is raised here,
     before anything is generated. `resume` (a directory `generate(save_state=)`
     wrote) loads the cache and the run's state from it instead of starting
     afresh; StateError when it was saved by a run with another config.
     """
     builder = registry.resolve(cfg.layout.backend, cfg.layout.kind)  # LayoutNotFound before loading
-    model, args, tok, name = loaded if loaded is not None else load(cfg)
+    model, args, tok, name = loaded if loaded is not None else load_model_for(cfg)
     prompts = [list(r.prompt_ids) if r.prompt_ids is not None else tok.encode(r.prompt) for r in cfg.requests]
     for i, p in enumerate(prompts):
         if not p:
