@@ -8,7 +8,7 @@ many sequences through a BatchControl cache. Both fill the records of
 """
 
 from kvlayout.engines.cell import CellEngine
-from kvlayout.engines.records import Request, Sample, Sampling, Stats, make_requests
+from kvlayout.engines.records import OnProgress, Request, Sample, Sampling, Stats, make_requests
 from kvlayout.engines.recovery import ForwardFailed, Interrupted
 from kvlayout.engines.seq import SeqEngine
 
@@ -16,6 +16,7 @@ __all__ = [
     "CellEngine",
     "ForwardFailed",
     "Interrupted",
+    "OnProgress",
     "Request",
     "Sample",
     "Sampling",

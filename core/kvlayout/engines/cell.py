@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from kvlayout.engines.interface import Stop, run_steps
-from kvlayout.engines.records import Progress, Request, Sample, Sampling, Stats, sample_next, unplanned
+from kvlayout.engines.records import OnProgress, Request, Sample, Sampling, Stats, sample_next, unplanned
 from kvlayout.engines.recovery import ForwardFailed, guarded_forward
 from kvlayout.errors import CapacityError, StateError
 
@@ -72,7 +72,7 @@ class CellEngine:
     and the admission counter are what `state()` saves.
     """
 
-    def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: Progress):
+    def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: OnProgress):
         self.model, self.cache, self.bc = model, cache, control
         self.eos, self.sampling, self.chunk = eos, sampling, chunk
         self.stats, self.progress = stats, progress

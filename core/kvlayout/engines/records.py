@@ -14,7 +14,8 @@ import numpy as np
 
 from kvlayout.engines.sampling import sample_rng, sample_token
 
-Progress = Callable[[int], None]  # advance by this many tokens of the planned total
+# Called as tokens get done: advance by this many tokens of the planned total.
+OnProgress = Callable[[int], None]
 
 
 @attrs.define

@@ -9,7 +9,7 @@ from typing import Sequence
 import attrs
 
 from kvlayout.engines.interface import Stop, run_steps
-from kvlayout.engines.records import Progress, Request, Sample, Sampling, Stats, sample_next, unplanned
+from kvlayout.engines.records import OnProgress, Request, Sample, Sampling, Stats, sample_next, unplanned
 from kvlayout.engines.recovery import ForwardFailed, Interrupted, guarded_forward
 from kvlayout.errors import CapacityError, StateError
 
@@ -42,7 +42,7 @@ class SeqEngine:
     tokens are in it: what `state()` saves, so a stopped run can resume it.
     """
 
-    def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: Progress):
+    def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: OnProgress):
         self.model, self.cache, self.control = model, cache, control
         self.eos, self.sampling, self.chunk = eos, sampling, chunk
         self.stats, self.progress = stats, progress

@@ -21,7 +21,7 @@ import mlx.core as mx
 from kvlayout import registry
 from kvlayout.config import CacheConfig
 from kvlayout.engines.cell import CellEngine
-from kvlayout.engines.records import Progress, Sampling, Stats, make_requests
+from kvlayout.engines.records import OnProgress, Sampling, Stats, make_requests
 from kvlayout.engines.recovery import Interrupted
 from kvlayout.engines.seq import SeqEngine
 from kvlayout.errors import ConfigError, KVLayoutError
@@ -105,7 +105,7 @@ class Job:
     def planned_tokens(self) -> int:
         return sum(r.n * r.max_tokens for r in self.cfg.requests)
 
-    def generate(self, progress: Progress | None = None, stop=None, save_state=None) -> RunResult:
+    def generate(self, progress: OnProgress | None = None, stop=None, save_state=None) -> RunResult:
         """Generate every request (the unfinished ones, when resumed).
 
         `stop()`, asked before every step, ends the run early between two
@@ -193,6 +193,6 @@ def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache, resumed)
 
 
-def run(cfg: RunConfig, progress: Progress | None = None, loaded=None) -> RunResult:
+def run(cfg: RunConfig, progress: OnProgress | None = None, loaded=None) -> RunResult:
     """Generate every request of `cfg`; `loaded` reuses a (model, args, tokenizer, name)."""
     return prepare(cfg, loaded).generate(progress)

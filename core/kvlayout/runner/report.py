@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from kvlayout.engines.records import Progress as Advance
+from kvlayout.engines.records import OnProgress
 from kvlayout.runner.records import RunResult
 
 
@@ -24,7 +24,7 @@ class TokenRate(ProgressColumn):
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, label: str) -> Iterator[Advance]:
+def progress_bar(total: int, label: str) -> Iterator[OnProgress]:
     """A rich bar on stderr (tokens done / planned, tok/s); yields the advance callback."""
     console = Console(stderr=True)
     columns = (
