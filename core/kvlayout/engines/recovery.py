@@ -26,6 +26,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from kvlayout.faces import StepAbort
+
 
 class ForwardFailed(Exception):
     """A forward raised and its step was aborted; `cause` is what it raised."""
@@ -44,16 +46,15 @@ def guarded_forward(model: Any, cache: Any, tokens: Sequence[int], positions: Se
 
     On an exception the cache's open step is aborted and ForwardFailed
     raised; on KeyboardInterrupt, aborted and Interrupted raised. A cache
-    without `abort_step` cannot be recovered: the exception propagates as is.
+    without the StepAbort face cannot be recovered: the exception propagates as is.
     """
     try:
         logits = model(tokens, positions, cache, rows=rows)
         return np.array(logits.astype(mx.float32))
     except BaseException as exc:
-        abort = getattr(cache, "abort_step", None)
-        if abort is None:
+        if not isinstance(cache, StepAbort):
             raise
-        abort()
+        cache.abort_step()
         if isinstance(exc, KeyboardInterrupt):
             raise Interrupted() from exc
         if isinstance(exc, Exception):

@@ -21,6 +21,7 @@ import mlx.core as mx
 from kvlayout import registry
 from kvlayout.config import CacheConfig
 from kvlayout.engines.cell import CellEngine
+from kvlayout.engines.interface import Engine
 from kvlayout.engines.records import OnProgress, Sampling, Stats, make_requests
 from kvlayout.engines.recovery import Interrupted
 from kvlayout.engines.seq import SeqEngine
@@ -105,6 +106,23 @@ class Job:
     def planned_tokens(self) -> int:
         return sum(r.n * r.max_tokens for r in self.cfg.requests)
 
+    def make_engine(self, stats: Stats, progress: OnProgress) -> Engine:
+        """A fresh engine over the cache, chosen by its faces, with no work queued.
+
+        A BatchControl face gets continuous batching (CellEngine), a lone
+        SequenceControl face one sequence at a time (SeqEngine).
+        """
+        cfg, cache = self.cfg, self.cache
+        sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
+        eos = frozenset(self.tokenizer.eos_ids)
+        bc = cache.as_batch_control()
+        if bc is not None:
+            return CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress)
+        control = cache.as_control()
+        # The layout says how many tokens one step may carry; the runner never derives it.
+        chunk = min(cfg.engine.prefill_chunk, control.max_step)
+        return SeqEngine(self.model, cache, control, eos, sampling, chunk, stats, progress)
+
     def generate(self, progress: OnProgress | None = None, stop=None, save_state=None) -> RunResult:
         """Generate every request (the unfinished ones, when resumed).
 
@@ -112,7 +130,7 @@ class Job:
         steps (`RunResult.complete` False). `save_state` (a directory) gets
         the cache and the run's state when the run ends, early or not, and
         when a Ctrl-C interrupts a forward (the step is aborted first, then
-        `recovery.Interrupted` propagates); `prepare(cfg, resume=DIR)`
+        `engines.Interrupted` propagates); `prepare(cfg, resume=DIR)`
         continues from it.
         """
         from kvlayout.runner import resume
@@ -122,21 +140,12 @@ class Job:
             self.prompts, [r.max_tokens for r in cfg.requests], [r.n for r in cfg.requests], cfg.sampling.seed
         )
         stats = Stats(layout=self.builder.key, kv_dtype=self.kv_dtype, model=self.model_name)
-        sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
-        eos = frozenset(tok.eos_ids)
         progress = progress or (lambda n: None)
         if self.resumed is not None:
             stats = self.resumed.apply_samples(requests, Stats)
             progress(self.resumed.done_tokens(requests))
         t0 = time.perf_counter()
-        bc = cache.as_batch_control()
-        if bc is not None:
-            engine = CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress)
-        else:
-            control = cache.as_control()
-            # The layout says how many tokens one step may carry; the runner never derives it.
-            chunk = min(cfg.engine.prefill_chunk, control.max_step)
-            engine = SeqEngine(self.model, cache, control, eos, sampling, chunk, stats, progress)
+        engine = self.make_engine(stats, progress)
         try:
             if self.resumed is not None:
                 self.resumed.restore_engine(engine, requests)

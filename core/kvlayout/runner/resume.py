@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 
 from kvlayout.errors import KVLayoutError, StateError
+from kvlayout.faces import Persistent
 from kvlayout.persist import load as load_cache
 from kvlayout.persist import write_atomic
 
@@ -66,7 +67,7 @@ def save_run(directory: str | Path, job: Any, requests: list, engine: Any, stats
     """Write the cache and `run.json` into `directory` (created if needed); its path."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    if not hasattr(job.cache, "save"):
+    if not isinstance(job.cache, Persistent):
         raise KVLayoutError(f"layout {job.builder.key} cannot save its cache; --save-state needs one that can")
     name = f"cache-{uuid.uuid4().hex[:12]}.safetensors"
     job.cache.save(d / name)
