@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import kvlayout
-from kvlayout.engines.interface import Engine
+from kvlayout.engines import Engine
 from kvlayout.errors import StateError
 from tests.engines.conftest import engine_for, outputs, requests_for
 from tests.runner.conftest import oracle_greedy
