@@ -62,15 +62,16 @@ def _plugins(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     # Imported here so `kvlayout plugins` never pays for loading the model code.
-    from kvlayout.runner import config, engine, report
+    from kvlayout.runner import config, report
 
-    from kvlayout.runner.recovery import Interrupted
-    from kvlayout.runner.resume import StopOnCtrlC
+    from kvlayout.engines.recovery import Interrupted
+    from kvlayout.runner.interrupt import StopOnCtrlC
+    from kvlayout.runner.job import prepare
 
     cfg = config.load_config(args.config)
     if args.layout:
         cfg = cfg.with_layout(args.layout)
-    job = engine.prepare(cfg, resume=args.resume)  # every user error surfaces here, before the progress bar
+    job = prepare(cfg, resume=args.resume)  # every user error surfaces here, before the progress bar
     save = args.save_state
     # With --save-state, a first Ctrl-C stops the run after its current step and saves it.
     stop = StopOnCtrlC() if save else None

@@ -9,11 +9,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout.spec import AttendSpec, MaskKind
-from kvlayout.runner import engine
+from kvlayout.runner import job
 from kvlayout.runner.config import RunConfig
 from kvlayout.runner.loading import load_model
 from kvlayout.runner.presets import write_preset
+from kvlayout.spec import AttendSpec, MaskKind
 
 # A shared "system prompt" and distinct tails, as byte-tokenizer prompts.
 SYSTEM = "You are a terse assistant. Answer in one line.\n"
@@ -49,6 +49,16 @@ def oracle_greedy(model, prompt: Sequence[int], max_tokens: int, eos: frozenset[
         if len(out) == max_tokens:
             return out, "length"
         tokens.append(tok)
+
+
+def oracle_outputs(loaded, cfg: RunConfig) -> list[list[list[int]]]:
+    """Every sample's greedy token ids for `cfg`'s requests (text prompts), by the cache-free forward."""
+    model, _, tok, _ = loaded
+    out = []
+    for r in cfg.requests:
+        ids, _ = oracle_greedy(model, tok.encode(r.prompt), r.max_tokens, frozenset(tok.eos_ids))
+        out.append([ids] * r.n)  # greedy: every sample of a request is the same
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -93,5 +103,5 @@ def make_config(model_dir: Path, layout: str = "mlx:cell", requests: list[dict] 
     return RunConfig.from_mapping(data, source="test")
 
 
-def token_ids(result: engine.RunResult) -> list[list[list[int]]]:
+def token_ids(result: job.RunResult) -> list[list[list[int]]]:
     return [[s.token_ids for s in samples] for samples in result.outputs]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlayout.runner import engine
+from kvlayout.runner import job
 from kvlayout.runner.loading import load_model
 from kvlayout.runner.presets import build_preset
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
@@ -42,7 +42,7 @@ def clean_run(tiny_dir, layout, which, loaded, chunk):
     key = (layout, which, chunk)
     if key not in _clean:
         cfg = make_config(tiny_dir, layout, requests=requests(), engine={"prefill_chunk": chunk})
-        _clean[key] = engine.run(cfg, loaded=loaded)
+        _clean[key] = job.run(cfg, loaded=loaded)
     return _clean[key]
 
 
@@ -58,7 +58,7 @@ def test_a_forward_failing_once_changes_no_output(request, tiny_dir, layout, whi
     cfg = make_config(tiny_dir, layout, requests=requests(), engine={"prefill_chunk": 16})
     clean = clean_run(tiny_dir, layout, which, loaded, 16)
     flaky = FlakyModel(loaded[0], k, fail_calls=[fail_at])
-    result = engine.run(cfg, loaded=loaded_with(loaded, flaky))
+    result = job.run(cfg, loaded=loaded_with(loaded, flaky))
     assert flaky.layer.raised == 1
     assert result.stats.failed_forwards == 1
     assert token_ids(result) == token_ids(clean)
@@ -74,7 +74,7 @@ def test_a_request_that_always_fails_finishes_with_an_error_and_the_others_carry
     cfg = make_config(tiny_dir, layout, requests=reqs, engine={"prefill_chunk": 16})
     clean = clean_run(tiny_dir, layout, which, loaded, 16)
     flaky = FlakyModel(loaded[0], k, poison=True)
-    result = engine.run(cfg, loaded=loaded_with(loaded, flaky))
+    result = job.run(cfg, loaded=loaded_with(loaded, flaky))
     doomed = result.outputs[1]
     assert [s.finish_reason for s in doomed] == ["error", "error"]
     message = "Boom: the LM head failed on purpose" if k is None else f"Boom: layer {k} failed on purpose"
@@ -88,8 +88,8 @@ def test_a_request_that_always_fails_finishes_with_an_error_and_the_others_carry
 def test_the_cell_engine_frees_the_failed_sequences_cells(tiny_dir, deep):
     reqs = [{"prompt": SYSTEM + "Q: what is ~?\nA:", "max_tokens": 4, "n": 3}]
     cfg = make_config(tiny_dir, "mlx:cell", requests=reqs)
-    job = engine.prepare(cfg, loaded=loaded_with(deep, FlakyModel(deep[0], 2, poison=True)))
-    result = job.generate()
+    prepared = job.prepare(cfg, loaded=loaded_with(deep, FlakyModel(deep[0], 2, poison=True)))
+    result = prepared.generate()
     assert [s.finish_reason for s in result.outputs[0]] == ["error"] * 3
-    bc = job.cache.as_batch_control()
+    bc = prepared.cache.as_batch_control()
     assert bc.free_cells == bc.capacity and bc.used_end == 0

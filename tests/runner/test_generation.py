@@ -6,17 +6,8 @@ import numpy as np
 import pytest
 
 import kvlayout
-from kvlayout.runner import engine
-from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, oracle_greedy, token_ids
-
-
-def _oracle(loaded, cfg) -> list[list[list[int]]]:
-    model, _, tok, _ = loaded
-    out = []
-    for r in cfg.requests:
-        ids, _ = oracle_greedy(model, tok.encode(r.prompt), r.max_tokens, frozenset(tok.eos_ids))
-        out.append([ids] * r.n)  # greedy: every sample of a request is the same
-    return out
+from kvlayout.runner import job
+from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, oracle_outputs, token_ids
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,13 +17,13 @@ def _layouts_installed():
 
 
 def _both(loaded, model_dir, **kw):
-    results = {layout: engine.run(make_config(model_dir, layout, **kw), loaded=loaded) for layout in ("mlx:seq", "mlx:cell")}
+    results = {layout: job.run(make_config(model_dir, layout, **kw), loaded=loaded) for layout in ("mlx:seq", "mlx:cell")}
     return results["mlx:seq"], results["mlx:cell"]
 
 
 def test_greedy_outputs_equal_the_cache_free_forward_under_both_layouts_with_forks(tiny_loaded, tiny_dir):
     seq, cell = _both(tiny_loaded, tiny_dir)
-    want = _oracle(tiny_loaded, make_config(tiny_dir))
+    want = oracle_outputs(tiny_loaded, make_config(tiny_dir))
     assert token_ids(seq) == want
     assert token_ids(cell) == want
     # The n=2 forks of each prompt shared its cells instead of copying them.
@@ -45,7 +36,7 @@ def test_ring_layers_from_sliding_window_match_the_cache_free_forward(ring_loade
     # Prompts and outputs run well past the window of 8: chunks of 5 wrap the ring
     # mid-prompt; chunks of 64 exceed the window (seq steps are then capped at it).
     seq, cell = _both(ring_loaded, ring_dir, engine={"prefill_chunk": chunk})
-    want = _oracle(ring_loaded, make_config(ring_dir))
+    want = oracle_outputs(ring_loaded, make_config(ring_dir))
     assert token_ids(seq) == want
     assert token_ids(cell) == want
 
@@ -54,20 +45,20 @@ def test_a_tiny_capacity_forces_preemption_without_changing_outputs(tiny_loaded,
     requests = [{"prompt": SYSTEM + q, "max_tokens": 16, "n": 2} for q in QUESTIONS]
     need = max(len(tiny_loaded[2].encode(r["prompt"])) + 2 * 16 for r in requests)
     cfg = make_config(tiny_dir, "mlx:cell", requests=requests, cache={"capacity": need})
-    cell = engine.run(cfg, loaded=tiny_loaded)
+    cell = job.run(cfg, loaded=tiny_loaded)
     assert cell.stats.preemptions > 0
     assert cell.stats.peak_cells <= need
-    assert token_ids(cell) == _oracle(tiny_loaded, cfg)
+    assert token_ids(cell) == oracle_outputs(tiny_loaded, cfg)
     assert all(s.finish_reason in ("length", "stop") for samples in cell.outputs for s in samples)
 
 
 def test_max_seqs_bounds_the_batch_and_splits_a_wide_request(tiny_loaded, tiny_dir):
     requests = [{"prompt": SYSTEM + QUESTIONS[0], "max_tokens": 6, "n": 5}, {"prompt_ids": [1, 2, 3], "max_tokens": 6}]
     cfg = make_config(tiny_dir, "mlx:cell", requests=requests, cache={"max_seqs": 2})
-    cell = engine.run(cfg, loaded=tiny_loaded)
+    cell = job.run(cfg, loaded=tiny_loaded)
     assert cell.stats.max_batch <= 2
     assert [len(s) for s in cell.outputs] == [5, 1]
-    assert token_ids(cell) == token_ids(engine.run(cfg.with_layout("mlx:seq"), loaded=tiny_loaded))
+    assert token_ids(cell) == token_ids(job.run(cfg.with_layout("mlx:seq"), loaded=tiny_loaded))
 
 
 def test_sampling_is_seeded_per_sample_so_batching_does_not_change_it(tiny_loaded, tiny_dir):
@@ -76,20 +67,20 @@ def test_sampling_is_seeded_per_sample_so_batching_does_not_change_it(tiny_loade
     assert token_ids(seq) == token_ids(cell)
     # The two samples of a request draw from different generators.
     assert any(samples[0] != samples[1] for samples in token_ids(cell))
-    again = engine.run(make_config(tiny_dir, "mlx:cell", sampling={**sampling, "seed": 6}), loaded=tiny_loaded)
+    again = job.run(make_config(tiny_dir, "mlx:cell", sampling={**sampling, "seed": 6}), loaded=tiny_loaded)
     assert token_ids(again) != token_ids(cell)
 
 
 def test_every_request_comes_back_once_in_config_order(tiny_loaded, tiny_dir):
     requests = [{"prompt_ids": [10 + i] * (3 + 7 * i), "max_tokens": 2 + i, "n": 1 + i % 3} for i in range(7)]
     cfg = make_config(tiny_dir, "mlx:cell", requests=requests, cache={"capacity": 64}, engine={"prefill_chunk": 8})
-    cell = engine.run(cfg, loaded=tiny_loaded)
+    cell = job.run(cfg, loaded=tiny_loaded)
     assert [r.index for r in cell.requests] == list(range(7))
     assert [len(s) for s in cell.outputs] == [1 + i % 3 for i in range(7)]
     for i, samples in enumerate(cell.outputs):
         for s in samples:
             assert len(s.token_ids) == 2 + i or s.finish_reason == "stop"
-    assert token_ids(cell) == token_ids(engine.run(cfg.with_layout("mlx:seq"), loaded=tiny_loaded))
+    assert token_ids(cell) == token_ids(job.run(cfg.with_layout("mlx:seq"), loaded=tiny_loaded))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -112,8 +103,8 @@ def test_random_workloads_under_pressure_match_the_seq_layout(tiny_loaded, tiny_
         cache={"capacity": need + int(rng.integers(0, 4)), "max_seqs": int(rng.integers(4, 9))},
         engine={"prefill_chunk": int(rng.integers(1, 16))},
     )
-    cell = engine.run(cfg, loaded=tiny_loaded)
-    seq = engine.run(cfg.with_layout("mlx:seq"), loaded=tiny_loaded)
+    cell = job.run(cfg, loaded=tiny_loaded)
+    seq = job.run(cfg.with_layout("mlx:seq"), loaded=tiny_loaded)
     assert token_ids(cell) == token_ids(seq)
     assert [len(s) for s in cell.outputs] == [r["n"] for r in requests]
     assert cell.stats.preemptions > 0  # the workload really was under pressure

@@ -9,8 +9,9 @@ import pytest
 
 from kvlayout import StateError
 from kvlayout.cli import main
-from kvlayout.runner import engine, resume
-from kvlayout.runner.recovery import Interrupted
+from kvlayout.runner import job, resume
+from kvlayout.runner.interrupt import StopOnCtrlC
+from kvlayout.engines.recovery import Interrupted
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
 from tests.runner.flaky import FlakyModel, with_model
 
@@ -34,7 +35,7 @@ _full: dict = {}
 def uninterrupted(tiny_dir, tiny_loaded, layout, temperature):
     key = (layout, temperature)
     if key not in _full:
-        _full[key] = engine.run(config(tiny_dir, layout, temperature), loaded=tiny_loaded)
+        _full[key] = job.run(config(tiny_dir, layout, temperature), loaded=tiny_loaded)
     return _full[key]
 
 
@@ -56,10 +57,10 @@ def test_a_run_stopped_after_k_steps_and_resumed_gives_the_uninterrupted_outputs
     tmp_path, tiny_dir, tiny_loaded, layout, k, temperature
 ):
     cfg = config(tiny_dir, layout, temperature)
-    first = engine.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(k), save_state=tmp_path)
+    first = job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(k), save_state=tmp_path)
     assert not first.complete
     assert any(s.finish_reason == "pending" for samples in first.outputs for s in samples)
-    resumed = engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+    resumed = job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
     assert resumed.complete
     full = uninterrupted(tiny_dir, tiny_loaded, layout, temperature)
     assert token_ids(resumed) == token_ids(full)
@@ -70,10 +71,10 @@ def test_a_run_stopped_after_k_steps_and_resumed_gives_the_uninterrupted_outputs
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_run_stopped_twice_resumes_from_the_latest_state(tmp_path, tiny_dir, tiny_loaded, layout):
     cfg = config(tiny_dir, layout)
-    engine.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(5), save_state=tmp_path)
-    engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate(stop=stop_after(9), save_state=tmp_path)
+    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(5), save_state=tmp_path)
+    job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate(stop=stop_after(9), save_state=tmp_path)
     assert len(list(tmp_path.glob("cache-*.safetensors"))) == 1  # the older cache file is gone
-    resumed = engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+    resumed = job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
     assert token_ids(resumed) == token_ids(uninterrupted(tiny_dir, tiny_loaded, layout, 0.0))
 
 
@@ -82,48 +83,48 @@ def test_a_run_stopped_twice_resumes_from_the_latest_state(tmp_path, tiny_dir, t
 def test_ctrl_c_inside_a_forward_aborts_the_step_saves_and_resumes_exactly(tmp_path, tiny_dir, tiny_loaded, layout, k):
     cfg = config(tiny_dir, layout)
     flaky = FlakyModel(tiny_loaded[0], k, fail_calls=[14], exc=KeyboardInterrupt)
-    job = engine.prepare(cfg, loaded=with_model(tiny_loaded, flaky))
+    prepared = job.prepare(cfg, loaded=with_model(tiny_loaded, flaky))
     with pytest.raises(Interrupted):
-        job.generate(save_state=tmp_path)
+        prepared.generate(save_state=tmp_path)
     assert flaky.layer.raised == 1
-    resumed = engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+    resumed = job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
     assert token_ids(resumed) == token_ids(uninterrupted(tiny_dir, tiny_loaded, layout, 0.0))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_finished_run_saved_at_the_end_resumes_to_the_same_outputs(tmp_path, tiny_dir, tiny_loaded, layout):
     cfg = config(tiny_dir, layout)
-    done = engine.prepare(cfg, loaded=tiny_loaded).generate(save_state=tmp_path)
+    done = job.prepare(cfg, loaded=tiny_loaded).generate(save_state=tmp_path)
     assert done.complete and json.loads((tmp_path / "run.json").read_text())["complete"] is True
-    again = engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+    again = job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
     assert token_ids(again) == token_ids(done)
     assert again.stats.steps == done.stats.steps  # nothing left to run
 
 
 def test_resuming_with_another_config_is_refused(tmp_path, tiny_dir, tiny_loaded):
-    engine.prepare(config(tiny_dir, "mlx:cell"), loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
+    job.prepare(config(tiny_dir, "mlx:cell"), loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
     with pytest.raises(StateError, match=r"another config \(differs in: requests\)"):
-        engine.prepare(config(tiny_dir, "mlx:cell", max_tokens=9), loaded=tiny_loaded, resume=tmp_path)
+        job.prepare(config(tiny_dir, "mlx:cell", max_tokens=9), loaded=tiny_loaded, resume=tmp_path)
     with pytest.raises(StateError, match=r"differs in: .*layout"):
-        engine.prepare(config(tiny_dir, "mlx:seq"), loaded=tiny_loaded, resume=tmp_path)
+        job.prepare(config(tiny_dir, "mlx:seq"), loaded=tiny_loaded, resume=tmp_path)
 
 
 def test_a_damaged_or_missing_state_is_refused(tmp_path, tiny_dir, tiny_loaded):
     cfg = config(tiny_dir, "mlx:cell")
     with pytest.raises(StateError, match="no run.json there"):
-        engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path)
-    engine.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
+        job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path)
+    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
     (cache_file,) = tmp_path.glob("cache-*.safetensors")
     data = bytearray(cache_file.read_bytes())
     data[-5] ^= 0x40
     cache_file.write_bytes(bytes(data))
     with pytest.raises(StateError, match="is not the one run.json names"):
-        engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path)
+        job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path)
 
 
 def test_a_crash_while_saving_keeps_the_previous_state_usable(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
     cfg = config(tiny_dir, "mlx:seq")
-    engine.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(4), save_state=tmp_path)
+    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(4), save_state=tmp_path)
     before = (tmp_path / "run.json").read_text()
 
     def crash(path, chunks):
@@ -131,10 +132,10 @@ def test_a_crash_while_saving_keeps_the_previous_state_usable(tmp_path, tiny_dir
 
     monkeypatch.setattr(resume, "write_atomic", crash)  # the new cache file is written, run.json is not
     with pytest.raises(OSError):
-        engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate(stop=stop_after(6), save_state=tmp_path)
+        job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate(stop=stop_after(6), save_state=tmp_path)
     monkeypatch.undo()
     assert (tmp_path / "run.json").read_text() == before
-    resumed = engine.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+    resumed = job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
     assert token_ids(resumed) == token_ids(uninterrupted(tiny_dir, tiny_loaded, "mlx:seq", 0.0))
 
 
@@ -159,7 +160,7 @@ def test_the_cli_stopped_by_ctrl_c_saves_and_resume_finishes_the_run(tmp_path, t
     full = json.loads(capsys.readouterr().out)
 
     stop = stop_after(6)
-    monkeypatch.setattr(resume.StopOnCtrlC, "__call__", lambda self: stop())  # as if Ctrl-C came at step 7
+    monkeypatch.setattr(StopOnCtrlC, "__call__", lambda self: stop())  # as if Ctrl-C came at step 7
     state = tmp_path / "state"
     assert main(["run", str(toml), "--json", "--save-state", str(state)]) == 130
     err = capsys.readouterr().err
@@ -178,17 +179,6 @@ def test_the_cli_refuses_a_resume_from_another_config_in_one_line(tmp_path, tiny
     assert main(["run", str(toml), "--layout", "mlx:seq", "--resume", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvlayout: error: --resume") and "differs in: layout" in err and "Traceback" not in err
-
-
-def test_the_first_ctrl_c_asks_to_stop_and_the_second_interrupts():
-    with resume.StopOnCtrlC() as stop:
-        assert signal.getsignal(signal.SIGINT) == stop.handle
-        assert stop() is False
-        stop.handle(signal.SIGINT, None)
-        assert stop() is True
-        with pytest.raises(KeyboardInterrupt):
-            stop.handle(signal.SIGINT, None)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 class SignalsAt:
@@ -216,7 +206,7 @@ def test_a_real_ctrl_c_stops_the_cli_after_the_step_and_the_state_resumes(
     full = json.loads(capsys.readouterr().out)
 
     model = SignalsAt(tiny_loaded[0], 3)
-    monkeypatch.setattr(engine, "load", lambda cfg: with_model(tiny_loaded, model))
+    monkeypatch.setattr(job, "load_model_for", lambda cfg: with_model(tiny_loaded, model))
     state = tmp_path / "state"
     assert main(["run", str(toml), "--json", "--save-state", str(state)]) == 130
     assert "stopping after this step" in capsys.readouterr().err

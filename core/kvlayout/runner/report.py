@@ -11,8 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from kvlayout.runner.engine import Progress as Advance
-from kvlayout.runner.engine import RunResult
+from kvlayout.engines.records import OnProgress
+from kvlayout.runner.records import RunResult
 
 
 class TokenRate(ProgressColumn):
@@ -24,7 +24,7 @@ class TokenRate(ProgressColumn):
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, label: str) -> Iterator[Advance]:
+def progress_bar(total: int, label: str) -> Iterator[OnProgress]:
     """A rich bar on stderr (tokens done / planned, tok/s); yields the advance callback."""
     console = Console(stderr=True)
     columns = (

@@ -7,8 +7,8 @@ DIR holds two files, each written atomically (`kvlayout.persist.write_atomic`):
   the run's fingerprint (layout, cache and model sections, sampling, engine,
   every request's prompt ids, max_tokens and n, the storage dtype), every
   sample's tokens so far, finish reason and RNG state, the statistics, and
-  the engine's own state (the cell engine's running sequences and queue; the
-  seq engine's current sample and how much of it is cached).
+  the engine's own state, as `engine.state()` gives it (`engine.restore`
+  puts it back: this module never looks inside an engine).
 
 The cache file is written first, then `run.json` pointing at it, then older
 cache files are removed: a crash at any point leaves a `run.json` whose cache
@@ -20,11 +20,8 @@ that does not match its `run.json`.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
-import signal
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from typing import Any
 import attrs
 
 from kvlayout.errors import KVLayoutError, StateError
+from kvlayout.faces import Persistent
 from kvlayout.persist import load as load_cache
 from kvlayout.persist import write_atomic
 
@@ -65,35 +63,11 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def engine_state(engine: Any) -> dict:
-    if hasattr(engine, "running"):  # the cell engine
-        return {
-            "kind": "cell",
-            "admissions": engine._admissions,
-            "running": [
-                {
-                    "seq_id": s.seq_id,
-                    "request": s.request.index,
-                    "samples": [x.index for x in s.samples],
-                    "tokens": list(s.tokens),
-                    "admitted": s.admitted,
-                    "cached": s.cached,
-                }
-                for s in engine.running
-            ],
-            "queue": [
-                {"request": w.request.index, "samples": [x.index for x in w.samples], "tokens": list(w.tokens)}
-                for w in engine.queue
-            ],
-        }
-    return {"kind": "seq", "current": None if engine.current is None else list(engine.current), "cached": engine.cached}
-
-
 def save_run(directory: str | Path, job: Any, requests: list, engine: Any, stats: Any, complete: bool) -> Path:
     """Write the cache and `run.json` into `directory` (created if needed); its path."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    if not hasattr(job.cache, "save"):
+    if not isinstance(job.cache, Persistent):
         raise KVLayoutError(f"layout {job.builder.key} cannot save its cache; --save-state needs one that can")
     name = f"cache-{uuid.uuid4().hex[:12]}.safetensors"
     job.cache.save(d / name)
@@ -116,7 +90,7 @@ def save_run(directory: str | Path, job: Any, requests: list, engine: Any, stats
             for r in requests
         ],
         "stats": attrs.asdict(stats),
-        "engine": engine_state(engine),
+        "engine": engine.state(),
     }
     path = write_atomic(d / RUN_FILE, [json.dumps(data, indent=1).encode()])
     for old in d.glob("cache-*.safetensors"):
@@ -151,43 +125,13 @@ class RunState:
             r.max_tokens if s.finish_reason is not None else len(s.generated) for r in requests for s in r.samples
         )
 
-    def apply_engine(self, engine: Any, requests: list) -> None:
-        """Put the engine back where it stopped; StateError if the cache disagrees."""
-        state = self.data["engine"]
-        if state["kind"] == "cell":
-            from kvlayout.runner.cell_engine import Running, Waiting
-
-            if not hasattr(engine, "running"):
-                raise self._refuse("saved by the cell engine, resumed by another")
-            bc = engine.bc
-            running = []
-            for d in state["running"]:
-                r = requests[d["request"]]
-                s = Running(d["seq_id"], r, [r.samples[j] for j in d["samples"]], list(d["tokens"]), d["admitted"], d["cached"])
-                if bc.next_pos(s.seq_id) != s.cached:
-                    raise self._refuse(
-                        f"sequence {s.seq_id} holds {bc.next_pos(s.seq_id)} position(s) in the cache, "
-                        f"the run says {s.cached}"
-                    )
-                running.append(s)
-            waiting = [
-                Waiting(requests[d["request"]], [requests[d["request"]].samples[j] for j in d["samples"]], list(d["tokens"]))
-                for d in state["queue"]
-            ]
-            engine.running, engine.queue = running, collections.deque(waiting)
-            engine._admissions = state["admissions"]
-        else:
-            if hasattr(engine, "running"):
-                raise self._refuse("saved by the seq engine, resumed by another")
-            current = state["current"]
-            engine.current = None if current is None else tuple(current)
-            engine.cached = state["cached"]
-            if current is not None:
-                r, j = current
-                if requests[r].samples[j].finish_reason is None and engine.control.length != engine.cached:
-                    raise self._refuse(
-                        f"the cache holds {engine.control.length} token(s), the run says {engine.cached}"
-                    )
+    def restore_engine(self, engine: Any, requests: list) -> None:
+        """Put the engine back where it stopped (`engine.restore`); StateError naming this
+        directory when the saved state is another engine's or disagrees with the cache."""
+        try:
+            engine.restore(self.data["engine"], requests)
+        except StateError as exc:
+            raise self._refuse(str(exc)) from None
 
 
 def load_run(directory: str | Path, fp: dict, config: Any) -> tuple[RunState, Any]:
@@ -215,37 +159,3 @@ def load_run(directory: str | Path, fp: dict, config: Any) -> tuple[RunState, An
     if not cache_path.is_file() or _sha256(cache_path) != data.get("cache_sha256"):
         raise state._refuse(f"the cache file {cache_path.name} is missing or is not the one {RUN_FILE} names")
     return state, load_cache(cache_path, config=config)
-
-
-class StopOnCtrlC:
-    """While active, the first Ctrl-C asks the run to stop after its current step
-    (the state is then saved); a second one interrupts at once, as usual.
-
-    Call it (`stop()`) to ask whether a Ctrl-C came. Only the main thread can
-    install a signal handler; elsewhere this never stops anything.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def __call__(self) -> bool:
-        return self.requested
-
-    def handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\nkvlayout: stopping after this step to save the state (Ctrl-C again to quit now)", file=sys.stderr)
-
-    def __enter__(self) -> StopOnCtrlC:
-        try:
-            self._previous = signal.signal(signal.SIGINT, self.handle)
-        except ValueError:  # not the main thread
-            self._previous = None
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)

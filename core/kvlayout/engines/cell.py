@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Sequence
 
 import attrs
 import numpy as np
 
-from kvlayout.errors import CapacityError
-from kvlayout.runner.records import Progress, Request, Sample, Sampling, Stats, sample_next, unplanned
-from kvlayout.runner.recovery import ForwardFailed, guarded_forward
+from kvlayout.engines.interface import Stop, run_steps
+from kvlayout.engines.records import OnProgress, Request, Sample, Sampling, Stats, sample_next, unplanned
+from kvlayout.engines.recovery import ForwardFailed, guarded_forward
+from kvlayout.errors import CapacityError, StateError
 
 
 @attrs.define(eq=False)
@@ -64,10 +66,13 @@ class CellEngine:
     A forward that raises is aborted in the cache (`abort_step`) and each
     sequence it carried is retried once, alone; one that fails again
     finishes with finish_reason "error" and the others carry on (see
-    recovery.py).
+    engines.recovery).
+
+    Implements the Engine interface (engines.interface): `running`, `queue`
+    and the admission counter are what `state()` saves.
     """
 
-    def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: Progress):
+    def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: OnProgress):
         self.model, self.cache, self.bc = model, cache, control
         self.eos, self.sampling, self.chunk = eos, sampling, chunk
         self.stats, self.progress = stats, progress
@@ -75,31 +80,80 @@ class CellEngine:
         self.queue: collections.deque[Waiting] = collections.deque()
         self._admissions = 0
 
-    def run(self, requests: list[Request], stop=None) -> bool:
-        """Generate every request; False when `stop()` ended the run early (see `loop`)."""
-        self.enqueue(requests)
-        return self.loop(stop)
+    # -- the Engine interface (engines.interface)
 
-    def enqueue(self, requests: list[Request]) -> None:
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.queue)
+
+    def add(self, requests: Sequence[Request]) -> None:
         max_seqs = self.bc.max_seqs
         for r in requests:
+            samples = [s for s in r.samples if s.finish_reason is None]
             # A request with more samples than ids prefills once per group of max_seqs.
-            for i in range(0, r.n, max_seqs):
-                self.queue.append(Waiting(r, r.samples[i : i + max_seqs], list(r.prompt)))
+            for i in range(0, len(samples), max_seqs):
+                self.queue.append(Waiting(r, samples[i : i + max_seqs], list(r.prompt)))
 
-    def loop(self, stop=None) -> bool:
-        """Step until nothing is running or queued: True. `stop()`, asked before every
-        step, ends the loop early (False) between two steps, where `running`, `queue`
-        and the cache agree and can be saved."""
-        while self.running or self.queue:
-            if stop is not None and stop():
-                return False
-            plan = self._declare()
-            try:
-                self._forward(plan)
-            except ForwardFailed as exc:
-                self._retry_alone(plan, exc)
+    def step(self) -> bool:
+        """Declare the next step (admitting or preempting as the table allows) and run its forward;
+        a failed forward is retried here, each of its sequences alone."""
+        if not self.has_work:
+            return False
+        plan = self._declare()
+        try:
+            self._forward(plan)
+        except ForwardFailed as exc:
+            self._retry_alone(plan, exc)
         return True
+
+    def run(self, stop: Stop | None = None) -> bool:
+        return run_steps(self, stop)
+
+    def state(self) -> dict:
+        """The running sequences (id, request, samples, tokens, admission, cached) and the queue."""
+        return {
+            "kind": "cell",
+            "admissions": self._admissions,
+            "running": [
+                {
+                    "seq_id": s.seq_id,
+                    "request": s.request.index,
+                    "samples": [x.index for x in s.samples],
+                    "tokens": list(s.tokens),
+                    "admitted": s.admitted,
+                    "cached": s.cached,
+                }
+                for s in self.running
+            ],
+            "queue": [
+                {"request": w.request.index, "samples": [x.index for x in w.samples], "tokens": list(w.tokens)}
+                for w in self.queue
+            ],
+        }
+
+    def restore(self, state: dict, requests: Sequence[Request]) -> None:
+        """StateError when `state` is not a cell engine's, or a running sequence holds another
+        number of positions in the cache than `state` says."""
+        if state.get("kind") != "cell":
+            raise StateError(f"saved by the {state.get('kind')} engine, resumed by another")
+        running = []
+        for d in state["running"]:
+            r = requests[d["request"]]
+            s = Running(d["seq_id"], r, [r.samples[j] for j in d["samples"]], list(d["tokens"]), d["admitted"], d["cached"])
+            if self.bc.next_pos(s.seq_id) != s.cached:
+                raise StateError(
+                    f"sequence {s.seq_id} holds {self.bc.next_pos(s.seq_id)} position(s) in the cache, "
+                    f"the run says {s.cached}"
+                )
+            running.append(s)
+        waiting = [
+            Waiting(requests[d["request"]], [requests[d["request"]].samples[j] for j in d["samples"]], list(d["tokens"]))
+            for d in state["queue"]
+        ]
+        self.running, self.queue = running, collections.deque(waiting)
+        self._admissions = state["admissions"]
+
+    # -- recovery
 
     def _retry_alone(self, plan: list[tuple[Running, int]], exc: ForwardFailed) -> None:
         """The step failed and was aborted: each of its sequences gets one retry, alone."""

@@ -7,10 +7,10 @@ run every forward through `guarded_forward`, which then calls the cache's
 the step, and the engine, which advances its own counters only after a
 forward succeeds, is consistent with it. What the engines do next:
 
-- seq_engine: the step is retried once; if it fails again the sample
+- engines.seq: the step is retried once; if it fails again the sample
   finishes with finish_reason "error" (its message in `Sample.error`) and
   the next sample runs.
-- cell_engine: each sequence the step carried is retried once, alone; one
+- engines.cell: each sequence the step carried is retried once, alone; one
   whose retry fails too finishes with "error" (all its samples when it was a
   prompt still prefilling), its cells freed; the others carry on.
 
@@ -25,6 +25,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from kvlayout.faces import StepAbort
 
 
 class ForwardFailed(Exception):
@@ -44,16 +46,15 @@ def guarded_forward(model: Any, cache: Any, tokens: Sequence[int], positions: Se
 
     On an exception the cache's open step is aborted and ForwardFailed
     raised; on KeyboardInterrupt, aborted and Interrupted raised. A cache
-    without `abort_step` cannot be recovered: the exception propagates as is.
+    without the StepAbort face cannot be recovered: the exception propagates as is.
     """
     try:
         logits = model(tokens, positions, cache, rows=rows)
         return np.array(logits.astype(mx.float32))
     except BaseException as exc:
-        abort = getattr(cache, "abort_step", None)
-        if abort is None:
+        if not isinstance(cache, StepAbort):
             raise
-        abort()
+        cache.abort_step()
         if isinstance(exc, KeyboardInterrupt):
             raise Interrupted() from exc
         if isinstance(exc, Exception):

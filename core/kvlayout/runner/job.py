@@ -1,9 +1,9 @@
-"""Drive a model through whichever layout the config resolves.
+"""A run of `kvlayout run`: the config checked, the model loaded, the cache built, an engine driven.
 
-The engine knows layouts only by their faces. A cache with a BatchControl
-face (`as_batch_control()`) gets continuous batching (cell_engine); one with
+The runner knows layouts only by their faces. A cache with a BatchControl
+face (`as_batch_control()`) gets continuous batching (engines.cell); one with
 only a SequenceControl face (`as_control()`) runs one sequence at a time
-(seq_engine). Both fill the same records, so greedy outputs can be compared
+(engines.seq). Both fill the same records, so greedy outputs can be compared
 token for token.
 
 `prepare` raises every user error (layout not installed, model directory,
@@ -20,22 +20,17 @@ import mlx.core as mx
 
 from kvlayout import registry
 from kvlayout.config import CacheConfig
+from kvlayout.engines.cell import CellEngine
+from kvlayout.engines.interface import Engine
+from kvlayout.engines.records import OnProgress, Sampling, Stats, make_requests
+from kvlayout.engines.recovery import Interrupted
+from kvlayout.engines.seq import SeqEngine
 from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.mlx.pool import DTYPES
-from kvlayout.runner.cell_engine import CellEngine
 from kvlayout.runner.config import RunConfig
-from kvlayout.runner.recovery import Interrupted
-from kvlayout.runner.records import (
-    Progress,
-    RunResult,
-    SampleResult,
-    Sampling,
-    Stats,
-    make_requests,
-)
-from kvlayout.runner.seq_engine import SeqEngine
+from kvlayout.runner.records import RunResult, SampleResult
 
-__all__ = ["Job", "RunResult", "load", "prepare", "run"]
+__all__ = ["Job", "RunResult", "load_model_for", "prepare", "run"]
 
 
 def check_capacity(cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
@@ -73,8 +68,11 @@ def cache_config(cfg: RunConfig, args, kv_dtype: str) -> CacheConfig:
     )
 
 
-def load(cfg: RunConfig):
-    """(model, args, tokenizer, name) for the config's [model] section."""
+def load_model_for(cfg: RunConfig):
+    """Load the model the config's [model] section names: (model, args, tokenizer, name).
+
+    (A saved cache is loaded by `kvlayout.load`; this loads only a model.)
+    """
     from kvlayout.runner.loading import load_model
     from kvlayout.runner.presets import build_preset
 
@@ -108,45 +106,52 @@ class Job:
     def planned_tokens(self) -> int:
         return sum(r.n * r.max_tokens for r in self.cfg.requests)
 
-    def generate(self, progress: Progress | None = None, stop=None, save_state=None) -> RunResult:
+    def make_engine(self, stats: Stats, progress: OnProgress) -> Engine:
+        """A fresh engine over the cache, chosen by its faces, with no work queued.
+
+        A BatchControl face gets continuous batching (CellEngine), a lone
+        SequenceControl face one sequence at a time (SeqEngine).
+        """
+        cfg, cache = self.cfg, self.cache
+        sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
+        eos = frozenset(self.tokenizer.eos_ids)
+        bc = cache.as_batch_control()
+        if bc is not None:
+            return CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress)
+        control = cache.as_control()
+        # The layout says how many tokens one step may carry; the runner never derives it.
+        chunk = min(cfg.engine.prefill_chunk, control.max_step)
+        return SeqEngine(self.model, cache, control, eos, sampling, chunk, stats, progress)
+
+    def generate(self, progress: OnProgress | None = None, stop=None, save_state=None) -> RunResult:
         """Generate every request (the unfinished ones, when resumed).
 
         `stop()`, asked before every step, ends the run early between two
         steps (`RunResult.complete` False). `save_state` (a directory) gets
         the cache and the run's state when the run ends, early or not, and
         when a Ctrl-C interrupts a forward (the step is aborted first, then
-        `recovery.Interrupted` propagates); `prepare(cfg, resume=DIR)`
+        `engines.Interrupted` propagates); `prepare(cfg, resume=DIR)`
         continues from it.
         """
         from kvlayout.runner import resume
 
-        cfg, args, tok, cache = self.cfg, self.args, self.tokenizer, self.cache
+        cfg, tok, cache = self.cfg, self.tokenizer, self.cache
         requests = make_requests(
             self.prompts, [r.max_tokens for r in cfg.requests], [r.n for r in cfg.requests], cfg.sampling.seed
         )
         stats = Stats(layout=self.builder.key, kv_dtype=self.kv_dtype, model=self.model_name)
-        sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
-        eos = frozenset(tok.eos_ids)
         progress = progress or (lambda n: None)
         if self.resumed is not None:
             stats = self.resumed.apply_samples(requests, Stats)
             progress(self.resumed.done_tokens(requests))
         t0 = time.perf_counter()
-        bc = cache.as_batch_control()
-        if bc is not None:
-            engine = CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress)
-        else:
-            # A ring layer takes at most its window (or max_write) tokens per step.
-            limits = [cfg.engine.prefill_chunk, *(w for w in args.windows if w)]
-            if cfg.cache.max_write:
-                limits.append(cfg.cache.max_write)
-            engine = SeqEngine(self.model, cache, cache.as_control(), eos, sampling, min(limits), stats, progress)
+        engine = self.make_engine(stats, progress)
         try:
             if self.resumed is not None:
-                self.resumed.apply_engine(engine, requests)
-                complete = engine.loop(stop) if bc is not None else engine.run(requests, stop)
+                self.resumed.restore_engine(engine, requests)
             else:
-                complete = engine.run(requests, stop)
+                engine.add(requests)
+            complete = engine.run(stop)
         except Interrupted:
             if save_state is not None:
                 stats.wall_s += time.perf_counter() - t0
@@ -166,14 +171,14 @@ class Job:
 def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     """Resolve the layout, load the model, check every request fits, build the cache.
 
-    `loaded` reuses a (model, args, tokenizer, name) from `load`. Every user
+    `loaded` reuses a (model, args, tokenizer, name) from `load_model_for`. Every user
     error (layout not installed, model directory, capacity) is raised here,
     before anything is generated. `resume` (a directory `generate(save_state=)`
     wrote) loads the cache and the run's state from it instead of starting
     afresh; StateError when it was saved by a run with another config.
     """
     builder = registry.resolve(cfg.layout.backend, cfg.layout.kind)  # LayoutNotFound before loading
-    model, args, tok, name = loaded if loaded is not None else load(cfg)
+    model, args, tok, name = loaded if loaded is not None else load_model_for(cfg)
     prompts = [list(r.prompt_ids) if r.prompt_ids is not None else tok.encode(r.prompt) for r in cfg.requests]
     for i, p in enumerate(prompts):
         if not p:
@@ -197,6 +202,6 @@ def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache, resumed)
 
 
-def run(cfg: RunConfig, progress: Progress | None = None, loaded=None) -> RunResult:
+def run(cfg: RunConfig, progress: OnProgress | None = None, loaded=None) -> RunResult:
     """Generate every request of `cfg`; `loaded` reuses a (model, args, tokenizer, name)."""
     return prepare(cfg, loaded).generate(progress)

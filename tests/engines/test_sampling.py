@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlayout.runner.sampling import sample_rng, sample_token
+from kvlayout.engines.sampling import sample_rng, sample_token
 
 
 def test_temperature_zero_is_argmax_and_draws_nothing():

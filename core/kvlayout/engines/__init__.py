@@ -1,0 +1,29 @@
+"""The engines: what generates tokens through a cache, one step at a time.
+
+An engine receives a model object and a cache (through the face it drives)
+and knows neither the runner nor where the model came from: `engines.seq`
+drives a SequenceControl cache one sample at a time, `engines.cell` batches
+many sequences through a BatchControl cache. Both implement one interface
+(`engines.interface.Engine`: add, step, run, state, restore) and fill the
+records of `engines.records`. Nothing here imports `kvlayout.runner`.
+"""
+
+from kvlayout.engines.cell import CellEngine
+from kvlayout.engines.interface import Engine
+from kvlayout.engines.records import OnProgress, Request, Sample, Sampling, Stats, make_requests
+from kvlayout.engines.recovery import ForwardFailed, Interrupted
+from kvlayout.engines.seq import SeqEngine
+
+__all__ = [
+    "CellEngine",
+    "Engine",
+    "ForwardFailed",
+    "Interrupted",
+    "OnProgress",
+    "Request",
+    "Sample",
+    "Sampling",
+    "SeqEngine",
+    "Stats",
+    "make_requests",
+]

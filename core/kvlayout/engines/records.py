@@ -1,0 +1,138 @@
+"""The records an engine keeps: requests and their samples, sampling settings, step statistics.
+
+A sample owns its random generator, so what it generates never depends on
+which sequences shared its steps. The engines (engines.seq, engines.cell)
+fill these; the runner turns them into its results (runner.records).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import attrs
+import numpy as np
+
+from kvlayout.engines.sampling import sample_rng, sample_token
+
+# Called as tokens get done: advance by this many tokens of the planned total.
+OnProgress = Callable[[int], None]
+
+
+@attrs.define
+class Sample:
+    """One sample of a request: what it generated and why it stopped."""
+
+    request: int
+    index: int
+    rng: np.random.Generator = attrs.field(repr=False)
+    generated: list[int] = attrs.field(factory=list)
+    finish_reason: str | None = None  # "stop", "length", or "error" (a forward failed twice)
+    error: str | None = None  # the failure's message when finish_reason is "error"
+
+
+@attrs.define
+class Request:
+    """A request as the engines see it: prompt ids, limits, and its samples in order."""
+
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    n: int
+    samples: list[Sample] = attrs.field(factory=list)
+
+
+@attrs.define
+class Stats:
+    """What a run measured. Step time is split between prefill and decode by fed tokens."""
+
+    layout: str = ""
+    kv_dtype: str = ""
+    model: str = ""
+    steps: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens fed
+    decode_tokens: int = 0  # sampled tokens fed back
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    wall_s: float = 0.0
+    peak_cells: int = 0  # cells the cache held at once
+    # Tokens the live sequences held at once, each counting its whole history
+    # (shared prefix included): what private copies would need.
+    peak_tokens: int = 0
+    preemptions: int = 0
+    max_batch: int = 0  # most sequences in one step
+    failed_forwards: int = 0  # forwards that raised and were aborted (abort_step), retried or not
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    def to_json(self) -> dict:
+        out = attrs.asdict(self)
+        out["prefill_tok_s"] = self.prefill_tok_s
+        out["decode_tok_s"] = self.decode_tok_s
+        return out
+
+    def account(self, seconds: float, prefill: int, decode: int) -> None:
+        self.steps += 1
+        self.prefill_tokens += prefill
+        self.decode_tokens += decode
+        fed = prefill + decode
+        self.prefill_s += seconds * prefill / fed
+        self.decode_s += seconds * decode / fed
+
+    def note_held(self, cells: int, tokens: int, batch: int) -> None:
+        """After a step: cells the cache holds, tokens the live sequences hold, sequences it carried."""
+        self.peak_cells = max(self.peak_cells, cells)
+        self.peak_tokens = max(self.peak_tokens, tokens)
+        self.max_batch = max(self.max_batch, batch)
+
+
+@attrs.frozen
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def make_requests(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], ns: Sequence[int], seed: int) -> list[Request]:
+    reqs = []
+    for i, (prompt, mt, n) in enumerate(zip(prompts, max_tokens, ns)):
+        r = Request(i, list(prompt), mt, n)
+        r.samples = [Sample(i, j, sample_rng(seed, i, j)) for j in range(n)]
+        reqs.append(r)
+    return reqs
+
+
+def take_token(sample: Sample, token: int, request: Request, eos: frozenset[int]) -> bool:
+    """Record a sampled token; True when the sample is finished (EOS is not kept)."""
+    if token in eos:
+        sample.finish_reason = "stop"
+        return True
+    sample.generated.append(token)
+    if len(sample.generated) >= request.max_tokens:
+        sample.finish_reason = "length"
+        return True
+    return False
+
+
+def unplanned(sample: Sample, request: Request) -> int:
+    """Planned tokens a finished sample will never generate (for the progress total)."""
+    return request.max_tokens - len(sample.generated)
+
+
+def sample_next(sample: Sample, row: np.ndarray, request: Request, sampling: Sampling, eos, stats: Stats):
+    """Sample the next token from `row` `[V]` and record it: (token, finished, how far progress moves).
+
+    A token counts as generated unless it is the EOS that stopped the sample; a finished sample
+    also settles the planned tokens it will never generate.
+    """
+    token = sample_token(row, sampling.temperature, sampling.top_p, sample.rng)
+    finished = take_token(sample, token, request, eos)
+    if not (finished and sample.finish_reason == "stop"):
+        stats.generated_tokens += 1
+    return token, finished, 1 + (unplanned(sample, request) if finished else 0)

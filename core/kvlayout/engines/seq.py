@@ -1,0 +1,155 @@
+"""Generation through a seq layout: one sequence at a time (SequenceControl face)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Sequence
+
+import attrs
+
+from kvlayout.engines.interface import Stop, run_steps
+from kvlayout.engines.records import OnProgress, Request, Sample, Sampling, Stats, sample_next, unplanned
+from kvlayout.engines.recovery import ForwardFailed, Interrupted, guarded_forward
+from kvlayout.errors import CapacityError, StateError
+
+
+@attrs.define(eq=False)
+class Generating:
+    """The sample in the cache: its tokens (prompt, then what it generated), the first
+    `cached` of them in the cache, and whether its last forward failed once already."""
+
+    request: Request
+    sample: Sample
+    tokens: list[int]
+    cached: int
+    retried: bool = False
+
+
+class SeqEngine:
+    """One sequence at a time through a SequenceControl cache.
+
+    Every sample regenerates from its prompt: the cache is cleared before each.
+    A step writes at most `chunk` tokens, which the caller sets to no more
+    than the layout takes in one step.
+
+    A forward that raises is aborted in the cache (`abort_step`) and retried
+    once, at the next step; failing again, the sample finishes with
+    finish_reason "error" and the next one runs (see engines.recovery).
+
+    Implements the Engine interface (engines.interface). `current` (request,
+    sample) and `cached` name the sample the cache holds and how many of its
+    tokens are in it: what `state()` saves, so a stopped run can resume it.
+    """
+
+    def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: OnProgress):
+        self.model, self.cache, self.control = model, cache, control
+        self.eos, self.sampling, self.chunk = eos, sampling, chunk
+        self.stats, self.progress = stats, progress
+        self.queue: collections.deque[tuple[Request, Sample]] = collections.deque()  # in order, none started
+        self.generating: Generating | None = None
+        self.current: tuple[int, int] | None = None
+        self.cached = 0
+
+    # -- the Engine interface (engines.interface)
+
+    @property
+    def has_work(self) -> bool:
+        return self.generating is not None or bool(self.queue)
+
+    def add(self, requests: Sequence[Request]) -> None:
+        self.queue.extend((r, s) for r in requests for s in r.samples if s.finish_reason is None)
+
+    def step(self) -> bool:
+        """One forward of the current sample (its next chunk, or the retry of a failed one),
+        starting the next queued sample when none is current."""
+        if self.generating is None:
+            if not self.queue:
+                return False
+            self._start(*self.queue.popleft())
+        self._forward(self.generating)
+        return True
+
+    def run(self, stop: Stop | None = None) -> bool:
+        return run_steps(self, stop)
+
+    def state(self) -> dict:
+        """Which sample the cache holds (request, sample) and how many of its tokens."""
+        return {"kind": "seq", "current": None if self.current is None else list(self.current), "cached": self.cached}
+
+    def restore(self, state: dict, requests: Sequence[Request]) -> None:
+        """The queue becomes the unfinished samples of `requests`; the first of them continues
+        from the cache when it is the one `state` names. StateError when `state` is not a seq
+        engine's, or the cache holds another number of that unfinished sample's tokens."""
+        if state.get("kind") != "seq":
+            raise StateError(f"saved by the {state.get('kind')} engine, resumed by another")
+        current = None if state["current"] is None else tuple(state["current"])
+        if current is not None:
+            r, j = current
+            if requests[r].samples[j].finish_reason is None and self.control.length != state["cached"]:
+                raise StateError(f"the cache holds {self.control.length} token(s), the run says {state['cached']}")
+        self.current, self.cached = current, state["cached"]
+        self.generating = None
+        self.queue.clear()
+        self.add(requests)
+
+    # -- one sample, one forward at a time
+
+    def _start(self, r: Request, s: Sample) -> None:
+        if self.current == (r.index, s.index):
+            cached = self.cached  # resuming: the cache holds this sample's first `cached` tokens
+        else:
+            self.control.clear()
+            cached = 0
+        self.current, self.cached = (r.index, s.index), cached
+        self.generating = Generating(r, s, list(r.prompt) + list(s.generated), cached)
+
+    def _realign(self, cached: int) -> None:
+        """After a failed forward the cache holds `cached` tokens of the sample.
+
+        abort_step saw to it unless every layer had written the step (the
+        failure came later, e.g. in the LM head): that step is complete and
+        not aborted, so the length is rewound to `cached` (never below the
+        floor: a step ends at most max_write past its start).
+        """
+        if self.control.length > cached:
+            self.control.rewind(cached)
+
+    def _forward(self, g: Generating) -> None:
+        r, s, tokens, cached = g.request, g.sample, g.tokens, g.cached
+        k = min(len(tokens) - cached, self.chunk)
+        if not self.control.can_extend(k):
+            raise CapacityError(f"the seq cache cannot take {k} more token(s) at length {self.control.length}")
+        t0 = time.perf_counter()
+        positions = range(cached, cached + k)
+        done = cached + k == len(tokens)
+        # One row even mid-prompt: evaluating it forces this step's cache writes.
+        try:
+            row = guarded_forward(self.model, self.cache, tokens[cached : cached + k], positions, [k - 1])
+        except Interrupted:
+            self._realign(cached)
+            raise
+        except ForwardFailed as exc:  # aborted: the cache is back at `cached`
+            self._realign(cached)
+            self.stats.failed_forwards += 1
+            if not g.retried:
+                g.retried = True  # the next step retries it
+                return
+            s.finish_reason, s.error = "error", str(exc)
+            self.progress(unplanned(s, r))
+            self.generating = None
+            return
+        g.retried = False
+        decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) else 0
+        g.cached = self.cached = cached + k
+        finished = False
+        if done:
+            token, finished, moved = sample_next(s, row[0], r, self.sampling, self.eos, self.stats)
+            if not finished:
+                tokens.append(token)
+        self.stats.account(time.perf_counter() - t0, k - decode, decode)
+        self.stats.note_held(self.control.length, self.control.length, 1)
+        if done:
+            self.progress(moved)
+        if finished:
+            self.generating = None
