@@ -28,7 +28,7 @@ import platform
 
 import mlx.core as mx
 
-from kvlayout.runner import engine
+from kvlayout.runner import job as jobs
 from kvlayout.runner.config import RunConfig
 from kvlayout.runner.presets import build_preset
 from kvlayout.runner.tokenizer import ByteTokenizer
@@ -73,7 +73,7 @@ def throughput(loaded, concurrency: list[int], max_tokens: int, repeats: int) ->
         row = {"concurrent": n_seqs}
         for layout in ("mlx:cell", "mlx:seq"):
             cfg = config(layout, requests, capacity, chunk=n_seqs * PROMPT_LEN)
-            job = engine.prepare(cfg, loaded=loaded)
+            job = jobs.prepare(cfg, loaded=loaded)
             job.generate()  # warm-up: first use of each shape pays for kernel setup
             # Best of `repeats`: the machine is shared, so slow outliers are other load.
             st = max((job.generate().stats for _ in range(repeats)), key=lambda s: s.decode_tok_s)
@@ -102,7 +102,7 @@ def shared_prompt(loaded, max_tokens: int, n: int = 4, prompt_len: int = 512) ->
         },
         source="bench",
     )
-    res = engine.run(cfg, loaded=loaded)
+    res = jobs.run(cfg, loaded=loaded)
     generated = max(len(s.token_ids) for s in res.outputs[0])
     private = n * (prompt_len + generated)
     return {

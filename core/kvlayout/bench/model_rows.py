@@ -62,14 +62,14 @@ def _loaded(ctx: dict):
 
 
 def row_generate(z: dict, ctx: dict) -> tuple[str, list[Row]]:
-    from kvlayout.runner import engine
+    from kvlayout.runner import job as jobs
 
     generate_step = peers.mlx_lm("generate").generate_step
     ours, theirs, _ = _loaded(ctx)
     n = z["gen_tokens"]
     prompt = [(7 * j + 3) % 256 for j in range(32)]
     jobs = {
-        lay: engine.prepare(_run_config(ctx["model_dir"], lay, [{"prompt_ids": prompt, "max_tokens": n}], 32 + n),
+        lay: jobs.prepare(_run_config(ctx["model_dir"], lay, [{"prompt_ids": prompt, "max_tokens": n}], 32 + n),
                             loaded=ours)
         for lay in ("mlx:seq", "mlx:cell")
     }
@@ -113,7 +113,7 @@ def _ragged(n: int, longest: int) -> list[list[int]]:
 
 
 def row_batch(z: dict, ctx: dict) -> tuple[str, list[Row]]:
-    from kvlayout.runner import engine
+    from kvlayout.runner import job as jobs
 
     batch_generate = peers.mlx_lm("generate").batch_generate
     ours, theirs, args = _loaded(ctx)
@@ -124,7 +124,7 @@ def row_batch(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         prompts = _ragged(n, z["batch_max_prompt"])
         reqs = [{"prompt_ids": p, "max_tokens": m} for p in prompts]
         cap = sum(len(p) for p in prompts) + n * m
-        job = engine.prepare(_run_config(ctx["model_dir"], "mlx:cell", reqs, cap, chunk=512), loaded=ours)
+        job = jobs.prepare(_run_config(ctx["model_dir"], "mlx:cell", reqs, cap, chunk=512), loaded=ours)
         got: dict[str, object] = {}
 
         def ours_side():
@@ -165,7 +165,7 @@ def row_batch(z: dict, ctx: dict) -> tuple[str, list[Row]]:
 
 
 def row_prefix(z: dict, ctx: dict) -> tuple[str, list[Row]]:
-    from kvlayout.runner import engine
+    from kvlayout.runner import job as jobs
 
     batch_generate = peers.mlx_lm("generate").batch_generate
     ours, theirs, args = _loaded(ctx)
@@ -173,7 +173,7 @@ def row_prefix(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     prompt = [(13 * j + 7) % 256 for j in range(P)]
     out = []
     for n in z["prefix_ns"]:
-        job = engine.prepare(
+        job = jobs.prepare(
             _run_config(ctx["model_dir"], "mlx:cell", [{"prompt_ids": prompt, "max_tokens": 1, "n": n}], P + n),
             loaded=ours)
         got = {}
