@@ -203,3 +203,15 @@ def test_seq_plan_records_are_frozen():
                           (SeqStepPlan(3, 2, (Run(3, 2),), (Run(0, 5),), 0, MaskKind.CAUSAL), "start")):
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             setattr(record, field, 0)
+
+
+def test_open_step_names_the_layers_a_begun_forward_has_not_written():
+    book = SeqBook(16, [("flat", 0), ("ring", 4), ("flat", 0)])
+    assert book.open_step() is None
+    plan = book.plan(0, 0, 3)
+    book.commit(plan, 0)
+    assert book.open_step() == (0, [1, 2])
+    book.commit(book.plan(2, 0, 3), 2)
+    assert book.open_step() == (0, [1])
+    book.commit(book.plan(1, 0, 3), 1)
+    assert book.open_step() is None  # every layer wrote it: nothing to undo

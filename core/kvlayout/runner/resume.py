@@ -106,7 +106,7 @@ class RunState:
     directory: Path
     data: dict
 
-    def _refuse(self, what: str) -> StateError:
+    def refuse(self, what: str) -> StateError:
         return StateError(f"--resume {self.directory}: {what}")
 
     def apply_samples(self, requests: list, stats_cls: type) -> Any:
@@ -131,7 +131,7 @@ class RunState:
         try:
             engine.restore(self.data["engine"], requests)
         except StateError as exc:
-            raise self._refuse(str(exc)) from None
+            raise self.refuse(str(exc)) from None
 
 
 def load_run(directory: str | Path, fp: dict, config: Any) -> tuple[RunState, Any]:
@@ -147,15 +147,15 @@ def load_run(directory: str | Path, fp: dict, config: Any) -> tuple[RunState, An
     state = RunState(d, data)
     if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
         got = data.get("format") if isinstance(data, dict) else None
-        raise state._refuse(f"{RUN_FILE} format {got!r}; this kvlayout reads {RUN_FORMAT}")
+        raise state.refuse(f"{RUN_FILE} format {got!r}; this kvlayout reads {RUN_FORMAT}")
     saved_fp = data.get("fingerprint")
     if saved_fp != fp:
         keys = sorted(k for k in set(fp) | set(saved_fp or {}) if (saved_fp or {}).get(k) != fp.get(k))
-        raise state._refuse(
+        raise state.refuse(
             f"saved by a run with another config (differs in: {', '.join(keys)}); "
             "resume with the config and model it was saved with"
         )
     cache_path = d / str(data.get("cache_file"))
     if not cache_path.is_file() or _sha256(cache_path) != data.get("cache_sha256"):
-        raise state._refuse(f"the cache file {cache_path.name} is missing or is not the one {RUN_FILE} names")
+        raise state.refuse(f"the cache file {cache_path.name} is missing or is not the one {RUN_FILE} names")
     return state, load_cache(cache_path, config=config)

@@ -347,6 +347,12 @@ class SeqBook:
         self.length = 0
         self._open = None
 
+    def open_step(self) -> tuple[int, list[int]] | None:
+        """(start, layers not yet written) of the step a forward has begun and not finished
+        (the one `abort_step` would undo); None between forwards."""
+        step = self._open
+        return None if step is None else (step.start, sorted(set(range(self.n_layers)) - step.served))
+
     def abort_step(self) -> bool:
         """Return to where the open step began; False (nothing changes) when none is open.
 

@@ -34,11 +34,11 @@ def _kept(policy: Any, length: int) -> int:
 
 def save_cache(cache: Any, path: str | os.PathLike) -> Path:
     book = cache.book
-    step = book._open  # the step abort_step would undo (same package)
-    if step is not None:  # open until its last layer commits
-        missing = sorted(set(range(book.n_layers)) - step.served)
+    step = book.open_step()  # open until its last layer commits
+    if step is not None:
+        start, missing = step
         raise StepError(
-            f"save during a forward: layer(s) {missing} have not written the step at {step.start}; "
+            f"save during a forward: layer(s) {missing} have not written the step at {start}; "
             "finish the forward or abort_step() first"
         )
     tensors = {}
