@@ -48,6 +48,15 @@ def test_the_cache_shows_the_batch_and_stepper_faces_only():
     assert public(cs) == ["place_step"]
 
 
+def test_the_cache_is_composed_of_its_stepper_and_table_not_derived_from_them():
+    from kvlayout_cell.stepper import CellStepper as Stepper
+    from kvlayout_cell.table import CellTable
+
+    c = cache()
+    assert not issubclass(type(c), (Stepper, CellTable)) and not issubclass(Stepper, CellTable)
+    assert isinstance(c.stepper, Stepper) and isinstance(c.stepper.table, CellTable)
+
+
 def test_the_faces_drive_the_cache_they_came_from():
     c = cache()
     bc, cs = c.as_batch_control(), c.as_cell_stepper()

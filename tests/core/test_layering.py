@@ -91,7 +91,20 @@ def violations(name: str, path: Path) -> list[str]:
         for n in names
         if n.startswith("_") and not n.startswith("__") and m != name
     ]
+    out += [f"underscored attribute: {a}" for a in private_reaches(path)]
     return out
+
+
+def private_reaches(path: Path) -> list[str]:
+    """`x._name` where x is not `self` or `cls`: reading what another object keeps to itself."""
+    return [
+        ast.unparse(node)
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+    ]
 
 
 def test_the_layering_covers_the_tree():
@@ -110,9 +123,11 @@ def test_a_module_breaking_each_rule_is_caught(tmp_path):
         "import mlx.core as mx\n"
         "def late():\n    from kvlayout.runner import job\n"
         "from .table import _owns\n"
+        "def peek(table):\n    return table._pos, self._mine\n"
     )
     assert violations("kvlayout_cell.stepper", path) == [
         "mlx in neutral code: mlx.core",
         "upward: kvlayout.runner",
         "underscored: kvlayout_cell.table._owns",
+        "underscored attribute: table._pos",
     ]
