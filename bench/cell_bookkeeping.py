@@ -8,8 +8,9 @@ call (H_q=32, H_kv=8, D=128, fp16, 64 queries, the step's mask, mx.eval'd).
 Medians of several repeats; the ratio is bookkeeping / attention (target:
 under 0.25, i.e. under 1% of a 32-layer forward).
 
-The table is filled directly (`occupy`, 64 interleaved sequences) rather than
-by prefill steps, whose masks would cost O(used_end^2) to set up. After each
+The table is filled by one step through the protocol (64 interleaved sequences,
+lowest-free placement) rather than by prefill steps per sequence, whose masks
+would cost O(used_end^2) to set up. After each
 measured step the 64 new cells are removed again (not timed) and the free list
 rebuilt, so every repeat sees the same used_end and the warm free list of a
 steady decode.
@@ -30,7 +31,7 @@ import numpy as np
 
 import common
 from kvlayout.registry import plugin_manager
-from kvlayout_cell.stepper import CellStepper
+from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
 
 N_SEQS, H_Q, H_KV, D = 64, 32, 8, 128
@@ -47,29 +48,29 @@ COLUMNS = [
 ]
 
 
-def filled_table(used_end: int) -> CellStepper:
-    table = CellStepper(CellTable(used_end + 2 * N_SEQS, N_SEQS), [0], plugin_manager())
+def filled_stepper(used_end: int) -> Stepper:
+    stepper = Stepper(CellTable(used_end + 2 * N_SEQS, N_SEQS), [0], plugin_manager())
     for _ in range(N_SEQS):
-        table.seq_new()
+        stepper.seq_new()
     cells = np.arange(used_end, dtype=np.int64)
     # One step through the protocol: lowest-free placement puts token i in cell i, so seq s holds s, s+64, ...
-    assert table.declare_step(cells % N_SEQS)
-    assert table.place_step(0, cells // N_SEQS).cells.tolist() == cells.tolist()
-    return table
+    assert stepper.declare_step(cells % N_SEQS)
+    assert stepper.place_step(0, cells // N_SEQS).cells.tolist() == cells.tolist()
+    return stepper
 
 
-def time_bookkeeping(table: CellStepper, repeats: int):
+def time_bookkeeping(stepper: Stepper, repeats: int):
     ids = list(range(N_SEQS))
     times, step = [], None
     for _ in range(repeats):
-        positions = [table.next_pos(s) for s in ids]
-        table.table.free_list()  # warm, as in a steady decode
+        positions = [stepper.next_pos(s) for s in ids]
+        stepper.table.free_list()  # warm, as in a steady decode
         t0 = time.perf_counter()
-        assert table.declare_step(ids)
-        step = table.place_step(0, positions)
+        assert stepper.declare_step(ids)
+        step = stepper.place_step(0, positions)
         times.append(time.perf_counter() - t0)
         for s, p in zip(ids, positions):  # undo, untimed: same used_end next repeat
-            table.seq_rm(s, p)
+            stepper.seq_rm(s, p)
     return statistics.median(times), step
 
 
@@ -108,8 +109,8 @@ def main() -> None:
     time_attention(256, np.ones((N_SEQS, 256), dtype=bool), 1)  # warm-up, not reported
     rows = []
     for used_end in (int(s) for s in args.sizes.split(",")):
-        table = filled_table(used_end)
-        book, step = time_bookkeeping(table, args.repeats)
+        stepper = filled_stepper(used_end)
+        book, step = time_bookkeeping(stepper, args.repeats)
         to_mlx = time_mask_to_mlx(step.mask, args.repeats)
         attn = time_attention(step.read_len, step.mask, args.attn_repeats)
         rows.append(

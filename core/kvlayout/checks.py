@@ -80,7 +80,8 @@ def reject_unknown(
     """
     valid = list(valid)
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: {prefix or 'config'}: expected a table (mapping), got {type(data).__name__}")
+        what = f"{where}: {prefix}" if prefix else where
+        raise ConfigError(f"{what}: expected a table (mapping), got {type(data).__name__}")
     unknown = sorted(set(data) - set(valid))
     if unknown:
         names = ", ".join(repr(f"{prefix}.{k}" if prefix else k) for k in unknown)

@@ -140,7 +140,7 @@ class CacheConfig:
             )
 
     def layer(self, i: int) -> LayerConfig:
-        i = int_scalar("layer index", i, ConfigError, 0, self.n_layers - 1)
+        i = int_scalar("layer index", i, ConfigError, 0, self.n_layers - 1, numpy=False)
         return self.layers[0] if len(self.layers) == 1 else self.layers[i]
 
     @classmethod

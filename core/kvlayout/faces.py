@@ -3,7 +3,7 @@
 A runtime programs against these Protocols, never against a layout class: it
 asks a cache for a face (`as_control()`, `as_batch_control()`,
 `as_cell_stepper()`) and gets a face object or None. A face object exposes
-exactly the members its Protocol names (`Face.of`), so a runtime cannot lean
+exactly the members its Protocol names (`face_of`), so a runtime cannot lean
 on anything else a layout happens to have. What `update_and_fetch` (the
 KVCache face) returns, and `attend()` consumes, lives in `kvlayout.spec`.
 """

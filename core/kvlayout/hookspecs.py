@@ -33,7 +33,8 @@ def kvlayout_builders() -> list[Builder]:
 
 @hookspec(firstresult=True)
 def kvlayout_choose_cells(free: np.ndarray, count: int) -> np.ndarray | None:
-    """Called by a cell layout when the first layer of a step places its tokens.
+    """Called by a cell layout when the first layer of a step places its tokens
+    (and when `load_seq` places a restored sequence's).
 
     `free` is the ascending int array of free cells (at least `count` of
     them); return `count` distinct cells taken from it, in token order, or
@@ -46,7 +47,8 @@ def kvlayout_choose_cells(free: np.ndarray, count: int) -> np.ndarray | None:
 
 @hookspec
 def kvlayout_step_placed(step: CellStep, window: int) -> None:
-    """Called once per distinct window each time a cell layout places a step.
+    """Called once per distinct window each time a cell layout places a step
+    (a restored sequence's placement by `load_seq` included).
 
     `step` is the placed `CellStep` (cells, mask) shared by every layer whose
     window is `window` (0 for flat layers). For observers (metrics, tracing,

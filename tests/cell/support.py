@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from kvlayout.registry import make_plugin_manager
-from kvlayout_cell.stepper import CellStepper
+from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
 
 
-def stepper(capacity=16, windows=(0, 0), max_seqs=64, pm=None) -> CellStepper:
+def stepper(capacity=16, windows=(0, 0), max_seqs=64, pm=None) -> Stepper:
     """A neutral cell stepper (two flat layers by default) on a fresh plugin manager."""
-    return CellStepper(CellTable(capacity, max_seqs), windows, make_plugin_manager() if pm is None else pm)
+    return Stepper(CellTable(capacity, max_seqs), windows, make_plugin_manager() if pm is None else pm)
 
 
 def rows(mask) -> list[str]:

@@ -49,7 +49,7 @@ def test_the_cache_shows_the_batch_and_stepper_faces_only():
 
 
 def test_the_cache_is_composed_of_its_stepper_and_table_not_derived_from_them():
-    from kvlayout_cell.stepper import CellStepper as Stepper
+    from kvlayout_cell.stepper import Stepper
     from kvlayout_cell.table import CellTable
 
     c = cache()

@@ -1,7 +1,7 @@
 """The cell table, model-checked: random verbs and steps against a deliberately naive model.
 
 The model is a dict from cell to (position, set of owners) and loops over
-everything, straight from DESIGN.md: a step takes the lowest free cells, and
+everything, straight from docs/design.md: a step takes the lowest free cells, and
 query i attends cell j iff j is occupied, shares i's sequence, is no newer
 than i and, on a ring layer of window w, no older than `pos_i - w + 1`. It
 shares no code with the layout.
@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvlayout.errors import SequenceError, StepError
 from kvlayout.registry import make_plugin_manager
-from kvlayout_cell.stepper import CellStepper
+from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
 
 
@@ -130,7 +130,7 @@ MAX_SEQS = st.sampled_from([3, 5, 66])  # 66: owner bits span two 64-bit words
 class CellTableMachine(RuleBasedStateMachine):
     @initialize(capacity=st.integers(4, 32), max_seqs=MAX_SEQS, windows=WINDOWS)
     def setup(self, capacity, max_seqs, windows):
-        self.t = CellStepper(CellTable(capacity, max_seqs), windows, plugin_manager())
+        self.t = Stepper(CellTable(capacity, max_seqs), windows, plugin_manager())
         self.m = NaiveCells(capacity, max_seqs)
         self.windows = windows
 

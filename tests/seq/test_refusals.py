@@ -36,7 +36,7 @@ REFUSALS = {
     "negative positions": (0, [-1], one(), one(), StepError, r"start at -1.*>= 0"),
     "a position past 64 bits": (0, [2**70], one(), one(), StepError, r"positions.*64 bits"),
     "mlx bools": (0, mx.array([True]), one(), one(), StepError, r"positions.*bool"),
-    "layer out of range": (2, [10], one(), one(), StepError, r"layer=2.*\[0, 2\)"),
+    "layer out of range": (2, [10], one(), one(), StepError, r"layer=2.*\[0, 1\]"),
     "negative layer": (-1, [10], one(), one(), StepError, r"layer=-1"),
     "bool layer": (True, [10], one(), one(), StepError, r"layer=True"),
     "wrong head count": (0, [10], one(heads=3), one(heads=3), StepError, r"\(1, 3, 1, 4\).*\[1, 2, T, 4\]"),

@@ -4,7 +4,7 @@ The model is the list of tokens the sequence holds: a step at `start` replaces
 everything from `start` on. Query position p sees key position q iff `q <= p`
 and, on a ring layer of window w, `q > p - w`. What a ring can still serve is
 modelled naively too: each ring is a dict from slot to the position last
-written there, over the `window + max_write - 1` slots DESIGN.md gives it; a
+written there, over the `window + max_write - 1` slots docs/design.md gives it; a
 position is lost once a newer one takes its slot, and a step (or a rewind)
 may start at L only if no ring lost a position in `[L - w + 1, L)`.
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.checks import int_scalar
+from kvlayout.checks import int_array, int_scalar
 from kvlayout.errors import KVLayoutError
 from kvlayout.pool import Pool
 
@@ -122,9 +122,7 @@ class MLXPool(Pool):
         return shape[2]
 
     def _check_cells(self, cells: Any, n: int) -> np.ndarray:
-        idx = np.asarray(cells.tolist() if isinstance(cells, mx.array) else cells)
-        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-            raise KVLayoutError(f"cells: expected a 1-d sequence of integers, got {idx.dtype} {idx.shape}")
+        idx = int_array("cells", cells, KVLayoutError)
         if idx.size != n:
             raise KVLayoutError(f"cells: {idx.size} cell(s) for an update of {n} token(s)")
         if n and (idx.min() < 0 or idx.max() >= self._max):

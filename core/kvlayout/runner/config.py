@@ -221,7 +221,7 @@ class RunConfig:
             "sampling": SamplingSection,
             "engine": EngineSection,
         }
-        reject_unknown(data, [*sections, "requests"], source)
+        reject_unknown(data, [*sections, "requests"], f"{source}: config")  # the top-level table
         kwargs: dict[str, Any] = {}
         for name, section in sections.items():
             if name in data:

@@ -1,6 +1,6 @@
 """CellCache: the cell layout's MLX side, composed over the neutral stepper.
 
-A CellCache holds a CellStepper (the step protocol), which holds a CellTable
+A CellCache holds a Stepper (the step protocol), which holds a CellTable
 (the cells). It implements the KVCache, StepAbort and Persistent faces
 itself and hands out two face objects over its stepper:
 `as_batch_control()` (BatchControl: ids, declarations, counts) and
@@ -41,7 +41,7 @@ from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout.checks import int_array, int_scalar
 from kvlayout_cell import persist
 from kvlayout_cell.groups import PAGE_SIZES, plan_cells
-from kvlayout_cell.stepper import CellStepper as Stepper
+from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
 
 
@@ -97,7 +97,7 @@ class CellCache(FacesBase):
         return self._cell_stepper
 
     def abort_step(self) -> bool:
-        """Undo the open step of a forward that failed part way (see `CellStepper.abort_step`)."""
+        """Undo the open step of a forward that failed part way (see `Stepper.abort_step`)."""
         return self.stepper.abort_step()
 
     # The BatchControl verbs, on the cache as on its face (as SeqCache has its SequenceControl's);

@@ -1,6 +1,6 @@
 """The step protocol of the cell layout: declare, place once, reuse per layer.
 
-Still neutral (numpy and the plugin manager, no tensor type). A CellStepper
+Still neutral (numpy and the plugin manager, no tensor type). A Stepper
 holds a CellTable and is the only thing that changes it: every verb that
 touches the cells goes through here, so the stepper always knows when the
 open step ends. One forward is one step:
@@ -56,7 +56,7 @@ class _Declared:
     epoch: int
 
 
-class CellStepper:
+class Stepper:
     """Places steps for `len(windows)` layers (window 0 = flat) over `table`, which it alone changes."""
 
     def __init__(self, table: CellTable, windows: Sequence[int], pm: Any):

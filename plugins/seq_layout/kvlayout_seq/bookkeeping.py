@@ -254,10 +254,7 @@ class SeqBook:
         return self.length + int_scalar("n", n, StepError, minimum=0) <= self.capacity
 
     def check_layer(self, layer: Any) -> int:
-        is_int = isinstance(layer, (int, np.integer)) and not isinstance(layer, (bool, np.bool_))
-        if not is_int or not 0 <= layer < self.n_layers:
-            raise StepError(f"layer={layer!r}: expected an integer in [0, {self.n_layers})")
-        return int(layer)
+        return int_scalar("layer", layer, StepError, 0, self.n_layers - 1)
 
     def plan(self, layer: int, start: int, length: int) -> SeqStepPlan:
         """Where layer `layer` writes tokens `[start, start + length)` and what it reads.
