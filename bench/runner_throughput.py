@@ -28,6 +28,7 @@ import platform
 
 import mlx.core as mx
 
+from kvlayout.builder import split_layout_key
 from kvlayout.runner import job as jobs
 from kvlayout.runner.config import RunConfig
 from kvlayout.runner.presets import build_preset
@@ -48,7 +49,7 @@ PROMPT_LEN = 32
 
 
 def config(layout: str, requests: list[dict], capacity: int, chunk: int) -> RunConfig:
-    backend, kind = layout.split(":")
+    backend, kind = split_layout_key(layout)
     return RunConfig.from_mapping(
         {
             "layout": {"backend": backend, "kind": kind},

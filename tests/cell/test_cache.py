@@ -39,6 +39,7 @@ def serve(c, seq_ids, positions, seed=0):
 def test_the_cache_shows_the_batch_and_stepper_faces_only():
     c = cache()
     assert c.as_control() is None and isinstance(c, KVCache)
+    assert isinstance(c, BatchControl)  # the cache has the verbs too, as SeqCache has its control's
     bc, cs = c.as_batch_control(), c.as_cell_stepper()
     assert bc is c.as_batch_control() and cs is c.as_cell_stepper()  # one face object each, per cache
     assert isinstance(bc, BatchControl) and isinstance(cs, CellStepper)

@@ -47,8 +47,6 @@ def engine_for(kind: str, tiny, cache=None, chunk: int = 16, temperature: float 
     model, args, tok = tiny
     cache = cache_for(kind, args) if cache is None else cache
     control = cache.as_control() if kind == "seq" else cache.as_batch_control()
-    if kind == "seq":
-        chunk = min(chunk, control.max_step)
     stats, done = Stats(), []
     sampling = Sampling(temperature=temperature, top_p=0.9, seed=3)
     engine = ENGINES[kind](model, cache, control, frozenset(tok.eos_ids), sampling, chunk, stats, done.append)

@@ -181,6 +181,33 @@ def test_the_cli_refuses_a_resume_from_another_config_in_one_line(tmp_path, tiny
     assert err.startswith("kvlayout: error: --resume") and "differs in: layout" in err and "Traceback" not in err
 
 
+def test_the_cli_refuses_a_save_state_it_cannot_write_before_running(tmp_path, tiny_dir, capsys):
+    toml = write_toml(tmp_path, tiny_dir, "mlx:cell")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert main(["run", str(toml), "--json", "--save-state", str(blocker / "state")]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing ran
+    assert err.startswith(f"kvlayout: error: --save-state {blocker / 'state'}: cannot create the directory")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: d["engine"].pop("running"),
+    lambda d: d["engine"].update(queue=[{"request": 99, "samples": [0], "tokens": [1]}]),
+    lambda d: d["samples"][0][0].pop("rng"),
+    lambda d: d.update(stats={"nonsense": 1}),
+])
+def test_a_run_json_damaged_by_hand_is_refused_in_one_line(tmp_path, tiny_dir, tiny_loaded, damage):
+    cfg = config(tiny_dir, "mlx:cell")
+    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
+    data = json.loads((tmp_path / "run.json").read_text())
+    damage(data)
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    with pytest.raises(StateError, match=rf"--resume {tmp_path}: run.json is damaged"):
+        job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
+
+
 class SignalsAt:
     """A model that sends this process a real SIGINT during forward `n` (as a user's Ctrl-C)."""
 

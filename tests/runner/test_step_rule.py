@@ -115,3 +115,37 @@ def test_the_shipped_seq_layout_takes_max_write_tokens_a_step_past_a_narrower_wi
     result = prepared.generate()
     assert max(steps) == 20
     assert token_ids(result) == oracle_outputs(ring_loaded, cfg)
+
+
+class NoStepRule(ThreeTokenSteps):
+    """A layout written against the older SequenceControl: its control face has no max_step."""
+
+    def as_control(self):
+        return OlderControl(self)
+
+
+class OlderControl:
+    def __init__(self, cache):
+        self.capacity, self.length = cache.capacity, cache.length
+        self.can_extend, self.clear, self.rewind = cache.can_extend, cache.clear, cache.rewind
+
+
+class NoStepRulePlugin:
+    @hookimpl
+    def kvlayout_builders(self):
+        return [Builder("test", "old", NoStepRule, "a seq-like layout without max_step")]
+
+
+OLD = NoStepRulePlugin()
+
+
+def test_a_layout_whose_face_lacks_a_member_is_refused_before_the_run_naming_it(fake_dists, tiny_dir, capsys):
+    fake_dists.add("kvlayout-test-old", "0.1.0", {"old": f"{__name__}:OLD"}, {})
+    from kvlayout import cli
+
+    config = tiny_dir / "old.toml"
+    config.write_text(f'[layout]\nbackend = "test"\nkind = "old"\n[model]\npath = "{tiny_dir}"\n'
+                      '[[requests]]\nprompt = "Q: a KV cache?"\nmax_tokens = 2\n')
+    assert cli.main(["run", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "kvlayout: error: layout test:old: its SequenceControl face lacks max_step"

@@ -17,6 +17,7 @@ import numpy as np
 from kvlayout.bench import peers
 from kvlayout.bench.record import Row
 from kvlayout.bench.timing import interleaved, timed
+from kvlayout.builder import split_layout_key
 
 
 class _NoTokenizer:
@@ -31,7 +32,7 @@ class _NoTokenizer:
 def _run_config(model_dir: Path, layout: str, requests: list[dict], capacity: int, chunk: int = 2048):
     from kvlayout.runner.config import RunConfig
 
-    backend, kind = layout.split(":")
+    backend, kind = split_layout_key(layout)
     return RunConfig.from_mapping(
         {
             "layout": {"backend": backend, "kind": kind},

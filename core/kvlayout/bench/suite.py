@@ -20,6 +20,7 @@ from kvlayout.bench.record import Row, Section
 from kvlayout.bench.sizes import SIZES
 from kvlayout.bench.table import print_table
 from kvlayout.bench.write_rows import row_write
+from kvlayout.errors import ConfigError
 
 # A row takes its mode's sizes and a context shared by the rows of one run (the model directory,
 # the loaded model) and returns its workload, in words, and its table lines.
@@ -46,15 +47,15 @@ def heading(mode: str) -> str:
 def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | None = None) -> dict:
     """Run `rows` (default: all, in ROWS order) at `mode`'s sizes; print the table; return the JSON payload.
 
-    With `out`, also write bench.json and bench.png there. ValueError for an
-    unknown row; MissingExtra, before anything is measured, when mlx-lm (for
+    With `out`, also write bench.json and bench.png there. ConfigError (one
+    line, before anything runs) for an unknown row; MissingExtra, before anything is measured, when mlx-lm (for
     the rows measured against it) or matplotlib (for `out`) is not installed.
     """
     z = SIZES[mode]
     keys = rows or list(ROWS)
     unknown = [k for k in keys if k not in ROWS]
     if unknown:
-        raise ValueError(f"unknown row(s) {', '.join(unknown)}; available: {', '.join(ROWS)}")
+        raise ConfigError(f"--rows {','.join(unknown)}: expected some of {', '.join(ROWS)}")
     against = [k for k in keys if k in MEASURED_AGAINST_MLX_LM]
     if against:
         peers.require("mlx_lm", f"kvlayout bench (rows {', '.join(against)})", package="mlx-lm")

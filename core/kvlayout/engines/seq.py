@@ -30,8 +30,8 @@ class SeqEngine:
     """One sequence at a time through a SequenceControl cache.
 
     Every sample regenerates from its prompt: the cache is cleared before each.
-    A step writes at most `chunk` tokens, which the caller sets to no more
-    than the layout takes in one step.
+    A step writes at most `chunk` tokens, and never more than the layout's
+    face says one step may carry (`control.max_step`).
 
     A forward that raises is aborted in the cache (`abort_step`) and retried
     once, at the next step; failing again, the sample finishes with
@@ -44,7 +44,8 @@ class SeqEngine:
 
     def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: OnProgress):
         self.model, self.cache, self.control = model, cache, control
-        self.eos, self.sampling, self.chunk = eos, sampling, chunk
+        self.eos, self.sampling = eos, sampling
+        self.chunk = min(chunk, control.max_step)  # the layout's rule, whoever drives the engine
         self.stats, self.progress = stats, progress
         self.queue: collections.deque[tuple[Request, Sample]] = collections.deque()  # in order, none started
         self.generating: Generating | None = None

@@ -26,6 +26,7 @@ from kvlayout.engines.records import OnProgress, Sampling, Stats, make_requests
 from kvlayout.engines.recovery import Interrupted
 from kvlayout.engines.seq import SeqEngine
 from kvlayout.errors import ConfigError, KVLayoutError
+from kvlayout.faces import BatchControl, SequenceControl, contract
 from kvlayout.mlx.pool import DTYPES
 from kvlayout.runner.config import RunConfig
 from kvlayout.runner.records import RunResult, SampleResult
@@ -118,10 +119,7 @@ class Job:
         bc = cache.as_batch_control()
         if bc is not None:
             return CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress)
-        control = cache.as_control()
-        # The layout says how many tokens one step may carry; the runner never derives it.
-        chunk = min(cfg.engine.prefill_chunk, control.max_step)
-        return SeqEngine(self.model, cache, control, eos, sampling, chunk, stats, progress)
+        return SeqEngine(self.model, cache, cache.as_control(), eos, sampling, cfg.engine.prefill_chunk, stats, progress)
 
     def generate(self, progress: OnProgress | None = None, stop=None, save_state=None) -> RunResult:
         """Generate every request (the unfinished ones, when resumed).
@@ -195,11 +193,24 @@ def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
         resumed, cache = resuming.load_run(resume, fp, cache_config(cfg, args, kv_dtype))
     else:
         resumed, cache = None, builder.build(cache_config(cfg, args, kv_dtype))
-    if cache.as_batch_control() is None and cache.as_control() is None:
-        raise KVLayoutError(
-            f"layout {builder.key} offers neither a batch nor a sequence control face; the runner cannot drive it"
-        )
+    check_faces(builder.key, cache)
     return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache, resumed)
+
+
+def check_faces(key: str, cache: Any) -> None:
+    """The face the runner will drive exists and has every member of its contract; else one line.
+
+    A third-party layout written against an older contract (a SequenceControl
+    without `max_step`, say) is refused here, naming what it lacks, not by an
+    AttributeError in the middle of a run.
+    """
+    for protocol, face in ((BatchControl, cache.as_batch_control()), (SequenceControl, cache.as_control())):
+        if face is not None:
+            missing = [m for m in contract(protocol) if not hasattr(face, m)]
+            if missing:
+                raise KVLayoutError(f"layout {key}: its {protocol.__name__} face lacks {', '.join(missing)}")
+            return
+    raise KVLayoutError(f"layout {key} offers neither a batch nor a sequence control face; the runner cannot drive it")
 
 
 def run(cfg: RunConfig, progress: OnProgress | None = None, loaded=None) -> RunResult:

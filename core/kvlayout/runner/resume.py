@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,22 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def writable_dir(directory: str | Path) -> Path:
+    """`directory`, created if needed; StateError (one line) when it cannot be. The CLI asks
+    before a run starts, so a bad --save-state never costs the run it was meant to keep."""
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StateError(f"--save-state {d}: cannot create the directory ({exc.strerror or exc})") from None
+    if not os.access(d, os.W_OK):
+        raise StateError(f"--save-state {d}: the directory is not writable")
+    return d
+
+
 def save_run(directory: str | Path, job: Any, requests: list, engine: Any, stats: Any, complete: bool) -> Path:
     """Write the cache and `run.json` into `directory` (created if needed); its path."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    d = writable_dir(directory)
     if not isinstance(job.cache, Persistent):
         raise KVLayoutError(f"layout {job.builder.key} cannot save its cache; --save-state needs one that can")
     name = f"cache-{uuid.uuid4().hex[:12]}.safetensors"
@@ -110,14 +123,21 @@ class RunState:
         return StateError(f"--resume {self.directory}: {what}")
 
     def apply_samples(self, requests: list, stats_cls: type) -> Any:
-        """Restore every sample's tokens, finish reason and RNG; the saved Stats."""
-        saved = self.data["samples"]
-        for r, samples in zip(requests, saved, strict=True):
-            for s, d in zip(r.samples, samples, strict=True):
-                s.generated = [int(t) for t in d["generated"]]
-                s.finish_reason, s.error = d["finish_reason"], d["error"]
-                s.rng.bit_generator.state = d["rng"]
-        return stats_cls(**self.data["stats"])
+        """Restore every sample's tokens, finish reason and RNG; the saved Stats. StateError
+        naming the file when they are not what `save_run` wrote."""
+        try:
+            saved = self.data["samples"]
+            for r, samples in zip(requests, saved, strict=True):
+                for s, d in zip(r.samples, samples, strict=True):
+                    s.generated = [int(t) for t in d["generated"]]
+                    s.finish_reason, s.error = d["finish_reason"], d["error"]
+                    s.rng.bit_generator.state = d["rng"]
+            return stats_cls(**self.data["stats"])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise self.damaged(exc) from None
+
+    def damaged(self, exc: Exception) -> StateError:
+        return self.refuse(f"{RUN_FILE} is damaged ({type(exc).__name__}: {exc}); save the run again")
 
     def done_tokens(self, requests: list) -> int:
         """Progress already made: planned tokens of finished samples, tokens of the others."""
@@ -132,6 +152,8 @@ class RunState:
             engine.restore(self.data["engine"], requests)
         except StateError as exc:
             raise self.refuse(str(exc)) from None
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise self.damaged(exc) from None
 
 
 def load_run(directory: str | Path, fp: dict, config: Any) -> tuple[RunState, Any]:

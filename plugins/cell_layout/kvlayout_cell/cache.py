@@ -248,18 +248,16 @@ def _as_mx(plan: AttendGroups) -> AttendGroups:
     """A numpy plan (`kvlayout_cell.groups`) as MLX: every batch's int32 tokens [G, Qg], cells
     [G, Kg], mask bool [G, 1, Qg, Kg] (None: all visible) and tail [G, Kt] (None: none), and `out`."""
 
-    def batch(b: AttendBatch) -> AttendBatch:
-        return attrs.evolve(
-            b,
+    def arrays(b: AttendBatch | AttendGroups) -> dict:
+        return dict(
             tokens=mx.array(b.tokens),
             cells=mx.array(b.cells),
             mask=None if b.mask is None else mx.array(b.mask),
             tail=None if b.tail is None else mx.array(b.tail),
         )
 
-    head, *more = (batch(b) for b in plan.batches())
-    return AttendGroups(head.tokens, head.cells, head.mask, mx.array(plan.out), more=tuple(more), page=head.page,
-                        tail=head.tail)
+    more = tuple(attrs.evolve(b, **arrays(b)) for b in plan.more)
+    return attrs.evolve(plan, **arrays(plan), out=mx.array(plan.out), more=more)
 
 
 def _run_start(cells: np.ndarray) -> int | None:
