@@ -30,6 +30,8 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
 
 Sizes are in `sizes`; timing in `timing`; the table in `table`, the plot in
 `plot`; `suite.run_suite` runs the rows. mlx-lm and matplotlib come with the
-`bench` extra (`peers`). The rows use the layouts through their public faces;
-the little they need beyond those is in `layouts`, nowhere else.
+`bench` extra (`peers`). The rows drive the layouts through their faces and
+`update_and_fetch`, and time or inspect beyond them only what a layout makes
+public on purpose (the pools, the cell cache's `step_groups`/`step_mask` and
+`attention_path`); reading the cell table goes through `layouts`, nowhere else.
 """

@@ -1,9 +1,10 @@
 """Rows 5 and 6 (bookkeep, grouped): the cell cache's per-step work and its attention beside the ideal.
 
-Both drive the cell cache through its faces only: sequences and declarations
+Both drive the cell cache through its faces: sequences and declarations
 through `as_batch_control()`, placement through `as_cell_stepper()` or
-`update_and_fetch`; reading which cells a sequence holds goes through
-`layouts.cell_table`.
+`update_and_fetch`. They time the grouping and the mask through the cache's
+public `step_groups`/`step_mask`, settle writes with `MLXPool.evaluate()`, and
+read which cells a sequence holds through `layouts.cell_table`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The caches the rows measure, and the few things about them that no face offers.
 
 The rows drive the caches through their faces (`as_batch_control()`,
-`as_cell_stepper()`, `as_control()`) and `update_and_fetch`. What they need
-beyond that is here, one small function each, so a layout reshaped under the
-bench is a one-line fix in this module.
+`as_cell_stepper()`, `as_control()`) and `update_and_fetch`, and use the
+public attributes a layout offers for measuring (`key_pools`/`value_pools`,
+`step_groups`, `step_mask`, `attention_path`). Building a cache and reading
+the cell table are here, one small function each, so a layout reshaped under
+the bench is a one-line fix in this module.
 """
 
 from __future__ import annotations
