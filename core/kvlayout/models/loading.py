@@ -16,8 +16,8 @@ from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
-from kvlayout.runner.model import Model, ModelArgs
-from kvlayout.runner.tokenizer import load_tokenizer
+from kvlayout.models.llama import Model, ModelArgs
+from kvlayout.models.tokenizer import load_tokenizer
 
 
 

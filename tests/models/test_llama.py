@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout.runner.loading import load_model
-from kvlayout.runner.presets import write_preset
+from kvlayout.models.loading import load_model
+from kvlayout.models.presets import write_preset
 from tests.runner.conftest import NoCache
 
 import mlx_lm.utils as mlx_lm_utils  # the independent oracle; a test extra, never skipped
@@ -75,8 +75,8 @@ def test_sliding_window_becomes_ring_layers_in_the_cache_config(ring_loaded):
 
 
 def test_qwen2_slides_only_with_use_sliding_window():
-    from kvlayout.runner.model import ModelArgs
-    from kvlayout.runner.presets import preset_config
+    from kvlayout.models.llama import ModelArgs
+    from kvlayout.models.presets import preset_config
 
     base = preset_config("tiny", model_type="qwen2", sliding_window=16, max_window_layers=1)
     assert ModelArgs.from_hf(base).windows == (0, 0)
