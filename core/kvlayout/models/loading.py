@@ -85,7 +85,8 @@ def load_model(model_dir: Path, dtype: str | None = None):
     model = Model(args)
     weights = check_weights(model, read_weights(model_dir), str(model_dir))
     if dtype is not None:
-        weights = {k: v.astype(DTYPES[dtype]) for k, v in weights.items()}
+        # Only floats take the dtype: a packed (quantized) weight's uint32 words must stay as they are.
+        weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     return model, args, load_tokenizer(model_dir, args.eos_token_id)
