@@ -1,8 +1,10 @@
 """Load (and write) a model directory in the Hugging Face layout.
 
 A directory holds `config.json` and one or more `*.safetensors` files (a
-sharded checkpoint is just several); tensors keep their HF names. Every
-failure is a ConfigError naming the file or the tensor and what to do.
+sharded checkpoint is just several); tensors keep their HF names. An
+MLX-quantized directory (`mlx_lm.convert -q`) says so in config.json's
+`quantization` section (`kvlayout.models.quantization`). Every failure is a
+ConfigError naming the file or the tensor and what to do.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from mlx.utils import tree_flatten
 from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
 from kvlayout.models.llama import Model, ModelArgs
+from kvlayout.models.quantization import quantize, read_quantization
 from kvlayout.models.tokenizer import load_tokenizer
-
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -54,7 +56,11 @@ def read_weights(model_dir: Path) -> dict[str, mx.array]:
 
 
 def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) -> dict[str, mx.array]:
-    """The checkpoint's tensors, exactly the model's parameters, or a ConfigError naming one."""
+    """The checkpoint's tensors, exactly the model's parameters, or a ConfigError naming one.
+
+    A quantized model's parameters are its packed ones (uint32 `weight`, float
+    `scales` and `biases`), so a packed tensor is checked like any other.
+    """
     weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}  # precomputed, unused
     if model.args.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
@@ -79,11 +85,20 @@ def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) ->
 
 
 def load_model(model_dir: Path, dtype: str | None = None):
-    """(model, args, tokenizer) from an HF directory; `dtype` casts the weights (None: as stored)."""
+    """(model, args, tokenizer) from an HF directory; `dtype` casts the weights (None: as stored).
+
+    A quantized directory's layers are swapped for their quantized forms
+    before the tensors are checked, so the check sees the packed shapes.
+    """
     model_dir = Path(model_dir)
-    args = ModelArgs.from_hf(read_config(model_dir), source=str(model_dir / "config.json"))
+    cfg, source = read_config(model_dir), str(model_dir / "config.json")
+    args = ModelArgs.from_hf(cfg, source=source)
+    quant = read_quantization(cfg, source)
     model = Model(args)
-    weights = check_weights(model, read_weights(model_dir), str(model_dir))
+    weights = read_weights(model_dir)
+    if quant is not None:
+        quantize(model, quant, weights.keys(), source)
+    weights = check_weights(model, weights, str(model_dir))
     if dtype is not None:
         # Only floats take the dtype: a packed (quantized) weight's uint32 words must stay as they are.
         weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
