@@ -90,6 +90,32 @@ def test_hugging_face_quantization_methods_are_refused_naming_the_method(copy):
     refused(model_dir, r"config\.json: quantization_config\.quant_method='awq' is not supported")
 
 
+def test_a_packed_weight_of_the_wrong_shape_is_refused_naming_it_and_the_packing(copy):
+    model_dir = copy()
+    weights = dict(mx.load(str(model_dir / "model.safetensors")))
+    weights[f"{Q_PROJ}.weight"] = mx.zeros((64, 16), dtype=mx.uint32)  # 8-bit words where 4-bit are declared
+    mx.save_safetensors(str(model_dir / "model.safetensors"), weights)
+    refused(
+        model_dir,
+        rf"tensor '{re.escape(Q_PROJ)}\.weight' has shape \(64, 16\), config\.json implies \(64, 8\) "
+        r"\(packed 4-bit in groups of 32, as its quantization section says\)",
+    )
+
+
+def test_a_packed_weight_stored_as_floats_is_refused_naming_its_dtype(copy):
+    model_dir = copy()
+    weights = dict(mx.load(str(model_dir / "model.safetensors")))
+    weights[f"{Q_PROJ}.weight"] = mx.zeros((64, 8))
+    mx.save_safetensors(str(model_dir / "model.safetensors"), weights)
+    refused(model_dir, rf"tensor '{re.escape(Q_PROJ)}\.weight' is float32, config\.json implies uint32 \(packed 4-bit")
+
+
+def test_a_quantized_checkpoint_without_a_section_says_config_json_lacks_one(copy):
+    model_dir = copy()
+    edit_config(model_dir, quantization=None, quantization_config=None)
+    refused(model_dir, r"unexpected tensor '\S+\.biases' \(and \d+ more\); the checkpoint is quantized but config\.json has no quantization section")
+
+
 def test_a_layer_the_section_names_is_packed_even_without_scales_so_their_absence_is_named(copy):
     model_dir = copy()
     section = {"group_size": 32, "bits": 4, "lm_head": {"group_size": 32, "bits": 4}}

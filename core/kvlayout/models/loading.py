@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
@@ -72,16 +73,39 @@ def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) ->
     unexpected = sorted(weights.keys() - expected.keys())
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ConfigError(
-            f"{source}: unexpected tensor {unexpected[0]!r}{more}; the checkpoint does not match config.json"
-        )
+        why = "the checkpoint does not match config.json"
+        if any(n.endswith(".scales") for n in unexpected) and not any(n.endswith(".scales") for n in expected):
+            why = "the checkpoint is quantized but config.json has no quantization section"
+        raise ConfigError(f"{source}: unexpected tensor {unexpected[0]!r}{more}; {why}")
+    modules = dict(model.named_modules())
     for name, param in expected.items():
-        if tuple(weights[name].shape) != tuple(param.shape):
+        got = weights[name]
+        packed = _packing_of(modules.get(name.rpartition(".")[0]))
+        if tuple(got.shape) != tuple(param.shape):
             raise ConfigError(
-                f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
-                f"config.json implies {tuple(param.shape)}"
+                f"{source}: tensor {name!r} has shape {tuple(got.shape)}, config.json implies {tuple(param.shape)}{packed}"
+            )
+        # Floats may differ (they are cast); a packed weight must be the integer words it claims to be.
+        if got.dtype != param.dtype and not (_is_float(got) and _is_float(param)):
+            raise ConfigError(
+                f"{source}: tensor {name!r} is {_name(got.dtype)}, config.json implies {_name(param.dtype)}{packed}"
             )
     return weights
+
+
+def _packing_of(module) -> str:
+    """How config.json says a module is packed, for an error message ("" when it is not)."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return f" (packed {module.bits}-bit in groups of {module.group_size}, as its quantization section says)"
+    return ""
+
+
+def _is_float(a: mx.array) -> bool:
+    return mx.issubdtype(a.dtype, mx.floating)
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
 
 
 def load_model(model_dir: Path, dtype: str | None = None):
@@ -101,7 +125,7 @@ def load_model(model_dir: Path, dtype: str | None = None):
     weights = check_weights(model, weights, str(model_dir))
     if dtype is not None:
         # Only floats take the dtype: a packed (quantized) weight's uint32 words must stay as they are.
-        weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        weights = {k: v.astype(DTYPES[dtype]) if _is_float(v) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     return model, args, load_tokenizer(model_dir, args.eos_token_id)
