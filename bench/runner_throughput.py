@@ -31,8 +31,8 @@ import mlx.core as mx
 from kvlayout.builder import split_layout_key
 from kvlayout.runner import job as jobs
 from kvlayout.runner.config import RunConfig
-from kvlayout.runner.presets import build_preset
-from kvlayout.runner.tokenizer import ByteTokenizer
+from kvlayout.models.presets import build_preset
+from kvlayout.models.tokenizer import ByteTokenizer
 
 SIZES = {
     "tiny": {},

@@ -109,6 +109,45 @@ def rng() -> np.random.Generator:
 # 200 examples of up to 30 steps each. `pytest --hypothesis-profile=long`
 # (hypothesis's own pytest option) runs 5000 examples of up to 60 steps.
 # An explicit @settings on a test still wins over the profile.
+# -- model directories every model-level test shares (tiny preset; a ring variant) --
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    from kvlayout.models.presets import write_preset
+
+    return write_preset(tmp_path_factory.mktemp("tiny"), "tiny")
+
+
+@pytest.fixture(scope="session")
+def ring_dir(tmp_path_factory) -> Path:
+    """The tiny model with a sliding window on its first layer (HF layer_types)."""
+    from kvlayout.models.presets import write_preset
+
+    return write_preset(
+        tmp_path_factory.mktemp("ring"),
+        "tiny",
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_dir):
+    from kvlayout.models.loading import load_model
+
+    model, args, tok = load_model(tiny_dir)
+    return model, args, tok, str(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def ring_loaded(ring_dir):
+    from kvlayout.models.loading import load_model
+
+    model, args, tok = load_model(ring_dir)
+    return model, args, tok, str(ring_dir)
+
+
 from hypothesis import settings as _hypothesis_settings  # noqa: E402
 
 _hypothesis_settings.register_profile("ci", max_examples=200, stateful_step_count=30, deadline=None)

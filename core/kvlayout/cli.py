@@ -96,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _init_model(args: argparse.Namespace) -> int:
-    from kvlayout.runner import presets
+    from kvlayout.models import presets
 
     path = presets.write_preset(args.dir, args.preset, seed=args.seed)
     print(f"wrote preset {args.preset!r} to {path}/ (config.json, model.safetensors)")

@@ -32,7 +32,8 @@ LAYOUTS = ("kvlayout_seq", "kvlayout_cell")
 # (importer prefix, forbidden prefixes): each part imports downward only.
 FORBIDDEN = [
     ("kvlayout.mlx", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
-    ("kvlayout.engines", ("kvlayout.runner", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout.models", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout.engines", ("kvlayout.runner", "kvlayout.models", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
     ("kvlayout.runner", ("kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
     ("kvlayout_seq", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", "kvlayout_cell")),
     ("kvlayout_cell", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", "kvlayout_seq")),

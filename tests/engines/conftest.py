@@ -12,7 +12,7 @@ import pytest
 import kvlayout
 from kvlayout.config import CacheConfig
 from kvlayout.engines import CellEngine, Sampling, SeqEngine, Stats, make_requests
-from kvlayout.runner.presets import build_preset
+from kvlayout.models.presets import build_preset
 
 SYSTEM = "You are a terse assistant. Answer in one line.\n"
 QUESTIONS = ["Q: what is a KV cache?\nA:", "Q: why fork?\nA:", "Q: what does a ring keep?\nA:"]

@@ -11,8 +11,6 @@ import pytest
 
 from kvlayout.runner import job
 from kvlayout.runner.config import RunConfig
-from kvlayout.runner.loading import load_model
-from kvlayout.runner.presets import write_preset
 from kvlayout.spec import AttendSpec, MaskKind
 
 # A shared "system prompt" and distinct tails, as byte-tokenizer prompts.
@@ -59,34 +57,6 @@ def oracle_outputs(loaded, cfg: RunConfig) -> list[list[list[int]]]:
         ids, _ = oracle_greedy(model, tok.encode(r.prompt), r.max_tokens, frozenset(tok.eos_ids))
         out.append([ids] * r.n)  # greedy: every sample of a request is the same
     return out
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    return write_preset(tmp_path_factory.mktemp("tiny"), "tiny")
-
-
-@pytest.fixture(scope="session")
-def ring_dir(tmp_path_factory) -> Path:
-    """The tiny model with a sliding window on its first layer (HF layer_types)."""
-    return write_preset(
-        tmp_path_factory.mktemp("ring"),
-        "tiny",
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-
-
-@pytest.fixture(scope="session")
-def tiny_loaded(tiny_dir):
-    model, args, tok = load_model(tiny_dir)
-    return model, args, tok, str(tiny_dir)
-
-
-@pytest.fixture(scope="session")
-def ring_loaded(ring_dir):
-    model, args, tok = load_model(ring_dir)
-    return model, args, tok, str(ring_dir)
 
 
 def make_config(model_dir: Path, layout: str = "mlx:cell", requests: list[dict] | None = None, **sections: Any) -> RunConfig:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kvlayout.runner import job
-from kvlayout.runner.loading import load_model
-from kvlayout.runner.presets import build_preset
+from kvlayout.models.loading import load_model
+from kvlayout.models.presets import build_preset
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
 from tests.runner.flaky import FlakyModel
 from tests.runner.flaky import with_model as loaded_with

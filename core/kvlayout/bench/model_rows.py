@@ -50,9 +50,9 @@ def _loaded(ctx: dict):
     """(ours, theirs, args): the tiny preset, written as `kvlayout init-model` writes it (on the first
     row that needs a model), loaded by kvlayout's loader and by mlx_lm's, once."""
     if "loaded" not in ctx:
-        from kvlayout.runner.loading import load_model
-        from kvlayout.runner.presets import write_preset
-        from kvlayout.runner.tokenizer import ByteTokenizer
+        from kvlayout.models.loading import load_model
+        from kvlayout.models.presets import write_preset
+        from kvlayout.models.tokenizer import ByteTokenizer
 
         model_dir = write_preset(ctx["model_dir"], "tiny")
         model, args, _ = load_model(model_dir)

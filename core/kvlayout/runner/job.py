@@ -74,8 +74,8 @@ def load_model_for(cfg: RunConfig):
 
     (A saved cache is loaded by `kvlayout.load`; this loads only a model.)
     """
-    from kvlayout.runner.loading import load_model
-    from kvlayout.runner.presets import build_preset
+    from kvlayout.models.loading import load_model
+    from kvlayout.models.presets import build_preset
 
     dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
     if cfg.model.preset is not None:

@@ -9,9 +9,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from kvlayout.errors import ConfigError
-from kvlayout.runner.loading import load_model
-from kvlayout.runner.presets import preset_config
-from kvlayout.runner.tokenizer import ByteTokenizer, HFTokenizer
+from kvlayout.models.loading import load_model
+from kvlayout.models.presets import preset_config
+from kvlayout.models.tokenizer import ByteTokenizer, HFTokenizer
 from tests.runner.conftest import NoCache
 
 

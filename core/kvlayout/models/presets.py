@@ -17,9 +17,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
-from kvlayout.runner.loading import check_weights, save_model
-from kvlayout.runner.model import Model, ModelArgs
-from kvlayout.runner.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_VOCAB, ByteTokenizer
+from kvlayout.models.loading import check_weights, save_model
+from kvlayout.models.llama import Model, ModelArgs
+from kvlayout.models.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_VOCAB, ByteTokenizer
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {

@@ -1,8 +1,10 @@
 """Load (and write) a model directory in the Hugging Face layout.
 
 A directory holds `config.json` and one or more `*.safetensors` files (a
-sharded checkpoint is just several); tensors keep their HF names. Every
-failure is a ConfigError naming the file or the tensor and what to do.
+sharded checkpoint is just several); tensors keep their HF names. An
+MLX-quantized directory (`mlx_lm.convert -q`) says so in config.json's
+`quantization` section (`kvlayout.models.quantization`). Every failure is a
+ConfigError naming the file or the tensor and what to do.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
-from kvlayout.runner.model import Model, ModelArgs
-from kvlayout.runner.tokenizer import load_tokenizer
-
+from kvlayout.models.llama import Model, ModelArgs
+from kvlayout.models.quantization import quantize, read_quantization
+from kvlayout.models.tokenizer import load_tokenizer
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -54,7 +57,11 @@ def read_weights(model_dir: Path) -> dict[str, mx.array]:
 
 
 def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) -> dict[str, mx.array]:
-    """The checkpoint's tensors, exactly the model's parameters, or a ConfigError naming one."""
+    """The checkpoint's tensors, exactly the model's parameters, or a ConfigError naming one.
+
+    A quantized model's parameters are its packed ones (uint32 `weight`, float
+    `scales` and `biases`), so a packed tensor is checked like any other.
+    """
     weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}  # precomputed, unused
     if model.args.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
@@ -66,26 +73,59 @@ def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) ->
     unexpected = sorted(weights.keys() - expected.keys())
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ConfigError(
-            f"{source}: unexpected tensor {unexpected[0]!r}{more}; the checkpoint does not match config.json"
-        )
+        why = "the checkpoint does not match config.json"
+        if any(n.endswith(".scales") for n in unexpected) and not any(n.endswith(".scales") for n in expected):
+            why = "the checkpoint is quantized but config.json has no quantization section"
+        raise ConfigError(f"{source}: unexpected tensor {unexpected[0]!r}{more}; {why}")
+    modules = dict(model.named_modules())
     for name, param in expected.items():
-        if tuple(weights[name].shape) != tuple(param.shape):
+        got = weights[name]
+        packed = _packing_of(modules.get(name.rpartition(".")[0]))
+        if tuple(got.shape) != tuple(param.shape):
             raise ConfigError(
-                f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
-                f"config.json implies {tuple(param.shape)}"
+                f"{source}: tensor {name!r} has shape {tuple(got.shape)}, config.json implies {tuple(param.shape)}{packed}"
+            )
+        # Floats may differ (they are cast); a packed weight must be the integer words it claims to be.
+        if got.dtype != param.dtype and not (_is_float(got) and _is_float(param)):
+            raise ConfigError(
+                f"{source}: tensor {name!r} is {_name(got.dtype)}, config.json implies {_name(param.dtype)}{packed}"
             )
     return weights
 
 
+def _packing_of(module) -> str:
+    """How config.json says a module is packed, for an error message ("" when it is not)."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return f" (packed {module.bits}-bit in groups of {module.group_size}, as its quantization section says)"
+    return ""
+
+
+def _is_float(a: mx.array) -> bool:
+    return mx.issubdtype(a.dtype, mx.floating)
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
 def load_model(model_dir: Path, dtype: str | None = None):
-    """(model, args, tokenizer) from an HF directory; `dtype` casts the weights (None: as stored)."""
+    """(model, args, tokenizer) from an HF directory; `dtype` casts the weights (None: as stored).
+
+    A quantized directory's layers are swapped for their quantized forms
+    before the tensors are checked, so the check sees the packed shapes.
+    """
     model_dir = Path(model_dir)
-    args = ModelArgs.from_hf(read_config(model_dir), source=str(model_dir / "config.json"))
+    cfg, source = read_config(model_dir), str(model_dir / "config.json")
+    args = ModelArgs.from_hf(cfg, source=source)
+    quant = read_quantization(cfg, source)
     model = Model(args)
-    weights = check_weights(model, read_weights(model_dir), str(model_dir))
+    weights = read_weights(model_dir)
+    if quant is not None:
+        quantize(model, quant, weights.keys(), source)
+    weights = check_weights(model, weights, str(model_dir))
     if dtype is not None:
-        weights = {k: v.astype(DTYPES[dtype]) for k, v in weights.items()}
+        # Only floats take the dtype: a packed (quantized) weight's uint32 words must stay as they are.
+        weights = {k: v.astype(DTYPES[dtype]) if _is_float(v) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     return model, args, load_tokenizer(model_dir, args.eos_token_id)

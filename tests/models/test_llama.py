@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
-from kvlayout.runner.loading import load_model
-from kvlayout.runner.presets import write_preset
+from kvlayout.models.loading import load_model
+from kvlayout.models.presets import build_preset, write_preset
 from tests.runner.conftest import NoCache
 
 import mlx_lm.utils as mlx_lm_utils  # the independent oracle; a test extra, never skipped
@@ -75,11 +76,21 @@ def test_sliding_window_becomes_ring_layers_in_the_cache_config(ring_loaded):
 
 
 def test_qwen2_slides_only_with_use_sliding_window():
-    from kvlayout.runner.model import ModelArgs
-    from kvlayout.runner.presets import preset_config
+    from kvlayout.models.llama import ModelArgs
+    from kvlayout.models.presets import preset_config
 
     base = preset_config("tiny", model_type="qwen2", sliding_window=16, max_window_layers=1)
     assert ModelArgs.from_hf(base).windows == (0, 0)
     assert ModelArgs.from_hf({**base, "use_sliding_window": True}).windows == (0, 16)
     mistral = preset_config("tiny", model_type="mistral", sliding_window=16)
     assert ModelArgs.from_hf(mistral).windows == (16, 16)
+
+
+def test_the_model_dtype_is_the_compute_dtype_even_when_the_embedding_is_packed():
+    """The runner picks the K/V dtype from it; a quantized embedding's weight is uint32 words."""
+    model, _, _ = build_preset("tiny")
+    nn.quantize(model, 32, 4, class_predicate=lambda path, _: path == "model.embed_tokens")
+    assert model.model.embed_tokens.weight.dtype == mx.uint32
+    assert model.dtype == mx.float32
+    model.set_dtype(mx.bfloat16)
+    assert model.dtype == mx.bfloat16 and model.model.embed_tokens.weight.dtype == mx.uint32

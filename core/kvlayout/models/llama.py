@@ -263,7 +263,9 @@ class Model(nn.Module):
 
     @property
     def dtype(self) -> mx.Dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The compute dtype. The final norm's: it is never quantized, while a
+        quantized embedding's weight is packed uint32."""
+        return self.model.norm.weight.dtype
 
     def __call__(
         self,
@@ -292,5 +294,6 @@ class Model(nn.Module):
             h = h[mx.array(rows, dtype=mx.int32)]  # [R, hidden]
         h = self.model.norm(h)
         if self.args.tie_word_embeddings:
+            # The embedding as the head: a plain matmul, or a quantized one when it is packed.
             return self.model.embed_tokens.as_linear(h)  # [R, V]
         return self.lm_head(h)  # [R, V]

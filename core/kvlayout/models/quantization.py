@@ -1,0 +1,147 @@
+"""How a model directory's weights are packed: the `quantization` section of config.json.
+
+`mlx_lm.convert -q` (and kvlayout's GGUF import) store a Linear or Embedding
+weight MLX-quantized: `weight` packed into uint32 words, plus one float
+`scales` and `biases` per group of inputs, under the module's own name.
+config.json says how:
+
+    "quantization": {"group_size": 64, "bits": 4, "mode": "affine",
+                     "model.embed_tokens": {"group_size": 32, "bits": 8},
+                     "lm_head": false}
+
+The top level is the default packing; a module path maps to its own, or to
+false to keep that module in floats. mlx-lm copies the section to
+`quantization_config` (the key Hugging Face tools look for); that copy is read
+only when `quantization` is absent.
+
+Which modules are packed follows mlx-lm's loader: a module the section names,
+as it says; any other Linear or Embedding whose `scales` are in the
+checkpoint, by the default (convert leaves a layer whose input does not split
+into whole groups in floats, and writes nothing about it). Unlike mlx-lm,
+which infers an unnamed module's bits from its tensors' shapes, the declared
+packing is taken at its word and the tensors are then checked against it
+(`loading.check_weights`), so a checkpoint that disagrees with its config is
+refused naming the tensor, never read another way.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Collection, Mapping
+
+import attrs
+import mlx.nn as nn
+
+from kvlayout.checks import int_scalar, reject_unknown
+from kvlayout.errors import ConfigError
+
+# What mx.quantize accepts in affine mode (mlx 0.32); tests/models/test_quantization_config.py
+# asks MLX itself, so a change in MLX fails there rather than refusing good directories.
+AFFINE_BITS = (1, 2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+KEYS = ("group_size", "bits", "mode")
+
+
+@attrs.frozen
+class Packing:
+    """How one module's weight is packed (keyword arguments of `to_quantized`)."""
+
+    group_size: int
+    bits: int
+    mode: str = "affine"
+
+
+@attrs.frozen
+class Quantization:
+    """A checked quantization section: the default, and per-module packings (None: left in floats)."""
+
+    default: Packing
+    modules: dict[str, Packing | None]
+    key: str  # "quantization" or "quantization_config": what a later error names
+
+
+def read_quantization(cfg: Mapping[str, Any], source: str) -> Quantization | None:
+    """The section of an HF config dict, checked; None when the weights are not quantized.
+
+    Every bad value is a ConfigError naming `source` (config.json) and the key.
+    """
+    key = "quantization" if cfg.get("quantization") is not None else "quantization_config"
+    section = cfg.get(key)
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{source}: {key}: expected a mapping (group_size, bits), got {type(section).__name__}")
+    if "quant_method" in section:
+        # Hugging Face's own quantized formats (AWQ, GPTQ, bitsandbytes, fp8...) pack differently.
+        raise ConfigError(
+            f"{source}: {key}.quant_method={section['quant_method']!r} is not supported; kvlayout loads "
+            "MLX-quantized directories (write one with `mlx_lm.convert -q`)"
+        )
+    default = _packing({k: v for k, v in section.items() if k in KEYS}, key, source)
+    modules: dict[str, Packing | None] = {}
+    for path, value in section.items():
+        if path in KEYS:
+            continue
+        where = _entry(key, path)
+        if isinstance(value, bool):
+            modules[path] = default if value else None
+        elif isinstance(value, Mapping):
+            modules[path] = _packing(value, where, source)
+        else:
+            raise ConfigError(
+                f"{source}: {where}={value!r}: expected a module path mapped to {{group_size, bits}} or false "
+                f"(the section's own keys are {', '.join(KEYS)})"
+            )
+    return Quantization(default, modules, key)
+
+
+def _entry(key: str, path: str) -> str:
+    """A module's entry as config.json spells it: quantization["model.embed_tokens"]."""
+    return f"{key}[{json.dumps(path)}]"
+
+
+def _packing(data: Mapping[str, Any], where: str, source: str) -> Packing:
+    reject_unknown(data, KEYS, source, prefix=where, required=("group_size", "bits"))
+    mode = data.get("mode", "affine")
+    if mode != "affine":
+        raise ConfigError(f"{source}: {where}.mode={mode!r} is not supported; kvlayout loads affine quantization only")
+    bits = int_scalar(f"{source}: {where}.bits", data["bits"], ConfigError, numpy=False)
+    if bits not in AFFINE_BITS:
+        raise ConfigError(f"{source}: {where}.bits={bits}: MLX packs {_either(AFFINE_BITS)} bits")
+    group_size = int_scalar(f"{source}: {where}.group_size", data["group_size"], ConfigError, numpy=False)
+    if group_size not in GROUP_SIZES:
+        raise ConfigError(
+            f"{source}: {where}.group_size={group_size}: MLX packs groups of {_either(GROUP_SIZES)} inputs"
+        )
+    return Packing(group_size, bits, mode)
+
+
+def _either(values: tuple[int, ...]) -> str:
+    return ", ".join(map(str, values[:-1])) + f" or {values[-1]}"
+
+
+def quantize(model: nn.Module, quant: Quantization, names: Collection[str], source: str) -> None:
+    """Swap `model`'s Linear and Embedding layers for their quantized forms, in place.
+
+    `names` are the checkpoint's tensor names (a module with `scales` there is
+    packed by the default). Every refusal comes before the model is touched.
+    """
+    packable = {p: m for p, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    for path in quant.modules:
+        if path not in packable:
+            raise ConfigError(f"{source}: {_entry(quant.key, path)} names no Linear or Embedding of this model")
+    chosen: dict[str, Packing] = {}
+    for path, module in packable.items():
+        named = path in quant.modules
+        packing = quant.modules[path] if named else quant.default if f"{path}.scales" in names else None
+        if packing is None:
+            continue
+        in_dims = module.weight.shape[-1]  # Linear [out, in], Embedding [vocab, dims]: groups run along the last axis
+        if in_dims % packing.group_size:
+            where = _entry(quant.key, path) if named else quant.key
+            raise ConfigError(
+                f"{source}: {where}.group_size={packing.group_size} does not divide the input dimension "
+                f"{in_dims} of {path}"
+            )
+        chosen[path] = packing
+    nn.quantize(model, class_predicate=lambda path, _: attrs.asdict(chosen[path]) if path in chosen else False)
