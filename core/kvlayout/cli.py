@@ -109,7 +109,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     mode = "quick" if args.quick else "full" if args.full else "default"
     rows = [r for r in args.rows.split(",") if r] if args.rows else None
-    suite.run_suite(mode, rows, Path(args.out) if args.out else None)
+    suite.run_suite(mode, rows, Path(args.out) if args.out else None, Path(args.model) if args.model else None)
     return 0
 
 
@@ -143,6 +143,10 @@ def make_parser() -> argparse.ArgumentParser:
     size.add_argument("--quick", action="store_true", help="a short smoke-test run (small sizes, 2 repeats)")
     size.add_argument("--full", action="store_true", help="the issue's full sizes (much longer)")
     bench.add_argument("--rows", metavar="NAMES", help="comma-separated subset of the rows (default: all)")
+    bench.add_argument(
+        "--model", metavar="DIR",
+        help="a model directory you have: rows 8-9 (decode, chat) measure it beside mlx-lm (the default rows then)",
+    )
     bench.set_defaults(func=_bench)
     return parser
 

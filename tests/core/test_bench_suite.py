@@ -85,3 +85,27 @@ def test_a_wheel_of_kvlayout_carries_the_bench_suite(tmp_path):
     [wheel] = (tmp_path / "dist").glob("kvlayout-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"kvlayout/bench/__init__.py", "kvlayout/bench/suite.py", "kvlayout/bench/plot.py"} <= names
+
+
+def test_the_user_model_rows_measure_a_given_directory_beside_mlx_lm_with_identical_tokens(tmp_path, capsys):
+    # A directory mlx-lm itself wrote (convert -q), with a tokenizer: both sides load it, get the same
+    # prompt ids, and must agree token for token (the rows' own oracle, mlx-lm, reports it).
+    from kvlayout.bench import suite
+    from tests.models.quantized import convert_tiny
+
+    model_dir = convert_tiny(tmp_path / "q4", bits=4, group_size=32)
+    payload = suite.run_suite("quick", out=None, model=model_dir)
+    rows = {r["key"]: r["results"] for r in payload["rows"]}
+    assert list(rows) == ["decode", "chat"]  # with --model, the default rows are the model's
+    assert [r["identical"] for r in rows["decode"]] == [True, True]  # mlx:seq, mlx:cell vs mlx-lm
+    assert [r["identical"] for r in rows["chat"]] == [True]
+    assert all(r["tok_s"] > 0 and r["baseline_tok_s"] > 0 for rs in rows.values() for r in rs)
+    assert "8 decode" in capsys.readouterr().out
+
+
+def test_the_user_model_rows_without_a_model_are_refused_in_one_line(capsys):
+    from kvlayout import cli
+
+    assert cli.main(["bench", "--quick", "--rows", "chat"]) == 2
+    assert capsys.readouterr().err == (
+        "kvlayout: error: --rows chat: these rows measure a model you have; give --model DIR\n")

@@ -27,6 +27,10 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
               vs the ideal (the same SDPA over each sequence's own, already
               contiguous, cells).                                 [cell_rows]
 7. fp16       float16 vs float32 attention on this device.       [dtype_rows]
+8. decode     `--model DIR`: single-sequence decode tok/s, mlx:seq and mlx:cell
+              vs mlx-lm's generate_step on the same directory.  [real_rows]
+9. chat       `--model DIR`: 8 chat requests sharing a system prompt, mlx:cell
+              vs batch_generate; identical tokens checked.      [real_rows]
 
 Sizes are in `sizes`; timing in `timing`; the table in `table`, the plot in
 `plot`; `suite.run_suite` runs the rows. mlx-lm and matplotlib come with the

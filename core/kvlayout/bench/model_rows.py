@@ -20,8 +20,8 @@ from kvlayout.bench.timing import interleaved, timed
 from kvlayout.builder import split_layout_key
 
 
-class _NoTokenizer:
-    """What batch_generate needs of a tokenizer when prompts are ids: no EOS, no text."""
+class IdsOnly:
+    """What batch_generate needs of a tokenizer when prompts are ids: no EOS, no text (rows 3, 4, 9)."""
 
     eos_token_ids: list[int] = []
 
@@ -29,7 +29,8 @@ class _NoTokenizer:
         return ""
 
 
-def _run_config(model_dir: Path, layout: str, requests: list[dict], capacity: int, chunk: int = 2048):
+def run_config(model_dir: Path, layout: str, requests: list[dict], capacity: int, chunk: int = 2048):
+    """A run config for `requests` on `model_dir` through `layout`: greedy, fp32 K/V."""
     from kvlayout.runner.config import RunConfig
 
     backend, kind = split_layout_key(layout)
@@ -70,7 +71,7 @@ def row_generate(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     n = z["gen_tokens"]
     prompt = [(7 * j + 3) % 256 for j in range(32)]
     jobs = {
-        lay: jobs.prepare(_run_config(ctx["model_dir"], lay, [{"prompt_ids": prompt, "max_tokens": n}], 32 + n),
+        lay: jobs.prepare(run_config(ctx["model_dir"], lay, [{"prompt_ids": prompt, "max_tokens": n}], 32 + n),
                             loaded=ours)
         for lay in ("mlx:seq", "mlx:cell")
     }
@@ -125,7 +126,7 @@ def row_batch(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         prompts = _ragged(n, z["batch_max_prompt"])
         reqs = [{"prompt_ids": p, "max_tokens": m} for p in prompts]
         cap = sum(len(p) for p in prompts) + n * m
-        job = jobs.prepare(_run_config(ctx["model_dir"], "mlx:cell", reqs, cap, chunk=512), loaded=ours)
+        job = jobs.prepare(run_config(ctx["model_dir"], "mlx:cell", reqs, cap, chunk=512), loaded=ours)
         got: dict[str, object] = {}
 
         def ours_side():
@@ -138,7 +139,7 @@ def row_batch(z: dict, ctx: dict) -> tuple[str, list[Row]]:
 
         def theirs_side():
             t0 = time.perf_counter()
-            r = batch_generate(theirs, _NoTokenizer(), prompts, max_tokens=m, return_token_ids=True)
+            r = batch_generate(theirs, IdsOnly(), prompts, max_tokens=m, return_token_ids=True)
             dt = time.perf_counter() - t0
             got["theirs"] = [list(map(int, ids)) for ids in r.token_ids]
             return dt
@@ -175,7 +176,7 @@ def row_prefix(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     out = []
     for n in z["prefix_ns"]:
         job = jobs.prepare(
-            _run_config(ctx["model_dir"], "mlx:cell", [{"prompt_ids": prompt, "max_tokens": 1, "n": n}], P + n),
+            run_config(ctx["model_dir"], "mlx:cell", [{"prompt_ids": prompt, "max_tokens": 1, "n": n}], P + n),
             loaded=ours)
         got = {}
 
@@ -187,7 +188,7 @@ def row_prefix(z: dict, ctx: dict) -> tuple[str, list[Row]]:
             return dt
 
         def theirs_side():
-            return timed(lambda: batch_generate(theirs, _NoTokenizer(), [prompt] * n, max_tokens=1))
+            return timed(lambda: batch_generate(theirs, IdsOnly(), [prompt] * n, max_tokens=1))
 
         t = interleaved({"mlx:cell": ours_side, "mlx-lm rows": theirs_side}, z["repeats"])
         out.append(Row.from_times("4 prefix", f"n={n}: mlx:cell", t, "mlx:cell", "mlx-lm rows",

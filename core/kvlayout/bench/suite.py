@@ -16,6 +16,7 @@ from kvlayout.bench import peers, plot
 from kvlayout.bench.cell_rows import row_bookkeep, row_grouped
 from kvlayout.bench.dtype_rows import row_fp16
 from kvlayout.bench.model_rows import row_batch, row_generate, row_prefix
+from kvlayout.bench.real_rows import row_chat, row_decode
 from kvlayout.bench.record import Row, Section
 from kvlayout.bench.sizes import SIZES
 from kvlayout.bench.table import print_table
@@ -34,8 +35,11 @@ ROWS: dict[str, RowFn] = {
     "bookkeep": row_bookkeep,
     "grouped": row_grouped,
     "fp16": row_fp16,
+    "decode": row_decode,  # rows 8-9 measure the model of --model DIR
+    "chat": row_chat,
 }
-MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix")
+ON_A_USER_MODEL = ("decode", "chat")
+MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix", *ON_A_USER_MODEL)
 
 
 def heading(mode: str) -> str:
@@ -44,15 +48,19 @@ def heading(mode: str) -> str:
             f"mlx-lm {peers.mlx_lm_version()} · {platform.machine()}, {platform.system()}")
 
 
-def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | None = None) -> dict:
-    """Run `rows` (default: all, in ROWS order) at `mode`'s sizes; print the table; return the JSON payload.
+def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | None = None,
+              model: Path | None = None) -> dict:
+    """Run `rows` at `mode`'s sizes; print the table; return the JSON payload.
+
+    Rows default to rows 1-7 (seeded tiny models), or, with `model` (a model
+    directory the user has), to rows 8-9 on it (`ON_A_USER_MODEL`).
 
     With `out`, also write bench.json and bench.png there. ConfigError (one
     line, before anything runs) for an unknown row; MissingExtra, before anything is measured, when mlx-lm (for
     the rows measured against it) or matplotlib (for `out`) is not installed.
     """
     z = SIZES[mode]
-    keys = rows or list(ROWS)
+    keys = rows or (list(ON_A_USER_MODEL) if model is not None else [k for k in ROWS if k not in ON_A_USER_MODEL])
     unknown = [k for k in keys if k not in ROWS]
     if unknown:
         raise ConfigError(f"--rows {','.join(unknown)}: expected some of {', '.join(ROWS)}")
@@ -61,9 +69,15 @@ def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | 
         peers.require("mlx_lm", f"kvlayout bench (rows {', '.join(against)})", package="mlx-lm")
     if out is not None:
         plot.require()
+    needs_model = [k for k in keys if k in ON_A_USER_MODEL]
+    if needs_model and model is None:
+        raise ConfigError(f"--rows {','.join(needs_model)}: these rows measure a model you have; give --model DIR")
+    if model is not None and not Path(model).is_dir():
+        raise ConfigError(f"--model {model}: not a directory; expected a model directory (config.json, *.safetensors)")
     sections = []
     with tempfile.TemporaryDirectory(prefix="kvlayout-bench-") as tmp:
-        ctx: dict = {"model_dir": Path(tmp) / "tiny"}  # written by the first row that loads the model
+        # The tiny preset is written by the first row that loads it; --model's directory is read as it is.
+        ctx: dict = {"model_dir": Path(tmp) / "tiny", "user_model": model}
         for key in keys:
             t0 = time.perf_counter()
             work, got = ROWS[key](z, ctx)

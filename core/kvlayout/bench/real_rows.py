@@ -1,0 +1,156 @@
+"""Rows 8-9 (decode, chat): a model the user has (`kvlayout bench --model DIR`) vs mlx-lm on it.
+
+Both sides load the same directory (quantized or not) with their own
+loaders. Prompts are rendered by mlx-lm's tokenizer (the model's chat
+template when it has one), so kvlayout's own template rendering is not what
+is measured: both sides get the same token ids, generate greedily with no
+EOS (every sample runs its max_tokens, so both do the same work), and the
+token ids they produce are compared.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from kvlayout.bench import peers
+from kvlayout.bench.model_rows import run_config, IdsOnly
+from kvlayout.bench.record import Row
+from kvlayout.bench.timing import interleaved
+from kvlayout.errors import ConfigError
+
+SYSTEM = "You are a concise assistant. Answer in one or two sentences."
+QUESTIONS = [
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Name three prime numbers.",
+    "What does a KV cache store during transformer inference, and why does it make decoding faster?",
+    "Translate 'good morning' into Spanish.",
+    "Explain in simple words what a black hole is and how it forms from a star that runs out of fuel.",
+    "What is 12 times 12?",
+    "Give one tip for writing readable Python code, such as how to name functions and variables well.",
+]
+
+
+def user_model(ctx: dict) -> dict:
+    """The model of `--model DIR`, loaded once by kvlayout and once by mlx-lm, with mlx-lm's tokenizer."""
+    if "user" not in ctx:
+        model_dir = ctx.get("user_model")
+        if model_dir is None:
+            raise ConfigError("--rows decode,chat measure a model you have: give it with --model DIR")
+        from kvlayout.models.loading import load_model
+        from kvlayout.models.tokenizer import ByteTokenizer
+
+        model, args, _ = load_model(Path(model_dir))
+        utils = peers.mlx_lm("utils")
+        theirs, _ = utils.load_model(Path(model_dir))
+        tokenizer = utils.load_tokenizer(Path(model_dir))
+        ours = (model, args, ByteTokenizer(eos_ids=()), str(model_dir))  # prompts are ids; no EOS
+        ctx["user"] = dict(dir=Path(model_dir), ours=ours, theirs=theirs, tokenizer=tokenizer, args=args)
+    return ctx["user"]
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    """`question` after the shared system prompt, through the model's chat template (plain text without one)."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode(f"{SYSTEM}\n{question}\n"))
+
+
+def row_decode(z: dict, ctx: dict) -> tuple[str, list[Row]]:
+    from kvlayout.runner import job as jobs
+
+    generate_step = peers.mlx_lm("generate").generate_step
+    m = user_model(ctx)
+    n = z["model_tokens"]
+    prompt = chat_ids(m["tokenizer"], QUESTIONS[0])
+    prepared = {
+        lay: jobs.prepare(run_config(m["dir"], lay, [{"prompt_ids": prompt, "max_tokens": n}], len(prompt) + n),
+                          loaded=m["ours"])
+        for lay in ("mlx:seq", "mlx:cell")
+    }
+    got: dict[str, list[int]] = {}
+    decode_s: dict[str, list[float]] = {side: [] for side in ("mlx:seq", "mlx:cell", "mlx-lm")}
+
+    def ours_side(lay):
+        def go():
+            res = prepared[lay].generate()
+            got[lay] = list(res.outputs[0][0].token_ids)
+            decode_s[lay].append(res.stats.decode_s)  # the n - 1 forwards after the first token
+            return res.stats.decode_s
+        return go
+
+    def theirs_side():
+        ids, first = [], None
+        for token, _ in generate_step(mx.array(prompt), m["theirs"], max_tokens=n):
+            ids.append(int(token))
+            if first is None:
+                first = time.perf_counter()  # the prompt is in and the first token sampled
+        dt = time.perf_counter() - first
+        got["mlx-lm"] = ids
+        decode_s["mlx-lm"].append(dt)
+        return dt
+
+    t = interleaved({"mlx:seq": ours_side("mlx:seq"), "mlx:cell": ours_side("mlx:cell"), "mlx-lm": theirs_side},
+                    z["repeats"])
+    out = []
+    theirs_tok_s = (n - 1) / statistics.median(t["mlx-lm"])
+    for lay in ("mlx:seq", "mlx:cell"):
+        same = got[lay] == got["mlx-lm"]
+        ours_tok_s = (n - 1) / statistics.median(t[lay])
+        out.append(Row.from_times(
+            "8 decode", f"{n} tokens, {m['dir'].name}: {lay}", t, lay, "mlx-lm",
+            f"{ours_tok_s:.1f} vs {theirs_tok_s:.1f} decode tok/s ({ours_tok_s / theirs_tok_s:.2f}x); "
+            f"ids {'identical' if same else 'DIFFER'}",
+            identical=same, tok_s=ours_tok_s, baseline_tok_s=theirs_tok_s,
+        ))
+    work = (f"{m['dir']}: one chat-templated question ({len(prompt)} prompt tokens), {n} tokens greedy, no EOS; "
+            "decode time = after the first sampled token (kvlayout: Stats.decode_s, the decode steps; mlx-lm: "
+            "from generate_step's first yield to its last), so A/B is the inverse of the decode tok/s ratio.")
+    return work, out
+
+
+def row_chat(z: dict, ctx: dict) -> tuple[str, list[Row]]:
+    from kvlayout.runner import job as jobs
+
+    batch_generate = peers.mlx_lm("generate").batch_generate
+    m = user_model(ctx)
+    n, k = z["chat_n"], z["chat_tokens"]
+    prompts = [chat_ids(m["tokenizer"], q) for q in (QUESTIONS * -(-n // len(QUESTIONS)))[:n]]
+    reqs = [{"prompt_ids": p, "max_tokens": k} for p in prompts]
+    cap = sum(len(p) for p in prompts) + n * k
+    prepared = jobs.prepare(run_config(m["dir"], "mlx:cell", reqs, cap, chunk=512), loaded=m["ours"])
+    got: dict[str, list[list[int]]] = {}
+
+    def ours_side():
+        t0 = time.perf_counter()
+        res = prepared.generate()
+        dt = time.perf_counter() - t0
+        got["ours"] = [list(o[0].token_ids) for o in res.outputs]
+        return dt
+
+    def theirs_side():
+        t0 = time.perf_counter()
+        r = batch_generate(m["theirs"], IdsOnly(), prompts, max_tokens=k, return_token_ids=True)
+        dt = time.perf_counter() - t0
+        got["theirs"] = [list(map(int, ids)) for ids in r.token_ids]
+        return dt
+
+    t = interleaved({"mlx:cell": ours_side, "batch_generate": theirs_side}, z["repeats"])
+    same = got["ours"] == got["theirs"]
+    ours, theirs = n * k / statistics.median(t["mlx:cell"]), n * k / statistics.median(t["batch_generate"])
+    lengths = sorted(len(p) for p in prompts)
+    row = Row.from_times(
+        "9 chat", f"{n} chat requests, {m['dir'].name}: mlx:cell", t, "mlx:cell", "batch_generate",
+        f"{ours:.1f} vs {theirs:.1f} gen tok/s ({ours / theirs:.2f}x throughput); outputs "
+        f"{'identical' if same else 'DIFFER'}",
+        identical=same, tok_s=ours, baseline_tok_s=theirs,
+    )
+    work = (f"{m['dir']}: {n} chat requests sharing a system prompt (prompts {lengths[0]}..{lengths[-1]} tokens), "
+            f"{k} tokens each greedy, no EOS; wall time prompt included; mlx:cell with engine.prefill_chunk 512 vs "
+            "mlx-lm batch_generate with its defaults; the same prompt ids on both sides.")
+    return work, [row]
