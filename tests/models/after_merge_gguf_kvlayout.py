@@ -1,0 +1,64 @@
+"""kvlayout running converted GGUF directories, against mlx-lm on the same directory.
+
+Needs kvlayout's quantized loading (the `quant` branch): on a branch without
+it, loading these quantized directories is refused and these tests fail.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx_lm.utils as mlx_lm_utils
+import numpy as np
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import generate_step
+
+from kvlayout.cli import main
+from kvlayout.models import smollm2
+from kvlayout.models.gguf import convert_gguf
+from kvlayout.models.loading import load_model
+from tests.models import gguf_builders as gb
+from tests.models.test_smollm2 import CHAT_IDS
+from tests.runner.conftest import NoCache
+
+MAX_TOKENS = 8
+
+
+def test_a_q4_0_q8_0_conversion_loads_in_kvlayout_with_mlx_lms_logits(tmp_path):
+    cfg, weights = gb.tiny_llama(tie_word_embeddings=True)
+    tensors = gb.gguf_tensors(cfg, weights)
+    types = {n: gb.GGML_Q4_0 for n, w in tensors.items() if w.ndim == 2} | {"token_embd.weight": gb.GGML_Q8_0}
+    out = convert_gguf(gb.write_gguf(tmp_path / "m.gguf", tensors, gb.metadata(cfg), types), tmp_path / "c")
+    ours, args, _ = load_model(out)
+    theirs, _ = mlx_lm_utils.load_model(out)
+    ids = [int(t) for t in np.random.default_rng(2).integers(0, cfg["vocab_size"], 20)]
+    got = ours(ids, range(len(ids)), NoCache(args.windows))  # [T, V]
+    want = theirs(mx.array(ids)[None])[0]  # [T, V]
+    assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 1e-2
+
+
+def _mlx_lm_greedy(model_dir) -> list[int]:
+    model, tok = mlx_lm_load(str(model_dir))
+    out = []
+    for (token, _), _ in zip(generate_step(mx.array(CHAT_IDS), model, max_tokens=MAX_TOKENS), range(MAX_TOKENS)):
+        if int(token) in tok.eos_token_ids:
+            break
+        out.append(int(token))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["mlx:seq", "mlx:cell"])
+def test_greedy_tokens_from_kvlayout_equal_mlx_lms_on_smollm2(layout, tmp_path, capsys):
+    model_dir = smollm2.smollm2_dir(progress=lambda line: None)
+    want = _mlx_lm_greedy(model_dir)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        f'[model]\npath = "{model_dir}"\n[cache]\ncapacity = 256\n[sampling]\ntemperature = 0.0\n'
+        f"[[requests]]\nprompt_ids = {CHAT_IDS}\nmax_tokens = {MAX_TOKENS}\n"
+    )
+    assert main(["run", str(cfg), "--json", "--layout", layout]) == 0
+    sample = json.loads(capsys.readouterr().out)["requests"][0]["samples"][0]
+    assert sample["token_ids"] == want
+    assert sample["text"].startswith("The capital of France is Paris")
