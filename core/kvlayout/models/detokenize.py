@@ -2,13 +2,14 @@
 
 Decoding one token alone is wrong for most tokenizers: a byte-level token may
 hold half of a multi-byte character, and a SentencePiece token's leading
-space depends on what came before it. So each new token is decoded together
-with the tokens of the piece before it (the context), and the new piece is
-what that adds to the context's own text; a piece whose text ends in U+FFFD
-(an incomplete UTF-8 sequence, so far) is held back until the next token
-completes it. Each token costs two decodes of a few tokens, never of the
-whole output. The pieces, then `flush()`, join to `decode(all ids)` (tested
-against it on emoji, CJK and accents, byte and BPE tokenizers).
+space depends on what came before it. So the new tokens are decoded together
+with the tokens of the piece before them (the context window), and what is
+new is the text past what was already given out. Text ending in U+FFFD (an
+incomplete UTF-8 sequence, so far) is given out up to those replacement
+characters, which wait until the next tokens complete them. Each token costs
+at most two decodes of a few tokens, never of the whole output. The pieces,
+then `flush()`, join to `decode(all ids)` (tested against it on emoji, CJK
+and accents, byte and BPE tokenizers).
 """
 
 from __future__ import annotations
@@ -24,25 +25,29 @@ class Detokenizer:
     def __init__(self, decode: Callable[[Sequence[int]], str], tokens: Sequence[int] = ()):
         self.decode = decode
         self.tokens: list[int] = []
-        # tokens[context:done] produced the last piece given out; tokens[done:] are not given out yet.
-        self.context = 0
-        self.done = 0
+        # The window decoded on each token is tokens[context:]; tokens[:clean] end on a whole
+        # character; `shown` characters of the window's text were given out.
+        self.context = self.clean = self.shown = 0
         for t in tokens:
             self.add(t)
 
     def add(self, token: int) -> str:
         """Take the next token; the text it completes ("" while a character is incomplete)."""
         self.tokens.append(int(token))
-        before = self.decode(self.tokens[self.context : self.done])
         text = self.decode(self.tokens[self.context :])
-        if len(text) <= len(before) or text.endswith(REPLACEMENT):
-            return ""  # nothing new (a special token), or a character still incomplete: wait
-        self.context, self.done = self.done, len(self.tokens)
-        return text[len(before) :]
+        end = len(text.rstrip(REPLACEMENT))  # an incomplete character at the end waits
+        piece = text[self.shown : end] if end > self.shown else ""
+        self.shown = max(self.shown, end)
+        if end == len(text):
+            # A whole character ends here: the next window starts at the previous such point,
+            # so it stays a few tokens long, and all of its text is out.
+            self.context, self.clean = self.clean, len(self.tokens)
+            self.shown = len(self.decode(self.tokens[self.context :]))
+        return piece
 
     def flush(self) -> str:
         """The text still held back (an incomplete character at the end, as the decoder writes it)."""
-        before = self.decode(self.tokens[self.context : self.done])
         text = self.decode(self.tokens[self.context :])
-        self.context = self.done = len(self.tokens)
-        return text[len(before) :]
+        piece = text[self.shown :]
+        self.shown = len(text)
+        return piece
