@@ -72,6 +72,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.layout:
         cfg = cfg.with_layout(args.layout)
     job = prepare(cfg, resume=args.resume)  # every user error surfaces here, before the progress bar
+    for notice in job.notices:  # a fallback model, chat sent as plain text: said before the run
+        print(f"kvlayout: {notice}", file=sys.stderr)
     save = args.save_state
     # With --save-state, a first Ctrl-C stops the run after its current step and saves it.
     stop = StopOnCtrlC() if save else None

@@ -16,6 +16,21 @@ def test_the_embedded_default_is_the_tiny_preset_with_forked_requests_sharing_a_
     assert len(first_line) == 1
 
 
+def test_messages_and_stop_strings_are_read():
+    cfg = RunConfig.from_mapping(_mapping(requests=[{
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "stop": ["\n\n", "Q:"],
+    }]))
+    (r,) = cfg.requests
+    assert [(m.role, m.content) for m in r.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert r.stop == ("\n\n", "Q:") and r.prompt is None
+
+
+def test_plain_chat_is_not_a_key_a_config_can_set():
+    with pytest.raises(ConfigError, match="unknown key 'plain_chat'"):
+        RunConfig.from_mapping(_mapping(plain_chat=True))
+
+
 def _mapping(**over):
     data = {"model": {"preset": "tiny"}, "requests": [{"prompt": "hi", "max_tokens": 4}]}
     data.update(over)
@@ -45,6 +60,20 @@ def test_an_unknown_key_is_named_with_the_valid_ones(data, key):
         (_mapping(sampling={"top_p": 0}), "sampling.top_p=0"),
         (_mapping(model={"preset": "tiny", "path": "m"}), "exactly one of model.path"),
         (_mapping(requests=[{"max_tokens": 3}]), "requests[0]: expected exactly one of prompt"),
+        (_mapping(requests=[{"prompt": "a", "messages": [{"role": "user", "content": "a"}]}]),
+         "got prompt and messages"),
+        (_mapping(requests=[{"messages": []}]), "requests[0].messages=[]"),
+        (_mapping(requests=[{"messages": "hi"}]), "requests[0].messages='hi'"),
+        (_mapping(requests=[{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}]),
+         "requests[0].messages[1].role='bot': expected one of system, user, assistant"),
+        (_mapping(requests=[{"messages": [{"role": "user", "content": 3}]}]), "requests[0].messages[0].content=3"),
+        (_mapping(requests=[{"messages": [{"role": "user"}]}]), "missing required key 'requests[0].messages[0].content'"),
+        (_mapping(requests=[{"messages": [{"role": "user", "content": "a", "name": "x"}]}]),
+         "unknown key 'requests[0].messages[0].name'"),
+        (_mapping(requests=[{"messages": ["hi"]}]), "requests[0].messages[0]: expected a table"),
+        (_mapping(requests=[{"prompt": "a", "stop": "x"}]), "requests[0].stop='x'"),
+        (_mapping(requests=[{"prompt": "a", "stop": [""]}]), "requests[0].stop"),
+        (_mapping(model={"path": "m", "fallback": "tiny"}), "model.fallback: only a preset falls back"),
         (_mapping(requests=[{"prompt": "a", "n": 0}]), "requests[0].n=0"),
         (_mapping(requests=[]), "no [[requests]]"),
     ],
