@@ -291,6 +291,10 @@ class RunConfig:
         """`--layout backend:kind` overrides the config's layout."""
         return attrs.evolve(self, layout=LayoutSection(*split_layout_key(key, "--layout")))
 
+    def with_model_path(self, path: str) -> RunConfig:
+        """`--model DIR` replaces the config's [model] (no fallback: a directory given is meant)."""
+        return attrs.evolve(self, model=ModelSection(path=str(Path(path).expanduser().resolve())))
+
     def model_dir(self) -> Path | None:
         """The model directory; a relative path is taken from the config file's directory."""
         if self.model.path is None:
@@ -305,6 +309,31 @@ def _section(cls: type, data: Any, prefix: str, source: str, **extra: Any):
         return cls(**data, **extra)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def prompt_config(
+    prompt: str, model_path: str | None = None, max_tokens: int = 128, temperature: float = 0.0, raw: bool = False
+) -> RunConfig:
+    """`kvlayout run --prompt TEXT`: one request, on `model_path` or else the default's model.
+
+    The prompt goes as one user message, rendered with the model's chat
+    template; as plain text with `raw`, or when the model has none (the run says so).
+    """
+    default = tomllib.loads(DEFAULT_TOML)
+    request: dict[str, Any] = {"max_tokens": max_tokens, "n": 1}
+    if raw:
+        request["prompt"] = prompt
+    else:
+        request["messages"] = [{"role": "user", "content": prompt}]
+    data = {
+        "layout": default["layout"],
+        "cache": {**default["cache"], "capacity": 8192},  # the pool grows as needed; this is only the ceiling
+        "model": {"path": model_path} if model_path is not None else default["model"],
+        "sampling": {"temperature": temperature},
+        "requests": [request],
+    }
+    cfg = RunConfig.from_mapping(data, source="--prompt")
+    return attrs.evolve(cfg, plain_chat=True)
 
 
 def load_config(path: str | Path | None = None) -> RunConfig:
