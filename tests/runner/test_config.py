@@ -8,12 +8,14 @@ from kvlayout.errors import ConfigError
 from kvlayout.runner.config import RunConfig, load_config
 
 
-def test_the_embedded_default_is_the_tiny_preset_with_forked_requests_sharing_a_system_prompt():
+def test_the_embedded_default_is_smollm2_chatting_falling_back_to_tiny_with_requests_sharing_a_system_prompt():
     cfg = load_config(None)
-    assert cfg.model.preset == "tiny" and cfg.layout.key == "mlx:cell"
-    assert len(cfg.requests) >= 3 and all(r.n == 2 for r in cfg.requests)
-    first_line = {r.prompt.split("\n")[0] for r in cfg.requests}
-    assert len(first_line) == 1
+    assert (cfg.model.preset, cfg.model.fallback, cfg.layout.key) == ("smollm2", "tiny", "mlx:cell")
+    assert len(cfg.requests) >= 3 and all(r.n == 2 and r.messages for r in cfg.requests)
+    systems = {r.messages[0] for r in cfg.requests}
+    assert len(systems) == 1 and systems.pop().role == "system"
+    assert len({r.messages[-1].content for r in cfg.requests}) == len(cfg.requests)
+    assert not cfg.plain_chat  # only a fallback taken turns it on
 
 
 def test_messages_and_stop_strings_are_read():

@@ -23,7 +23,8 @@ from kvlayout.errors import ConfigError
 from kvlayout.models.chat import ROLES
 
 DEFAULT_TOML = """\
-# The embedded default: the tiny preset, several requests sharing a system prompt.
+# The embedded default: SmolLM2-135M-Instruct (downloaded once, then cached) answering
+# a few questions that share a system prompt, two samples each, batched through mlx:cell.
 [layout]
 backend = "mlx"
 kind = "cell"
@@ -33,34 +34,39 @@ capacity = 2048
 kv_dtype = "auto"        # float32 on the CPU device, float16 on a GPU
 
 [model]
-preset = "tiny"
+preset = "smollm2"       # SmolLM2-135M-Instruct; see kvlayout.models.smollm2 for where it comes from
+fallback = "tiny"        # when it cannot be had: say why, and run the tiny random preset instead
 
 [sampling]
-temperature = 0.8        # 0 = greedy; sampled here so the two samples of a request differ
-top_p = 0.95
+temperature = 0.7        # sampled, so the two samples of a question differ
+top_p = 0.9
 seed = 0
 
 [engine]
 prefill_chunk = 64
 
 [[requests]]
-prompt = "You are a terse assistant. Answer in one line.\\nQ: what is a KV cache?\\nA:"
-max_tokens = 24
+messages = [
+  { role = "system", content = "You are a concise assistant. Answer in one or two sentences." },
+  { role = "user", content = "What is the capital of France?" },
+]
+max_tokens = 32
 n = 2
 
 [[requests]]
-prompt = "You are a terse assistant. Answer in one line.\\nQ: why share a prompt prefix?\\nA:"
-max_tokens = 24
+messages = [
+  { role = "system", content = "You are a concise assistant. Answer in one or two sentences." },
+  { role = "user", content = "Why is the sky blue?" },
+]
+max_tokens = 32
 n = 2
 
 [[requests]]
-prompt = "You are a terse assistant. Answer in one line.\\nQ: what does a ring layer keep?\\nA:"
-max_tokens = 24
-n = 2
-
-[[requests]]
-prompt = "You are a terse assistant. Answer in one line.\\nQ: when is a sequence preempted?\\nA:"
-max_tokens = 24
+messages = [
+  { role = "system", content = "You are a concise assistant. Answer in one or two sentences." },
+  { role = "user", content = "Give me a tip for writing clear code." },
+]
+max_tokens = 32
 n = 2
 """
 
