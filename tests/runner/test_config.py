@@ -8,12 +8,29 @@ from kvlayout.errors import ConfigError
 from kvlayout.runner.config import RunConfig, load_config
 
 
-def test_the_embedded_default_is_the_tiny_preset_with_forked_requests_sharing_a_system_prompt():
+def test_the_embedded_default_is_smollm2_chatting_falling_back_to_tiny_with_requests_sharing_a_system_prompt():
     cfg = load_config(None)
-    assert cfg.model.preset == "tiny" and cfg.layout.key == "mlx:cell"
-    assert len(cfg.requests) >= 3 and all(r.n == 2 for r in cfg.requests)
-    first_line = {r.prompt.split("\n")[0] for r in cfg.requests}
-    assert len(first_line) == 1
+    assert (cfg.model.preset, cfg.model.fallback, cfg.layout.key) == ("smollm2", "tiny", "mlx:cell")
+    assert len(cfg.requests) >= 3 and all(r.n == 2 and r.messages for r in cfg.requests)
+    systems = {r.messages[0] for r in cfg.requests}
+    assert len(systems) == 1 and systems.pop().role == "system"
+    assert len({r.messages[-1].content for r in cfg.requests}) == len(cfg.requests)
+    assert not cfg.plain_chat  # only a fallback taken turns it on
+
+
+def test_messages_and_stop_strings_are_read():
+    cfg = RunConfig.from_mapping(_mapping(requests=[{
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "stop": ["\n\n", "Q:"],
+    }]))
+    (r,) = cfg.requests
+    assert [(m.role, m.content) for m in r.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert r.stop == ("\n\n", "Q:") and r.prompt is None
+
+
+def test_plain_chat_is_not_a_key_a_config_can_set():
+    with pytest.raises(ConfigError, match="unknown key 'plain_chat'"):
+        RunConfig.from_mapping(_mapping(plain_chat=True))
 
 
 def _mapping(**over):
@@ -45,6 +62,20 @@ def test_an_unknown_key_is_named_with_the_valid_ones(data, key):
         (_mapping(sampling={"top_p": 0}), "sampling.top_p=0"),
         (_mapping(model={"preset": "tiny", "path": "m"}), "exactly one of model.path"),
         (_mapping(requests=[{"max_tokens": 3}]), "requests[0]: expected exactly one of prompt"),
+        (_mapping(requests=[{"prompt": "a", "messages": [{"role": "user", "content": "a"}]}]),
+         "got prompt and messages"),
+        (_mapping(requests=[{"messages": []}]), "requests[0].messages=[]"),
+        (_mapping(requests=[{"messages": "hi"}]), "requests[0].messages='hi'"),
+        (_mapping(requests=[{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}]),
+         "requests[0].messages[1].role='bot': expected one of system, user, assistant"),
+        (_mapping(requests=[{"messages": [{"role": "user", "content": 3}]}]), "requests[0].messages[0].content=3"),
+        (_mapping(requests=[{"messages": [{"role": "user"}]}]), "missing required key 'requests[0].messages[0].content'"),
+        (_mapping(requests=[{"messages": [{"role": "user", "content": "a", "name": "x"}]}]),
+         "unknown key 'requests[0].messages[0].name'"),
+        (_mapping(requests=[{"messages": ["hi"]}]), "requests[0].messages[0]: expected a table"),
+        (_mapping(requests=[{"prompt": "a", "stop": "x"}]), "requests[0].stop='x'"),
+        (_mapping(requests=[{"prompt": "a", "stop": [""]}]), "requests[0].stop"),
+        (_mapping(model={"path": "m", "fallback": "tiny"}), "model.fallback: only a preset falls back"),
         (_mapping(requests=[{"prompt": "a", "n": 0}]), "requests[0].n=0"),
         (_mapping(requests=[]), "no [[requests]]"),
     ],

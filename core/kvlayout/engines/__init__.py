@@ -10,7 +10,7 @@ records of `engines.records`. Nothing here imports `kvlayout.runner`.
 
 from kvlayout.engines.cell import CellEngine
 from kvlayout.engines.interface import Engine
-from kvlayout.engines.records import OnProgress, Request, Sample, Sampling, Stats, make_requests
+from kvlayout.engines.records import OnProgress, OnToken, Request, Sample, Sampling, Stats, Stopper, make_requests
 from kvlayout.engines.recovery import ForwardFailed, Interrupted
 from kvlayout.engines.seq import SeqEngine
 
@@ -20,10 +20,12 @@ __all__ = [
     "ForwardFailed",
     "Interrupted",
     "OnProgress",
+    "OnToken",
     "Request",
     "Sample",
     "Sampling",
     "SeqEngine",
     "Stats",
+    "Stopper",
     "make_requests",
 ]

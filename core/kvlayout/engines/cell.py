@@ -16,7 +16,17 @@ import attrs
 import numpy as np
 
 from kvlayout.engines.interface import Stop, run_steps
-from kvlayout.engines.records import OnProgress, Request, Sample, Sampling, Stats, sample_next, unplanned
+from kvlayout.engines.records import (
+    OnProgress,
+    OnToken,
+    Request,
+    Sample,
+    Sampling,
+    Stats,
+    ignore_tokens,
+    sample_next,
+    unplanned,
+)
 from kvlayout.engines.recovery import ForwardFailed, guarded_forward
 from kvlayout.errors import CapacityError, StateError
 
@@ -69,13 +79,25 @@ class CellEngine:
     engines.recovery).
 
     Implements the Engine interface (engines.interface): `running`, `queue`
-    and the admission counter are what `state()` saves.
+    and the admission counter are what `state()` saves. `on_token` hears of
+    every sampled token and every sample that fails (engines.records.OnToken).
     """
 
-    def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: OnProgress):
+    def __init__(
+        self,
+        model,
+        cache,
+        control,
+        eos,
+        sampling: Sampling,
+        chunk: int,
+        stats: Stats,
+        progress: OnProgress,
+        on_token: OnToken = ignore_tokens,
+    ):
         self.model, self.cache, self.bc = model, cache, control
         self.eos, self.sampling, self.chunk = eos, sampling, chunk
-        self.stats, self.progress = stats, progress
+        self.stats, self.progress, self.on_token = stats, progress, on_token
         self.running: list[Running] = []
         self.queue: collections.deque[Waiting] = collections.deque()
         self._admissions = 0
@@ -174,6 +196,7 @@ class CellEngine:
         self.bc.seq_rm(s.seq_id)
         for sample in s.samples:
             sample.finish_reason, sample.error = "error", str(exc)
+            self.on_token(s.request, sample, None)
             self.progress(unplanned(sample, s.request))
 
     # -- planning
@@ -313,6 +336,7 @@ class CellEngine:
 
     def _advance(self, s: Running, row: np.ndarray) -> None:
         token, finished, done = sample_next(s.samples[0], row, s.request, self.sampling, self.eos, self.stats)
+        self.on_token(s.request, s.samples[0], token)
         if finished:
             self.running.remove(s)
             self.bc.seq_rm(s.seq_id)  # frees the cells no other sample shares

@@ -3,11 +3,17 @@
 A sample owns its random generator, so what it generates never depends on
 which sequences shared its steps. The engines (engines.seq, engines.cell)
 fill these; the runner turns them into its results (runner.records).
+
+Two seams reach a caller while a sample is generated, both without the
+engine knowing what is behind them: a sample's `stopper` (its own stop
+condition, e.g. the runner's stop strings, asked about every token it keeps)
+and the engine's `on_token` callback (every change to a sample, as it
+happens: what streaming output and a server listen to).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import attrs
 import numpy as np
@@ -16,6 +22,18 @@ from kvlayout.engines.sampling import sample_rng, sample_token
 
 # Called as tokens get done: advance by this many tokens of the planned total.
 OnProgress = Callable[[int], None]
+
+
+class Stopper(Protocol):
+    """A sample's own stop condition, beyond EOS and max_tokens.
+
+    Called with each token the sample keeps, in order and once each (a
+    preempted sample's recomputed tokens are not sampled again, so not fed
+    again); True ends the sample there with finish_reason "stop", the token
+    kept. It sees only ids: what it decodes them to is its own business.
+    """
+
+    def __call__(self, token: int) -> bool: ...
 
 
 @attrs.define
@@ -28,6 +46,7 @@ class Sample:
     generated: list[int] = attrs.field(factory=list)
     finish_reason: str | None = None  # "stop", "length", or "error" (a forward failed twice)
     error: str | None = None  # the failure's message when finish_reason is "error"
+    stopper: Stopper | None = attrs.field(default=None, repr=False, eq=False)  # None: EOS and length only
 
 
 @attrs.define
@@ -92,6 +111,17 @@ class Stats:
         self.max_batch = max(self.max_batch, batch)
 
 
+# Called whenever a sample changes, as it happens: after a sampled token is recorded
+# (`token`; an EOS that ended the sample is not kept in `sample.generated`), or when the
+# sample ends without one (a forward failed twice: token None, finish_reason "error").
+# `sample.finish_reason` is set when that change finished it.
+OnToken = Callable[[Request, Sample, int | None], None]
+
+
+def ignore_tokens(request: Request, sample: Sample, token: int | None) -> None:
+    """The OnToken of an engine nobody listens to."""
+
+
 @attrs.frozen
 class Sampling:
     temperature: float = 0.0
@@ -109,11 +139,15 @@ def make_requests(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], n
 
 
 def take_token(sample: Sample, token: int, request: Request, eos: frozenset[int]) -> bool:
-    """Record a sampled token; True when the sample is finished (EOS is not kept)."""
+    """Record a sampled token; True when the sample is finished: on EOS (not kept), when its
+    stopper says so (the token kept; "stop" wins over "length" on the last token), or at max_tokens."""
     if token in eos:
         sample.finish_reason = "stop"
         return True
     sample.generated.append(token)
+    if sample.stopper is not None and sample.stopper(token):
+        sample.finish_reason = "stop"
+        return True
     if len(sample.generated) >= request.max_tokens:
         sample.finish_reason = "length"
         return True
@@ -133,6 +167,6 @@ def sample_next(sample: Sample, row: np.ndarray, request: Request, sampling: Sam
     """
     token = sample_token(row, sampling.temperature, sampling.top_p, sample.rng)
     finished = take_token(sample, token, request, eos)
-    if not (finished and sample.finish_reason == "stop"):
+    if token not in eos:
         stats.generated_tokens += 1
     return token, finished, 1 + (unplanned(sample, request) if finished else 0)

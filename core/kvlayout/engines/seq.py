@@ -9,7 +9,17 @@ from typing import Sequence
 import attrs
 
 from kvlayout.engines.interface import Stop, run_steps
-from kvlayout.engines.records import OnProgress, Request, Sample, Sampling, Stats, sample_next, unplanned
+from kvlayout.engines.records import (
+    OnProgress,
+    OnToken,
+    Request,
+    Sample,
+    Sampling,
+    Stats,
+    ignore_tokens,
+    sample_next,
+    unplanned,
+)
 from kvlayout.engines.recovery import ForwardFailed, Interrupted, guarded_forward
 from kvlayout.errors import CapacityError, StateError
 
@@ -40,13 +50,26 @@ class SeqEngine:
     Implements the Engine interface (engines.interface). `current` (request,
     sample) and `cached` name the sample the cache holds and how many of its
     tokens are in it: what `state()` saves, so a stopped run can resume it.
+    `on_token` hears of every sampled token and every sample that fails
+    (engines.records.OnToken).
     """
 
-    def __init__(self, model, cache, control, eos, sampling: Sampling, chunk: int, stats: Stats, progress: OnProgress):
+    def __init__(
+        self,
+        model,
+        cache,
+        control,
+        eos,
+        sampling: Sampling,
+        chunk: int,
+        stats: Stats,
+        progress: OnProgress,
+        on_token: OnToken = ignore_tokens,
+    ):
         self.model, self.cache, self.control = model, cache, control
         self.eos, self.sampling = eos, sampling
         self.chunk = min(chunk, control.max_step)  # the layout's rule, whoever drives the engine
-        self.stats, self.progress = stats, progress
+        self.stats, self.progress, self.on_token = stats, progress, on_token
         self.queue: collections.deque[tuple[Request, Sample]] = collections.deque()  # in order, none started
         self.generating: Generating | None = None
         self.current: tuple[int, int] | None = None
@@ -137,6 +160,7 @@ class SeqEngine:
                 g.retried = True  # the next step retries it
                 return
             s.finish_reason, s.error = "error", str(exc)
+            self.on_token(r, s, None)
             self.progress(unplanned(s, r))
             self.generating = None
             return
@@ -146,6 +170,7 @@ class SeqEngine:
         finished = False
         if done:
             token, finished, moved = sample_next(s, row[0], r, self.sampling, self.eos, self.stats)
+            self.on_token(r, s, token)
             if not finished:
                 tokens.append(token)
         self.stats.account(time.perf_counter() - t0, k - decode, decode)

@@ -1,25 +1,36 @@
-"""Tokenizers: `tokenizer.json` through the `tokenizers` library, else bytes.
+"""Tokenizers: a directory's `tokenizer.json` through the `tokenizers` library, or bytes.
 
-Both give the same small surface: encode(text) -> ids, decode(ids) -> text,
-and the ids that end a sample (`eos_ids`).
+Both give the same small surface: `encode(text)` -> ids, `decode(ids)` ->
+text, the ids that end a sample (`eos_ids`) and the model's chat template
+(`chat_template`, a `models.chat.ChatTemplate`, or None). A directory
+without `tokenizer.json` gets the byte tokenizer only when its model's
+vocabulary is the byte vocabulary; any other is refused, naming what is
+missing (a 32000-id model decoding through bytes would "generate" nothing).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
+
+from kvlayout.errors import ConfigError
+from kvlayout.models.chat import ChatTemplate, read_chat_template
 
 BYTE_VOCAB = 258  # 256 bytes, then BOS and EOS
 BYTE_BOS, BYTE_EOS = 256, 257
+GENERATION_CONFIG = "generation_config.json"
 
 
 class ByteTokenizer:
-    """One token per UTF-8 byte; ids >= 256 are specials and decode to nothing."""
+    """One token per UTF-8 byte; ids >= 256 are specials and decode to nothing. No chat template."""
+
+    chat_template: ChatTemplate | None = None
 
     def __init__(self, eos_ids: Sequence[int] = (BYTE_EOS,)):
         self.eos_ids = frozenset(eos_ids)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -29,23 +40,76 @@ class ByteTokenizer:
 class HFTokenizer:
     """A `tokenizer.json` read by the `tokenizers` library (no transformers needed)."""
 
-    def __init__(self, path: Path, eos_ids: Sequence[int]):
+    def __init__(self, path: Path, eos_ids: Sequence[int], chat_template: ChatTemplate | None = None):
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(path))
         self.eos_ids = frozenset(eos_ids)
+        self.chat_template = chat_template
 
-    def encode(self, text: str) -> list[int]:
-        # Specials as the tokenizer's post-processor adds them (BOS for Llama), like
-        # transformers' default; chat templates are out of scope.
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of `text`; special tokens written in it (`<|im_start|>`) are parsed as one id each.
+
+        `add_special_tokens` adds what the tokenizer's post-processor adds (BOS
+        for Llama), like transformers' default. A rendered chat is encoded
+        without them, as `apply_chat_template` does: a template that wants a
+        BOS writes `{{ bos_token }}` itself.
+        """
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def _eos_list(value: Any, source: str) -> list[int]:
+    """`eos_token_id` as HF writes it: an int, a list of ints, or null."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ConfigError(f"{source}: eos_token_id={value!r}: expected a token id or a list of them")
+    return list(values)
+
+
+def eos_ids_of(model_dir: Path, config_eos: Sequence[int] = ()) -> list[int]:
+    """Every id that ends a sample: config.json's `eos_token_id` (given) and generation_config.json's.
+
+    Chat models often stop on an end-of-turn id that only generation_config.json
+    names (`<|im_end|>` beside `<|endoftext|>`), as transformers' generate does.
+    """
+    ids = list(config_eos)
+    path = Path(model_dir) / GENERATION_CONFIG
+    if path.is_file():
+        ids += _eos_list(_read_json(path).get("eos_token_id"), str(path))
+    return list(dict.fromkeys(ids))
+
+
 def load_tokenizer(model_dir: Path | None, eos_ids: Sequence[int]):
-    """`tokenizer.json` when the directory has one, else bytes (ends on `eos_ids`)."""
-    if model_dir is not None and (model_dir / "tokenizer.json").is_file():
-        return HFTokenizer(model_dir / "tokenizer.json", eos_ids)
-    return ByteTokenizer(eos_ids or (BYTE_EOS,))
+    """The directory's tokenizer, ending samples on `eos_ids` (config.json's) and generation_config.json's.
+
+    `tokenizer.json` when there is one (with the directory's chat template),
+    else bytes, which only a byte-vocabulary model may use: ConfigError otherwise.
+    """
+    if model_dir is None:
+        return ByteTokenizer(eos_ids or (BYTE_EOS,))
+    model_dir = Path(model_dir)
+    eos = eos_ids_of(model_dir, eos_ids)
+    if (model_dir / "tokenizer.json").is_file():
+        return HFTokenizer(model_dir / "tokenizer.json", eos, read_chat_template(model_dir))
+    vocab = _read_json(model_dir / "config.json").get("vocab_size") if (model_dir / "config.json").is_file() else None
+    if vocab != BYTE_VOCAB:
+        raise ConfigError(
+            f"{model_dir}: tokenizer.json is missing, and the model's vocabulary ({vocab} ids in config.json) "
+            f"is not the byte vocabulary ({BYTE_VOCAB}); copy the model's tokenizer.json into the directory"
+        )
+    return ByteTokenizer(eos or (BYTE_EOS,))

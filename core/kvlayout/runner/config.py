@@ -20,9 +20,12 @@ from kvlayout.builder import layout_key, split_layout_key
 from kvlayout.checks import int_scalar, reject_unknown
 from kvlayout.config import KV_DTYPES
 from kvlayout.errors import ConfigError
+from kvlayout.models.chat import ROLES
 
 DEFAULT_TOML = """\
-# The embedded default: the tiny preset, several requests sharing a system prompt.
+# The embedded default: SmolLM2-135M-Instruct (downloaded once, then cached) answering
+# a few questions that share a system prompt, two samples each, batched through mlx:cell.
+# About 22 s on two CPU cores (30 layers, 4-bit; 6 sequences decode at ~10 tok/s together).
 [layout]
 backend = "mlx"
 kind = "cell"
@@ -32,34 +35,39 @@ capacity = 2048
 kv_dtype = "auto"        # float32 on the CPU device, float16 on a GPU
 
 [model]
-preset = "tiny"
+preset = "smollm2"       # SmolLM2-135M-Instruct; see kvlayout.models.smollm2 for where it comes from
+fallback = "tiny"        # when it cannot be had: say why, and run the tiny random preset instead
 
 [sampling]
-temperature = 0.8        # 0 = greedy; sampled here so the two samples of a request differ
-top_p = 0.95
+temperature = 0.7        # sampled, so the two samples of a question differ
+top_p = 0.9
 seed = 0
 
 [engine]
 prefill_chunk = 64
 
 [[requests]]
-prompt = "You are a terse assistant. Answer in one line.\\nQ: what is a KV cache?\\nA:"
-max_tokens = 24
+messages = [
+  { role = "system", content = "You are a helpful assistant. Answer in one short sentence." },
+  { role = "user", content = "What is the capital of France?" },
+]
+max_tokens = 40
 n = 2
 
 [[requests]]
-prompt = "You are a terse assistant. Answer in one line.\\nQ: why share a prompt prefix?\\nA:"
-max_tokens = 24
+messages = [
+  { role = "system", content = "You are a helpful assistant. Answer in one short sentence." },
+  { role = "user", content = "Why is the sky blue?" },
+]
+max_tokens = 40
 n = 2
 
 [[requests]]
-prompt = "You are a terse assistant. Answer in one line.\\nQ: what does a ring layer keep?\\nA:"
-max_tokens = 24
-n = 2
-
-[[requests]]
-prompt = "You are a terse assistant. Answer in one line.\\nQ: when is a sequence preempted?\\nA:"
-max_tokens = 24
+messages = [
+  { role = "system", content = "You are a helpful assistant. Answer in one short sentence." },
+  { role = "user", content = "Give me a tip for writing clear code." },
+]
+max_tokens = 40
 n = 2
 """
 
@@ -124,10 +132,15 @@ class CacheSection:
 
 @attrs.frozen
 class ModelSection:
-    """A local HF directory (`path`) or a built-in preset (`preset`), exactly one."""
+    """A local HF directory (`path`) or a built-in preset (`preset`), exactly one.
+
+    `fallback` (with `preset` only): a preset to run instead when `preset`
+    cannot be had (a download that fails); the run says why, in one line.
+    """
 
     path: str | None = None
     preset: str | None = None
+    fallback: str | None = None
     dtype: str = "auto"  # auto: as stored
     seed: int = 0  # a preset's weights
 
@@ -135,9 +148,11 @@ class ModelSection:
         if (self.path is None) == (self.preset is None):
             raise ConfigError(
                 "model: expected exactly one of model.path (a Hugging Face model directory) "
-                "or model.preset (\"tiny\")"
+                "or model.preset (\"smollm2\" or \"tiny\")"
             )
-        for name in ("path", "preset"):
+        if self.fallback is not None and self.preset is None:
+            raise ConfigError("model.fallback: only a preset falls back; a model.path that fails is an error")
+        for name in ("path", "preset", "fallback"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise _fail(f"model.{name}", value, "a non-empty string")
@@ -171,21 +186,58 @@ class EngineSection:
 
 
 @attrs.frozen
+class Message:
+    """One turn of a chat request: `role` is system, user or assistant."""
+
+    role: str
+    content: str
+
+
+def _messages(value: Any, where: str) -> tuple[Message, ...]:
+    """`messages = [{role = "...", content = "..."}, ...]` as Message records, or ConfigError naming the entry."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise _fail(f"{where}.messages", value, "a non-empty list of {role, content} tables")
+    out = []
+    for j, m in enumerate(value):
+        at = f"{where}.messages[{j}]"
+        if isinstance(m, Message):
+            m = attrs.asdict(m)
+        reject_unknown(m, ["role", "content"], "chat message", prefix=at, required=["role", "content"])
+        if m["role"] not in ROLES:
+            raise _fail(f"{at}.role", m["role"], f"one of {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise _fail(f"{at}.content", m["content"], "a string")
+        out.append(Message(m["role"], m["content"]))
+    return tuple(out)
+
+
+@attrs.frozen
 class RequestSpec:
-    """One request: a prompt (text or ids) and `n` samples of up to `max_tokens` tokens."""
+    """One request: a prompt (text, ids, or chat `messages`) and `n` samples of up to `max_tokens` tokens.
+
+    `messages` are rendered with the model's chat template. A sample also
+    stops, with finish_reason "stop", once its text holds one of the `stop`
+    strings; its text is cut before it.
+    """
 
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = attrs.field(
         default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v
     )
+    messages: tuple[Message, ...] | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=lambda v: tuple(v) if isinstance(v, list) else v)
     max_tokens: int = 32
     n: int = 1
     where: str = attrs.field(default="requests[?]", eq=False, repr=False)
 
     def __attrs_post_init__(self):
         w = self.where
-        if (self.prompt is None) == (self.prompt_ids is None):
-            raise ConfigError(f"{w}: expected exactly one of prompt (text) or prompt_ids (a list of ints)")
+        given = [k for k in ("prompt", "prompt_ids", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ConfigError(
+                f"{w}: expected exactly one of prompt (text), prompt_ids (a list of ints) "
+                f"or messages (a list of {{role, content}} tables), got {' and '.join(given) or 'none'}"
+            )
         if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt):
             raise _fail(f"{w}.prompt", self.prompt, "a non-empty string")
         if self.prompt_ids is not None:
@@ -193,6 +245,10 @@ class RequestSpec:
                 raise _fail(f"{w}.prompt_ids", self.prompt_ids, "a non-empty list of token ids")
             for i in self.prompt_ids:
                 _int(f"{w}.prompt_ids[]", i, 0)
+        if self.messages is not None:
+            object.__setattr__(self, "messages", _messages(self.messages, w))  # frozen: set once, here
+        if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x for x in self.stop):
+            raise _fail(f"{w}.stop", self.stop, "a list of non-empty strings")
         _int(f"{w}.max_tokens", self.max_tokens, 1)
         _int(f"{w}.n", self.n, 1)
 
@@ -207,6 +263,9 @@ class RunConfig:
     requests: tuple[RequestSpec, ...] = ()
     source: str = attrs.field(default="<default>", eq=False)
     base_dir: Path = attrs.field(factory=Path.cwd, eq=False, repr=False)
+    # Not a TOML key: set only where the run says so (`--prompt`, a model.fallback taken):
+    # chat messages on a model without a chat template are sent as plain text, not refused.
+    plain_chat: bool = attrs.field(default=False, eq=False)
 
     def __attrs_post_init__(self):
         if not self.requests:
@@ -239,6 +298,10 @@ class RunConfig:
         """`--layout backend:kind` overrides the config's layout."""
         return attrs.evolve(self, layout=LayoutSection(*split_layout_key(key, "--layout")))
 
+    def with_model_path(self, path: str) -> RunConfig:
+        """`--model DIR` replaces the config's [model] (no fallback: a directory given is meant)."""
+        return attrs.evolve(self, model=ModelSection(path=str(Path(path).expanduser().resolve())))
+
     def model_dir(self) -> Path | None:
         """The model directory; a relative path is taken from the config file's directory."""
         if self.model.path is None:
@@ -253,6 +316,31 @@ def _section(cls: type, data: Any, prefix: str, source: str, **extra: Any):
         return cls(**data, **extra)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def prompt_config(
+    prompt: str, model_path: str | None = None, max_tokens: int = 128, temperature: float = 0.0, raw: bool = False
+) -> RunConfig:
+    """`kvlayout run --prompt TEXT`: one request, on `model_path` or else the default's model.
+
+    The prompt goes as one user message, rendered with the model's chat
+    template; as plain text with `raw`, or when the model has none (the run says so).
+    """
+    default = tomllib.loads(DEFAULT_TOML)
+    request: dict[str, Any] = {"max_tokens": max_tokens, "n": 1}
+    if raw:
+        request["prompt"] = prompt
+    else:
+        request["messages"] = [{"role": "user", "content": prompt}]
+    data = {
+        "layout": default["layout"],
+        "cache": {**default["cache"], "capacity": 8192},  # the pool grows as needed; this is only the ceiling
+        "model": {"path": model_path} if model_path is not None else default["model"],
+        "sampling": {"temperature": temperature},
+        "requests": [request],
+    }
+    cfg = RunConfig.from_mapping(data, source="--prompt")
+    return attrs.evolve(cfg, plain_chat=True)
 
 
 def load_config(path: str | Path | None = None) -> RunConfig:

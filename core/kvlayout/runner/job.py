@@ -7,7 +7,8 @@ only a SequenceControl face (`as_control()`) runs one sequence at a time
 token for token.
 
 `prepare` raises every user error (layout not installed, model directory,
-capacity) before anything runs; `Job.generate` then generates.
+a chat without a template, capacity) before anything runs; `Job.generate`
+then generates, telling `on_text` each sample's new text as it comes.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from kvlayout import registry
 from kvlayout.config import CacheConfig
 from kvlayout.engines.cell import CellEngine
 from kvlayout.engines.interface import Engine
-from kvlayout.engines.records import OnProgress, Sampling, Stats, make_requests
+from kvlayout.engines.records import OnProgress, OnToken, Sampling, Stats, ignore_tokens, make_requests
 from kvlayout.engines.recovery import Interrupted
 from kvlayout.engines.seq import SeqEngine
 from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.faces import BatchControl, SequenceControl, contract
 from kvlayout.mlx.pool import DTYPES
-from kvlayout.runner.config import RunConfig
-from kvlayout.runner.records import RunResult, SampleResult
+from kvlayout.runner.config import ModelSection, RunConfig
+from kvlayout.runner.prompts import Prompt, build_prompts
+from kvlayout.runner.records import OnText, RunResult, SampleResult, TextEvent
+from kvlayout.runner.text import SampleText
 
 __all__ = ["Job", "RunResult", "load_model_for", "prepare", "run"]
 
@@ -69,6 +72,18 @@ def cache_config(cfg: RunConfig, args, kv_dtype: str) -> CacheConfig:
     )
 
 
+def smollm2_dir():
+    """SmolLM2-135M-Instruct's directory, fetched and converted on first use (kvlayout.models.smollm2);
+    ConfigError with the reason in one line when it cannot be had."""
+    try:
+        from kvlayout.models.smollm2 import smollm2_dir as fetch
+    except ModuleNotFoundError as exc:
+        if exc.name != "kvlayout.models.smollm2":
+            raise
+        raise ConfigError("this kvlayout has no kvlayout.models.smollm2") from None
+    return fetch()
+
+
 def load_model_for(cfg: RunConfig):
     """Load the model the config's [model] section names: (model, args, tokenizer, name).
 
@@ -78,6 +93,9 @@ def load_model_for(cfg: RunConfig):
     from kvlayout.models.presets import build_preset
 
     dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
+    if cfg.model.preset == "smollm2":
+        model, args, tok = load_model(smollm2_dir(), dtype)
+        return model, args, tok, "SmolLM2-135M-Instruct"
     if cfg.model.preset is not None:
         model, args, tok = build_preset(cfg.model.preset, seed=cfg.model.seed)
         if dtype is not None:
@@ -88,9 +106,28 @@ def load_model_for(cfg: RunConfig):
     return model, args, tok, str(model_dir)
 
 
+def load_with_fallback(cfg: RunConfig):
+    """(config, loaded, notices): the config's model, or, when it cannot be had and the config
+    names a `model.fallback`, that preset, the config saying so and the notice saying why."""
+    try:
+        return cfg, load_model_for(cfg), []
+    except ConfigError as exc:
+        if cfg.model.fallback is None:
+            raise
+        reason = " ".join(str(exc).split())  # one line, whatever the reason held
+        m = cfg.model
+        cfg = attrs.evolve(cfg, model=ModelSection(preset=m.fallback, dtype=m.dtype, seed=m.seed), plain_chat=True)
+        notice = f"model preset {m.preset!r} cannot be had: {reason}; running the {m.fallback!r} preset instead"
+        return cfg, load_model_for(cfg), [notice]
+
+
 @attrs.define
 class Job:
-    """A validated run, ready to generate: every user error was raised by `prepare`."""
+    """A validated run, ready to generate: every user error was raised by `prepare`.
+
+    `notices` are what the run must tell its user before it starts (a
+    fallback model, chat sent as plain text), one line each.
+    """
 
     cfg: RunConfig
     builder: Any
@@ -102,12 +139,14 @@ class Job:
     kv_dtype: str
     cache: Any
     resumed: Any = None  # a resume.RunState when prepared with resume=DIR
+    built: list[Prompt] = attrs.field(factory=list)  # each request's prompt: ids, text, messages
+    notices: list[str] = attrs.field(factory=list)
 
     @property
     def planned_tokens(self) -> int:
         return sum(r.n * r.max_tokens for r in self.cfg.requests)
 
-    def make_engine(self, stats: Stats, progress: OnProgress) -> Engine:
+    def make_engine(self, stats: Stats, progress: OnProgress, on_token: OnToken = ignore_tokens) -> Engine:
         """A fresh engine over the cache, chosen by its faces, with no work queued.
 
         A BatchControl face gets continuous batching (CellEngine), a lone
@@ -118,11 +157,17 @@ class Job:
         eos = frozenset(self.tokenizer.eos_ids)
         bc = cache.as_batch_control()
         if bc is not None:
-            return CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress)
-        return SeqEngine(self.model, cache, cache.as_control(), eos, sampling, cfg.engine.prefill_chunk, stats, progress)
+            return CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token)
+        control = cache.as_control()  # the engine keeps its steps within control.max_step
+        return SeqEngine(self.model, cache, control, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token)
 
-    def generate(self, progress: OnProgress | None = None, stop=None, save_state=None) -> RunResult:
+    def generate(
+        self, progress: OnProgress | None = None, stop=None, save_state=None, on_text: OnText | None = None
+    ) -> RunResult:
         """Generate every request (the unfinished ones, when resumed).
+
+        `on_text` hears each sample's new text as it is generated
+        (`records.TextEvent`: whole characters, nothing of a stop string).
 
         `stop()`, asked before every step, ends the run early between two
         steps (`RunResult.complete` False). `save_state` (a directory) gets
@@ -142,8 +187,18 @@ class Job:
         if self.resumed is not None:
             stats = self.resumed.apply_samples(requests, Stats)
             progress(self.resumed.done_tokens(requests))
+        # Each sample's text and stop strings: the engine asks it about every token the sample keeps.
+        texts = {}
+        for r, spec in zip(requests, cfg.requests):
+            for s in r.samples:
+                s.stopper = texts[r.index, s.index] = SampleText(tok.decode, spec.stop, s.generated)
+
+        def heard(request, sample, token) -> None:
+            new = texts[request.index, sample.index].take_new(final=sample.finish_reason is not None)
+            on_text(TextEvent(request.index, sample.index, token, new, sample.finish_reason))
+
         t0 = time.perf_counter()
-        engine = self.make_engine(stats, progress)
+        engine = self.make_engine(stats, progress, heard if on_text is not None else ignore_tokens)
         try:
             if self.resumed is not None:
                 self.resumed.restore_engine(engine, requests)
@@ -158,32 +213,44 @@ class Job:
         stats.wall_s += time.perf_counter() - t0
         if save_state is not None:
             resume.save_run(save_state, self, requests, engine, stats, complete)
+
+        def text_of(r, s) -> str:
+            st = texts[r.index, s.index]
+            # Cut before a stop string; else the whole decode, once.
+            return st.output if st.end is not None else tok.decode(s.generated)
+
         outputs = [
-            [SampleResult(list(s.generated), tok.decode(s.generated), s.finish_reason or "pending", s.error) for s in r.samples]
+            [SampleResult(list(s.generated), text_of(r, s), s.finish_reason or "pending", s.error) for s in r.samples]
             for r in requests
         ]
-        texts = [r.prompt if r.prompt is not None else tok.decode(p) for r, p in zip(cfg.requests, self.prompts)]
-        return RunResult(requests, outputs, stats, texts, complete)
+        prompts = [p.text for p in self.built] or [tok.decode(p) for p in self.prompts]
+        messages = [p.messages for p in self.built]
+        return RunResult(requests, outputs, stats, prompts, complete, messages)
 
 
 def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     """Resolve the layout, load the model, check every request fits, build the cache.
 
-    `loaded` reuses a (model, args, tokenizer, name) from `load_model_for`. Every user
-    error (layout not installed, model directory, capacity) is raised here,
+    `loaded` reuses a (model, args, tokenizer, name) from `load_model_for`; without it the
+    config's model is loaded, or its `model.fallback` when it cannot be had (`Job.notices`
+    says so). Every user error (layout not installed, model directory, a chat the model
+    cannot render, capacity) is raised here,
     before anything is generated. `resume` (a directory `generate(save_state=)`
     wrote) loads the cache and the run's state from it instead of starting
     afresh; StateError when it was saved by a run with another config.
     """
     builder = registry.resolve(cfg.layout.backend, cfg.layout.kind)  # LayoutNotFound before loading
-    model, args, tok, name = loaded if loaded is not None else load_model_for(cfg)
-    prompts = [list(r.prompt_ids) if r.prompt_ids is not None else tok.encode(r.prompt) for r in cfg.requests]
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ConfigError(f"requests[{i}].prompt encodes to no tokens; give a longer prompt")
-        bad = [t for t in p if t >= args.vocab_size]
-        if bad:
-            raise ConfigError(f"requests[{i}].prompt_ids: id {bad[0]} is outside the vocabulary (size {args.vocab_size})")
+    notices: list[str] = []
+    if loaded is None:
+        cfg, loaded, notices = load_with_fallback(cfg)
+    model, args, tok, name = loaded
+    built, joined = build_prompts(cfg, tok, args.vocab_size)
+    if joined:  # only where the run asked for it (cfg.plain_chat), and said here
+        if notices:
+            notices = [f"{notices[0]} (it has no chat template: the chats go to it as plain text)"]
+        else:
+            notices = [f"{name} has no chat template; chat messages are sent as plain text"]
+    prompts = [p.ids for p in built]
     check_capacity(cfg, prompts)
     kv_dtype = default_kv_dtype(model.dtype) if cfg.cache.kv_dtype == "auto" else cfg.cache.kv_dtype
     if resume is not None:
@@ -194,7 +261,7 @@ def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     else:
         resumed, cache = None, builder.build(cache_config(cfg, args, kv_dtype))
     check_faces(builder.key, cache)
-    return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache, resumed)
+    return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache, resumed, built, notices)
 
 
 def check_faces(key: str, cache: Any) -> None:

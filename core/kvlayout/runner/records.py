@@ -1,4 +1,5 @@
-"""What a run returns: every sample's tokens and text, the statistics, whether it finished.
+"""What a run returns: every sample's tokens and text, the statistics, whether it finished;
+and what it tells as it goes (`TextEvent`).
 
 The engines fill the records of kvlayout.engines.records; the runner's job
 turns them into a RunResult.
@@ -6,13 +7,39 @@ turns them into a RunResult.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 
 from kvlayout.engines.records import Request, Stats
 
 
 @attrs.frozen
+class TextEvent:
+    """A sample's new text, as it is generated (`Job.generate(on_text=...)`).
+
+    `text` is what the sample's text grew by and may be "": never half a
+    character, never what might start a stop string, never past one; the
+    `text` of a sample's events joins to its final text. `token` is the id
+    just sampled (None when the sample failed); `finish_reason` is set on
+    the sample's last event.
+    """
+
+    request: int
+    sample: int
+    token: int | None
+    text: str
+    finish_reason: str | None = None
+
+
+OnText = Callable[[TextEvent], None]
+
+
+@attrs.frozen
 class SampleResult:
+    """A sample's tokens (all it generated: the last one may hold a stop string) and its text
+    (cut before the stop string, if one came)."""
+
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop", "length", "error", or "pending" (the run stopped first; resume it)
@@ -30,8 +57,9 @@ class RunResult:
     requests: list[Request] = attrs.field(repr=False)
     outputs: list[list[SampleResult]]
     stats: Stats
-    prompts: list[str]
+    prompts: list[str]  # the prompt text each request ran (a chat as its template rendered it)
     complete: bool = True  # False: stopped early (Ctrl-C with --save-state); samples left unfinished
+    messages: list[list[dict] | None] = attrs.field(factory=list)  # a chat request's messages, else None
 
     def to_json(self) -> dict:
         return {
@@ -42,6 +70,7 @@ class RunResult:
                 {
                     "index": r.index,
                     "prompt": self.prompts[r.index],
+                    **({"messages": self.messages[r.index]} if self.messages and self.messages[r.index] else {}),
                     "prompt_tokens": len(r.prompt),
                     "samples": [s.to_json() for s in self.outputs[r.index]],
                 }

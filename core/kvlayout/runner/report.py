@@ -1,18 +1,30 @@
-"""What `kvlayout run` shows: progress on stderr, then a table and totals (or JSON on stdout)."""
+"""What `kvlayout run` shows: the text as it is generated, then a table of whole outputs and totals.
+
+On a terminal, a live view redraws each sample's text as it grows (rich
+Live, about 8 times a second, cleared when the run ends). When stdout is not
+a terminal nothing is drawn on it while the run goes (a progress bar goes to
+stderr if that is a terminal), and the table is plain text: no control codes,
+wrapped to the console's width (80 columns unless COLUMNS says otherwise).
+Either way the table holds every output whole, wrapped, never cut.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from typing import Iterator
+import time
+from typing import Iterator, Sequence
 
-from rich.console import Console
+import attrs
+from rich import box
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from kvlayout.engines.records import OnProgress
-from kvlayout.runner.records import RunResult
+from kvlayout.runner.records import OnText, RunResult, TextEvent
 
 
 class TokenRate(ProgressColumn):
@@ -23,9 +35,29 @@ class TokenRate(ProgressColumn):
         return Text(f"{task.speed:7.1f} tok/s" if task.speed else "")
 
 
+def printable(text: str) -> str:
+    """Text safe to print: line breaks kept, tabs as spaces, other control characters as '·'
+    (a model's output must not move a terminal's cursor or ring its bell)."""
+    text = text.replace("\r\n", "\n").replace("\t", "    ")
+    return "".join(c if c == "\n" or c.isprintable() else "·" for c in text)
+
+
+def prompt_label(text: str, messages: list[dict] | None) -> str:
+    """What a request asked: a chat's last message, else the prompt text."""
+    return messages[-1]["content"] if messages else text
+
+
+@attrs.define
+class Watch:
+    """What the run reports to while it goes: `progress` (tokens done) and `on_text` (None: no text shown)."""
+
+    progress: OnProgress
+    on_text: OnText | None = None
+
+
 @contextlib.contextmanager
-def progress_bar(total: int, label: str) -> Iterator[OnProgress]:
-    """A rich bar on stderr (tokens done / planned, tok/s); yields the advance callback."""
+def progress_bar(total: int, label: str) -> Iterator[Watch]:
+    """A rich bar on stderr (tokens done / planned, tok/s), only when stderr is a terminal."""
     console = Console(stderr=True)
     columns = (
         TextColumn("[bold]{task.description}"),
@@ -42,53 +74,91 @@ def progress_bar(total: int, label: str) -> Iterator[OnProgress]:
         def advance(n: int) -> None:
             bar.update(task, advance=n)
 
-        yield advance
+        yield Watch(advance)
 
 
-def _preview(text: str, width: int = 40, tail: bool = False) -> str:
-    """One printable line; `tail` keeps the end (prompts sharing a system prompt differ there)."""
-    flat = "".join(c if c.isprintable() and c != "\ufffd" else "·" for c in text.replace("\n", " "))
-    if len(flat) <= width:
-        return flat
-    return "…" + flat[-(width - 1) :] if tail else flat[: width - 1] + "…"
+class LiveText:
+    """The state a live view draws: each sample's text so far, tokens done, time taken."""
+
+    def __init__(self, title: str, labels: Sequence[str], samples: Sequence[int], total: int, console: Console):
+        self.title, self.labels, self.total, self.console = title, list(labels), total, console
+        self.texts = {(i, j): "" for i, n in enumerate(samples) for j in range(n)}
+        self.finished: dict[tuple[int, int], str] = {}
+        self.done = 0
+        self.t0 = time.perf_counter()
+
+    def advance(self, n: int) -> None:
+        self.done += n
+
+    def on_text(self, event: TextEvent) -> None:
+        key = (event.request, event.sample)
+        self.texts[key] += event.text
+        if event.finish_reason is not None:
+            self.finished[key] = event.finish_reason
+
+    def __rich__(self) -> Group:
+        seconds = time.perf_counter() - self.t0
+        rate = self.done / seconds if seconds > 0 else 0.0
+        width = max(20, self.console.width)
+        # Each sample shows the end of its text, at most `lines` lines of it, so the view fits the screen.
+        rows = len(self.labels) + len(self.texts) + 2
+        lines = max(1, min(3, (self.console.height - rows) // max(1, len(self.texts)) + 1))
+        keep = lines * (width - 8)
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(justify="right", width=3, no_wrap=True)
+        grid.add_column(ratio=1, overflow="fold")
+        for i, label in enumerate(self.labels):
+            grid.add_row(Text("▸", style="bold"), Text(printable(label).replace("\n", " "), style="bold"))
+            for (r, j), text in self.texts.items():
+                if r != i:
+                    continue
+                flat = printable(text).replace("\n", " ⏎ ")
+                shown = flat if len(flat) <= keep else "…" + flat[-(keep - 1) :]
+                mark = f" [{self.finished[r, j]}]" if (r, j) in self.finished else " ▌"
+                grid.add_row(Text(str(j), style="dim"), Text(shown) + Text(mark, style="dim"))
+        status = Text(
+            f"{self.title} · {self.done}/{self.total} tokens · {rate:.1f} tok/s · {seconds:.1f} s", style="dim"
+        )
+        return Group(grid, status)
+
+
+@contextlib.contextmanager
+def live_view(title: str, labels: Sequence[str], samples: Sequence[int], total: int, console: Console) -> Iterator[Watch]:
+    """Each sample's text as it is generated, redrawn in place on `console` (a terminal) and
+    cleared at the end, when the table takes its place."""
+    state = LiveText(title, labels, samples, total, console)
+    with Live(state, console=console, refresh_per_second=8, transient=True, redirect_stderr=False):
+        yield Watch(state.advance, state.on_text)
 
 
 def print_report(result: RunResult, console: Console | None = None) -> None:
+    """The outputs, whole and wrapped, one row per sample under its request's prompt; then the totals."""
     console = console or Console()
     st = result.stats
-    table = Table(title=f"kvlayout run · {st.layout} · kv_dtype {st.kv_dtype} · {st.model}")
-    for col, kw in (
-        ("req", {"justify": "right"}),
-        ("prompt", {"no_wrap": True, "overflow": "ellipsis", "max_width": 30}),
-        ("sample", {"justify": "right"}),
-        ("tokens", {"justify": "right", "min_width": 6}),
-        ("stop", {"min_width": 6}),
-        ("output", {"no_wrap": True, "overflow": "ellipsis", "max_width": 24}),
-    ):
-        table.add_column(col, **kw)
+    table = Table(title=f"kvlayout run · {st.layout} · kv_dtype {st.kv_dtype} · {st.model}", box=box.SQUARE)
+    table.add_column("req", justify="right", no_wrap=True)
+    table.add_column("sample", justify="right", no_wrap=True)
+    table.add_column("tokens", justify="right", no_wrap=True)
+    table.add_column("stop", no_wrap=True)
+    table.add_column("text", overflow="fold", ratio=1)
+    messages = result.messages or [None] * len(result.prompts)
     for r in result.requests:
+        label = prompt_label(result.prompts[r.index], messages[r.index])
+        table.add_row(str(r.index), "prompt", str(len(r.prompt)), "", Text(printable(label), style="bold"))
         for j, s in enumerate(result.outputs[r.index]):
-            table.add_row(
-                str(r.index) if j == 0 else "",
-                _preview(result.prompts[r.index], 30, tail=True) if j == 0 else "",
-                str(j),
-                str(len(s.token_ids)),
-                s.finish_reason,
-                _preview(s.text, 32),
-            )
+            table.add_row("", str(j), str(len(s.token_ids)), s.finish_reason, Text(printable(s.text)))
+        table.add_section()
     console.print(table)
     saving = f" ({st.peak_tokens / st.peak_cells:.2f}x shared)" if st.peak_cells else ""
-    console.print(
+    # Three short lines, each within 80 columns for any plausible numbers.
+    for line in (
         f"prefill {st.prefill_tokens} tok at {st.prefill_tok_s:,.0f} tok/s · "
-        f"decode {st.decode_tokens} tok at {st.decode_tok_s:,.0f} tok/s · "
-        f"{st.generated_tokens} generated in {st.wall_s:.2f} s · {st.steps} steps (max batch {st.max_batch})",
-        highlight=False,
-    )
-    console.print(
-        f"peak cells held {st.peak_cells} vs tokens held {st.peak_tokens}{saving} · "
-        f"preemptions {st.preemptions} · kv_dtype {st.kv_dtype}",
-        highlight=False,
-    )
+        f"decode {st.decode_tokens} tok at {st.decode_tok_s:,.0f} tok/s",
+        f"{st.generated_tokens} generated in {st.wall_s:.2f} s · {st.steps} steps (max batch {st.max_batch}) · "
+        f"preemptions {st.preemptions}",
+        f"peak cells held {st.peak_cells} vs tokens held {st.peak_tokens}{saving} · kv_dtype {st.kv_dtype}",
+    ):
+        console.print(line, highlight=False)
 
 
 def print_json(result: RunResult) -> None:

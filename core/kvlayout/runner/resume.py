@@ -5,7 +5,7 @@ DIR holds two files, each written atomically (`kvlayout.persist.write_atomic`):
 - `cache-<id>.safetensors`: the cache, by `cache.save` (a fresh name each time);
 - `run.json`: which cache file goes with it (name and sha256 of its bytes),
   the run's fingerprint (layout, cache and model sections, sampling, engine,
-  every request's prompt ids, max_tokens and n, the storage dtype), every
+  every request's prompt ids, max_tokens, n and stop strings, the storage dtype), every
   sample's tokens so far, finish reason and RNG state, the statistics, and
   the engine's own state, as `engine.state()` gives it (`engine.restore`
   puts it back: this module never looks inside an engine).
@@ -54,7 +54,9 @@ def fingerprint(cfg: Any, prompts: list[list[int]], kv_dtype: str) -> dict:
         "sampling": attrs.asdict(cfg.sampling),
         "engine": attrs.asdict(cfg.engine),
         "requests": [
-            {"prompt_ids": list(p), "max_tokens": r.max_tokens, "n": r.n} for r, p in zip(cfg.requests, prompts)
+            # stop only where given, so runs saved before requests had stop strings still resume
+            {"prompt_ids": list(p), "max_tokens": r.max_tokens, "n": r.n, **({"stop": list(r.stop)} if r.stop else {})}
+            for r, p in zip(cfg.requests, prompts)
         ],
     }
     return json.loads(json.dumps(fp))

@@ -1,0 +1,139 @@
+"""Chat templates: a conversation rendered to prompt text the way Hugging Face renders it.
+
+A model directory's template is `chat_template.jinja` when there is one,
+else `chat_template` in `tokenizer_config.json` (a string, or a list of
+named templates of which "default" is used), exactly where transformers
+looks. It is rendered like transformers' `apply_chat_template`: an immutable
+sandboxed jinja2 environment with `trim_blocks` and `lstrip_blocks`, the
+loop controls, `raise_exception`, `strftime_now` and a `tojson` that does
+not escape HTML; the template sees `messages`, `add_generation_prompt` and
+the tokenizer's special tokens (`bos_token`, `eos_token`, `unk_token`,
+`pad_token`). Templates come from the Hub and are untrusted code: the
+sandbox is the point.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kvlayout.errors import ConfigError
+
+ROLES = ("system", "user", "assistant")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+class ChatTemplate:
+    """A model's chat template; `render(messages)` gives the prompt text (ConfigError naming
+    `origin` when the template does not compile, or refuses the messages)."""
+
+    def __init__(self, source: str, specials: Mapping[str, str], origin: str):
+        self.source = source
+        self.specials = dict(specials)
+        self.origin = origin
+
+    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        try:
+            template = compile_template(self.source)
+            return template.render(
+                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **self.specials
+            )
+        except jinja2.TemplateSyntaxError as exc:
+            raise ConfigError(f"{self.origin}: the chat template does not compile (line {exc.lineno}: {exc.message})") from None
+        except jinja2.TemplateError as exc:  # raise_exception, or the sandbox refusing something
+            raise ConfigError(f"{self.origin}: the chat template refused the messages: {exc}") from None
+
+
+class GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks assistant text with it; it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("body"), [], [], body).set_lineno(lineno)
+
+    def body(self, caller) -> str:
+        return caller()
+
+
+def raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def tojson(x: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters, which a prompt must keep as they are.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.cache
+def compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    """tokenizer_config.json as a dict ({} when the directory has none)."""
+    path = Path(model_dir) / TOKENIZER_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_chat_template(model_dir: Path) -> ChatTemplate | None:
+    """The directory's chat template, or None when it has none."""
+    model_dir = Path(model_dir)
+    config = read_tokenizer_config(model_dir)
+    specials = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
+    jinja_file = model_dir / TEMPLATE_FILE
+    if jinja_file.is_file():
+        return ChatTemplate(jinja_file.read_text(), specials, str(jinja_file))
+    origin = str(model_dir / TOKENIZER_CONFIG)
+    source = config.get("chat_template")
+    if source is None:
+        return None
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, Mapping)}
+        if "default" not in named:
+            raise ConfigError(
+                f"{origin}: chat_template lists templates {sorted(map(str, named))} but none named 'default'"
+            )
+        source = named["default"]
+    if not isinstance(source, str):
+        raise ConfigError(f"{origin}: chat_template: expected a string or a list of named templates")
+    return ChatTemplate(source, specials, origin)

@@ -1,0 +1,71 @@
+"""Each request's prompt as token ids: text encoded, ids as given, a chat rendered by the model's template.
+
+A chat (`messages`) is rendered with the model's chat template and encoded
+as transformers' `apply_chat_template` encodes it: the special tokens the
+template writes are parsed (`<|im_start|>` is one id) and none are added (a
+template that wants a BOS writes it). A model without a template refuses a
+chat, naming the request, unless the run asked for plain text where there
+is no template (`RunConfig.plain_chat`: `--prompt`, a fallback model); the
+messages' contents are then joined with blank lines, and the run says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kvlayout.errors import ConfigError
+from kvlayout.runner.config import RequestSpec, RunConfig
+
+
+@attrs.frozen
+class Prompt:
+    ids: list[int]
+    text: str  # the text the ids came from (a chat as rendered; ids given as such, decoded)
+    messages: list[dict] | None = None  # a chat request's messages, as plain dicts
+
+
+def plain_text(messages) -> str:
+    """A chat as plain text, for a model that has no template: the contents, blank lines between."""
+    return "\n\n".join(m.content for m in messages)
+
+
+def build_prompt(i: int, spec: RequestSpec, tok: Any, plain_chat: bool) -> tuple[Prompt, bool]:
+    """Request i's prompt, and whether its messages were sent as plain text."""
+    where = f"requests[{i}]"
+    if spec.prompt_ids is not None:
+        return Prompt(list(spec.prompt_ids), tok.decode(spec.prompt_ids)), False
+    if spec.prompt is not None:
+        return Prompt(tok.encode(spec.prompt), spec.prompt), False
+    messages = [attrs.asdict(m) for m in spec.messages]
+    if tok.chat_template is None:
+        if not plain_chat:
+            raise ConfigError(
+                f"{where}.messages: the model has no chat template (no chat_template in its "
+                "tokenizer_config.json); give the request a prompt instead"
+            )
+        text = plain_text(spec.messages)
+        return Prompt(tok.encode(text), text, messages), True
+    try:
+        text = tok.chat_template.render(messages, add_generation_prompt=True)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}.messages: {exc}") from None
+    return Prompt(tok.encode(text, add_special_tokens=False), text, messages), False
+
+
+def build_prompts(cfg: RunConfig, tok: Any, vocab_size: int) -> tuple[list[Prompt], bool]:
+    """Every request's prompt, checked: not empty, every id in the vocabulary. Also whether
+    some chat was sent as plain text (the caller says so)."""
+    prompts, joined = [], False
+    for i, spec in enumerate(cfg.requests):
+        prompt, plain = build_prompt(i, spec, tok, cfg.plain_chat)
+        joined |= plain
+        if not prompt.ids:
+            raise ConfigError(f"requests[{i}].prompt encodes to no tokens; give a longer prompt")
+        bad = [t for t in prompt.ids if t >= vocab_size]
+        if bad:
+            raise ConfigError(f"requests[{i}].prompt_ids: id {bad[0]} is outside the vocabulary (size {vocab_size})")
+        prompts.append(prompt)
+    return prompts, joined
+

@@ -1,0 +1,49 @@
+"""Which tokenizer a model directory gets, and which ids end its samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlayout.errors import ConfigError
+from kvlayout.models.loading import load_model
+from kvlayout.models.presets import write_preset
+from kvlayout.models.tokenizer import BYTE_EOS, ByteTokenizer, HFTokenizer, load_tokenizer
+from tests.chat_dirs import ENDOFTEXT, IM_END, chat_model_dir
+
+
+def test_eos_ids_are_the_union_of_config_and_generation_config(tmp_path):
+    chat_model_dir(tmp_path / "m", generation_eos=[IM_END, ENDOFTEXT])
+    _, args, tok = load_model(tmp_path / "m")
+    assert args.eos_token_id == (ENDOFTEXT,)
+    assert tok.eos_ids == {ENDOFTEXT, IM_END}
+
+
+def test_generation_config_may_give_a_single_id(tmp_path):
+    chat_model_dir(tmp_path / "m", generation_eos=IM_END)
+    assert load_tokenizer(tmp_path / "m", [ENDOFTEXT]).eos_ids == {ENDOFTEXT, IM_END}
+
+
+def test_a_bad_generation_config_eos_is_named(tmp_path):
+    chat_model_dir(tmp_path / "m", generation_eos="<|im_end|>")
+    with pytest.raises(ConfigError, match=r"generation_config\.json: eos_token_id='<\|im_end\|>'"):
+        load_tokenizer(tmp_path / "m", [ENDOFTEXT])
+
+
+def test_a_byte_vocabulary_directory_without_tokenizer_json_gets_bytes(tiny_dir):
+    tok = load_tokenizer(tiny_dir, [])
+    assert isinstance(tok, ByteTokenizer) and tok.eos_ids == {BYTE_EOS}
+    assert tok.chat_template is None
+
+
+def test_a_directory_with_tokenizer_json_gets_it(tmp_path):
+    chat_model_dir(tmp_path / "m")
+    assert isinstance(load_tokenizer(tmp_path / "m", [ENDOFTEXT]), HFTokenizer)
+
+
+def test_another_vocabulary_without_tokenizer_json_is_refused_naming_what_is_missing(tmp_path):
+    write_preset(tmp_path / "m", "tiny", vocab_size=32000)
+    with pytest.raises(ConfigError) as err:
+        load_model(tmp_path / "m")
+    message = str(err.value)
+    assert str(tmp_path / "m") in message and "tokenizer.json is missing" in message
+    assert "32000" in message and "\n" not in message
