@@ -47,9 +47,9 @@ class SeqEngine:
     once, at the next step; failing again, the sample finishes with
     finish_reason "error" and the next one runs (see engines.recovery).
 
-    Implements the Engine interface (engines.interface). `current` (request,
-    sample) and `cached` name the sample the cache holds and how many of its
-    tokens are in it: what `state()` saves, so a stopped run can resume it.
+    Implements the Engine interface (engines.interface). `state()` names the
+    sample the cache holds (`generating`) and how many of its tokens are in
+    it, so a stopped run can resume it without recomputing them.
     `on_token` hears of every sampled token and every sample that fails
     (engines.records.OnToken).
     """
@@ -72,8 +72,9 @@ class SeqEngine:
         self.stats, self.progress, self.on_token = stats, progress, on_token
         self.queue: collections.deque[tuple[Request, Sample]] = collections.deque()  # in order, none started
         self.generating: Generating | None = None
-        self.current: tuple[int, int] | None = None
-        self.cached = 0
+        # Set by restore(): (request, sample, cached) of the sample the restored cache holds; the
+        # next _start of that sample continues from it instead of clearing the cache.
+        self._resume: tuple[int, int, int] | None = None
 
     # -- the Engine interface (engines.interface)
 
@@ -99,7 +100,13 @@ class SeqEngine:
 
     def state(self) -> dict:
         """Which sample the cache holds (request, sample) and how many of its tokens."""
-        return {"kind": "seq", "current": None if self.current is None else list(self.current), "cached": self.cached}
+        g = self.generating
+        if g is not None:
+            return {"kind": "seq", "current": [g.request.index, g.sample.index], "cached": g.cached}
+        if self._resume is not None:  # restored, not yet started again
+            r, j, cached = self._resume
+            return {"kind": "seq", "current": [r, j], "cached": cached}
+        return {"kind": "seq", "current": None, "cached": 0}
 
     def restore(self, state: dict, requests: Sequence[Request]) -> None:
         """The queue becomes the unfinished samples of `requests`; the first of them continues
@@ -107,12 +114,14 @@ class SeqEngine:
         engine's, or the cache holds another number of that unfinished sample's tokens."""
         if state.get("kind") != "seq":
             raise StateError(f"saved by the {state.get('kind')} engine, resumed by another")
-        current = None if state["current"] is None else tuple(state["current"])
-        if current is not None:
-            r, j = current
-            if requests[r].samples[j].finish_reason is None and self.control.length != state["cached"]:
-                raise StateError(f"the cache holds {self.control.length} token(s), the run says {state['cached']}")
-        self.current, self.cached = current, state["cached"]
+        resume = None
+        if state["current"] is not None:
+            r, j = state["current"]
+            if requests[r].samples[j].finish_reason is None:  # a finished one needs nothing of the cache
+                if self.control.length != state["cached"]:
+                    raise StateError(f"the cache holds {self.control.length} token(s), the run says {state['cached']}")
+                resume = (r, j, state["cached"])
+        self._resume = resume
         self.generating = None
         self.queue.clear()
         self.add(requests)
@@ -120,12 +129,12 @@ class SeqEngine:
     # -- one sample, one forward at a time
 
     def _start(self, r: Request, s: Sample) -> None:
-        if self.current == (r.index, s.index):
-            cached = self.cached  # resuming: the cache holds this sample's first `cached` tokens
+        if self._resume is not None and self._resume[:2] == (r.index, s.index):
+            cached = self._resume[2]  # resuming: the cache holds this sample's first `cached` tokens
         else:
             self.control.clear()
             cached = 0
-        self.current, self.cached = (r.index, s.index), cached
+        self._resume = None
         self.generating = Generating(r, s, list(r.prompt) + list(s.generated), cached)
 
     def _realign(self, cached: int) -> None:
@@ -166,7 +175,7 @@ class SeqEngine:
             return
         g.retried = False
         decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) else 0
-        g.cached = self.cached = cached + k
+        g.cached = cached + k
         finished = False
         if done:
             token, finished, moved = sample_next(s, row[0], r, self.sampling, self.eos, self.stats)
