@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -67,11 +68,17 @@ def _run_config(args: argparse.Namespace):
 
     from kvlayout.runner import config
 
-    one_prompt = {"--max-tokens": args.max_tokens, "--temperature": args.temperature, "--raw": args.raw or None}
+    # What each --prompt flag is called in a config file.
+    one_prompt = {
+        "--max-tokens": (args.max_tokens, "max_tokens in each [[requests]]"),
+        "--temperature": (args.temperature, "temperature in [sampling]"),
+        "--raw": (args.raw or None, "prompt (plain text) instead of messages in [[requests]]"),
+    }
     if args.prompt is None:
-        given = [flag for flag, value in one_prompt.items() if value is not None]
+        given = [(flag, where) for flag, (value, where) in one_prompt.items() if value is not None]
         if given:
-            raise ConfigError(f"{given[0]} goes with --prompt; a config file sets it per [[requests]] or in [sampling]")
+            flag, where = given[0]
+            raise ConfigError(f"{flag} goes with --prompt; a config file sets {where}")
         cfg = config.load_config(args.config)
         if args.model:
             cfg = cfg.with_model_path(args.model)
@@ -224,13 +231,18 @@ def make_parser() -> argparse.ArgumentParser:
     size = bench.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short smoke-test run (small sizes, 2 repeats)")
     size.add_argument("--full", action="store_true", help="the issue's full sizes (much longer)")
-    bench.add_argument("--rows", metavar="NAMES", help="comma-separated subset of the rows (default: all)")
+    bench.add_argument(
+        "--rows", metavar="NAMES", help="comma-separated subset of the rows (default: 1-7; with --model, 8-9)"
+    )
     bench.add_argument(
         "--model", metavar="DIR",
         help="a model directory you have: rows 8-9 (decode, chat) measure it beside mlx-lm (the default rows then)",
     )
     bench.set_defaults(func=_bench)
     return parser
+
+
+EXIT_BROKEN_PIPE = 128 + 13  # as a shell reports a writer killed by SIGPIPE (`kvlayout run | head`)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         # A user's mistake gets one line and exit 2, never a traceback.
         print(f"kvlayout: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing is wrong, and nothing more can be shown. Point
+        # stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

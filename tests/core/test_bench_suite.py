@@ -109,3 +109,13 @@ def test_the_user_model_rows_without_a_model_are_refused_in_one_line(capsys):
     assert cli.main(["bench", "--quick", "--rows", "chat"]) == 2
     assert capsys.readouterr().err == (
         "kvlayout: error: --rows chat: these rows measure a model you have; give --model DIR\n")
+
+
+def test_the_user_model_rows_take_a_directory_without_a_tokenizer(tmp_path):
+    # The tiny preset has no tokenizer.json: prompts come from kvlayout's byte tokenizer instead.
+    from kvlayout.bench import suite
+    from kvlayout.models.presets import write_preset
+
+    payload = suite.run_suite("quick", ["decode"], model=write_preset(tmp_path / "tiny", "tiny"))
+    [row] = payload["rows"]
+    assert [r["identical"] for r in row["results"]] == [True, True]

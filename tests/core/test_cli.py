@@ -69,3 +69,15 @@ def test_the_installed_command_prints_json(plugin_world):
     }
     assert "kvlayout-fake-broken" in {f["distribution"] for f in payload["failed"]}
     assert "kvlayout-fake-broken" in done.stderr  # also reported on stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly_not_with_a_traceback():
+    import subprocess
+
+    # The reader closes before the command writes (as `| head -1` does once it has its line).
+    proc = subprocess.Popen([sys.executable, "-m", "kvlayout.cli", "plugins", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err

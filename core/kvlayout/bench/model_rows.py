@@ -47,19 +47,27 @@ def run_config(model_dir: Path, layout: str, requests: list[dict], capacity: int
     )
 
 
+def load_both(model_dir: Path):
+    """(ours, theirs, tokenizer): `model_dir` loaded by kvlayout's loader, as `jobs.prepare(loaded=)` takes
+    it but with no EOS (every sample runs its max_tokens: both sides do the same work), and by mlx-lm's;
+    `tokenizer` is kvlayout's own for the directory."""
+    from kvlayout.models.loading import load_model
+    from kvlayout.models.tokenizer import ByteTokenizer
+
+    model, args, tokenizer = load_model(model_dir)
+    ours = (model, args, ByteTokenizer(eos_ids=()), str(model_dir))  # prompts are ids: only the EOS matters
+    theirs, _ = peers.mlx_lm("utils").load_model(model_dir)
+    return ours, theirs, tokenizer
+
+
 def _loaded(ctx: dict):
     """(ours, theirs, args): the tiny preset, written as `kvlayout init-model` writes it (on the first
-    row that needs a model), loaded by kvlayout's loader and by mlx_lm's, once."""
+    row that needs a model), loaded by both sides once."""
     if "loaded" not in ctx:
-        from kvlayout.models.loading import load_model
         from kvlayout.models.presets import write_preset
-        from kvlayout.models.tokenizer import ByteTokenizer
 
-        model_dir = write_preset(ctx["model_dir"], "tiny")
-        model, args, _ = load_model(model_dir)
-        ours = (model, args, ByteTokenizer(eos_ids=()), str(model_dir))  # no EOS: every sample runs max_tokens
-        theirs, _ = peers.mlx_lm("utils").load_model(model_dir)
-        ctx["loaded"] = (ours, theirs, args)
+        ours, theirs, _ = load_both(write_preset(ctx["model_dir"], "tiny"))
+        ctx["loaded"] = (ours, theirs, ours[1])
     return ctx["loaded"]
 
 

@@ -17,10 +17,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from kvlayout.bench import peers
-from kvlayout.bench.model_rows import run_config, IdsOnly
+from kvlayout.bench.model_rows import IdsOnly, load_both, run_config
 from kvlayout.bench.record import Row
 from kvlayout.bench.timing import interleaved
-from kvlayout.errors import ConfigError
 
 SYSTEM = "You are a concise assistant. Answer in one or two sentences."
 QUESTIONS = [
@@ -36,20 +35,18 @@ QUESTIONS = [
 
 
 def user_model(ctx: dict) -> dict:
-    """The model of `--model DIR`, loaded once by kvlayout and once by mlx-lm, with mlx-lm's tokenizer."""
-    if "user" not in ctx:
-        model_dir = ctx.get("user_model")
-        if model_dir is None:
-            raise ConfigError("--rows decode,chat measure a model you have: give it with --model DIR")
-        from kvlayout.models.loading import load_model
-        from kvlayout.models.tokenizer import ByteTokenizer
+    """The model of `--model DIR` (run_suite checked it is a directory), loaded once by each side.
 
-        model, args, _ = load_model(Path(model_dir))
-        utils = peers.mlx_lm("utils")
-        theirs, _ = utils.load_model(Path(model_dir))
-        tokenizer = utils.load_tokenizer(Path(model_dir))
-        ours = (model, args, ByteTokenizer(eos_ids=()), str(model_dir))  # prompts are ids; no EOS
-        ctx["user"] = dict(dir=Path(model_dir), ours=ours, theirs=theirs, tokenizer=tokenizer, args=args)
+    Prompts are rendered by mlx-lm's tokenizer when the directory has a
+    `tokenizer.json` (so kvlayout's own template rendering is not what is
+    measured); else by kvlayout's (the byte tokenizer of a seeded preset).
+    """
+    if "user" not in ctx:
+        model_dir = Path(ctx["user_model"])
+        ours, theirs, tokenizer = load_both(model_dir)
+        if (model_dir / "tokenizer.json").is_file():
+            tokenizer = peers.mlx_lm("utils").load_tokenizer(model_dir)
+        ctx["user"] = dict(dir=model_dir, ours=ours, theirs=theirs, tokenizer=tokenizer)
     return ctx["user"]
 
 
@@ -74,14 +71,12 @@ def row_decode(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         for lay in ("mlx:seq", "mlx:cell")
     }
     got: dict[str, list[int]] = {}
-    decode_s: dict[str, list[float]] = {side: [] for side in ("mlx:seq", "mlx:cell", "mlx-lm")}
 
     def ours_side(lay):
         def go():
             res = prepared[lay].generate()
             got[lay] = list(res.outputs[0][0].token_ids)
-            decode_s[lay].append(res.stats.decode_s)  # the n - 1 forwards after the first token
-            return res.stats.decode_s
+            return res.stats.decode_s  # the n - 1 forwards after the first token
         return go
 
     def theirs_side():
@@ -92,7 +87,6 @@ def row_decode(z: dict, ctx: dict) -> tuple[str, list[Row]]:
                 first = time.perf_counter()  # the prompt is in and the first token sampled
         dt = time.perf_counter() - first
         got["mlx-lm"] = ids
-        decode_s["mlx-lm"].append(dt)
         return dt
 
     t = interleaved({"mlx:seq": ours_side("mlx:seq"), "mlx:cell": ours_side("mlx:cell"), "mlx-lm": theirs_side},
@@ -103,7 +97,7 @@ def row_decode(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         same = got[lay] == got["mlx-lm"]
         ours_tok_s = (n - 1) / statistics.median(t[lay])
         out.append(Row.from_times(
-            "8 decode", f"{n} tokens, {m['dir'].name}: {lay}", t, lay, "mlx-lm",
+            "8 decode", f"{lay}: {n} tokens", t, lay, "mlx-lm",
             f"{ours_tok_s:.1f} vs {theirs_tok_s:.1f} decode tok/s ({ours_tok_s / theirs_tok_s:.2f}x); "
             f"ids {'identical' if same else 'DIFFER'}",
             identical=same, tok_s=ours_tok_s, baseline_tok_s=theirs_tok_s,
@@ -145,7 +139,7 @@ def row_chat(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     ours, theirs = n * k / statistics.median(t["mlx:cell"]), n * k / statistics.median(t["batch_generate"])
     lengths = sorted(len(p) for p in prompts)
     row = Row.from_times(
-        "9 chat", f"{n} chat requests, {m['dir'].name}: mlx:cell", t, "mlx:cell", "batch_generate",
+        "9 chat", f"mlx:cell: {n} chat requests", t, "mlx:cell", "batch_generate",
         f"{ours:.1f} vs {theirs:.1f} gen tok/s ({ours / theirs:.2f}x throughput); outputs "
         f"{'identical' if same else 'DIFFER'}",
         identical=same, tok_s=ours, baseline_tok_s=theirs,

@@ -318,6 +318,9 @@ def _section(cls: type, data: Any, prefix: str, source: str, **extra: Any):
         raise ConfigError(f"{source}: {exc}") from None
 
 
+PROMPT_ROOM = 8192  # cells for a --prompt's own tokens; --max-tokens comes on top
+
+
 def prompt_config(
     prompt: str, model_path: str | None = None, max_tokens: int = 128, temperature: float = 0.0, raw: bool = False
 ) -> RunConfig:
@@ -334,7 +337,8 @@ def prompt_config(
         request["messages"] = [{"role": "user", "content": prompt}]
     data = {
         "layout": default["layout"],
-        "cache": {**default["cache"], "capacity": 8192},  # the pool grows as needed; this is only the ceiling
+        # A ceiling the prompt and max_tokens fit under (pools grow as needed, so it costs little).
+        "cache": {**default["cache"], "capacity": PROMPT_ROOM + max_tokens},
         "model": {"path": model_path} if model_path is not None else default["model"],
         "sampling": {"temperature": temperature},
         "requests": [request],
