@@ -54,7 +54,7 @@ def oracle(model_dir):
 
 
 def ours(model_dir):
-    return load_tokenizer(model_dir, [ENDOFTEXT])
+    return load_tokenizer(model_dir, [ENDOFTEXT], bpe().get_vocab_size())
 
 
 def encode_chat(tok, messages):

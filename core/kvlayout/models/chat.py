@@ -26,6 +26,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvlayout.errors import ConfigError
+from kvlayout.models.files import read_json_object
 
 ROLES = ("system", "user", "assistant")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -104,15 +105,7 @@ def _token_text(value: Any) -> str | None:
 def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
     """tokenizer_config.json as a dict ({} when the directory has none)."""
     path = Path(model_dir) / TOKENIZER_CONFIG
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path) if path.is_file() else {}
 
 
 def read_chat_template(model_dir: Path) -> ChatTemplate | None:

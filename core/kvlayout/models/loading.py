@@ -19,12 +19,14 @@ from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
+from kvlayout.models.files import read_json_object
 from kvlayout.models.llama import Model, ModelArgs
 from kvlayout.models.quantization import quantize, read_quantization
 from kvlayout.models.tokenizer import load_tokenizer
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
+    """The directory's config.json as a dict; ConfigError when the directory or the file is not one."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConfigError(
@@ -34,10 +36,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: missing; a model directory needs config.json and *.safetensors")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    return read_json_object(path)
 
 
 def read_weights(model_dir: Path) -> dict[str, mx.array]:
@@ -128,7 +127,7 @@ def load_model(model_dir: Path, dtype: str | None = None):
         weights = {k: v.astype(DTYPES[dtype]) if _is_float(v) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
-    return model, args, load_tokenizer(model_dir, args.eos_token_id)
+    return model, args, load_tokenizer(model_dir, args.eos_token_id, args.vocab_size)
 
 
 def save_model(model_dir: Path, hf_config: Mapping[str, Any], weights: Mapping[str, mx.array]) -> None:
