@@ -11,10 +11,11 @@ missing (a 32000-id model decoding through bytes would "generate" nothing).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from kvlayout.errors import ConfigError
 from kvlayout.models.chat import ChatTemplate, read_chat_template
+from kvlayout.models.config_values import token_ids
 from kvlayout.models.files import read_json_object
 
 BYTE_VOCAB = 258  # 256 bytes, then BOS and EOS
@@ -61,16 +62,6 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-def _eos_list(value: Any, source: str) -> list[int]:
-    """`eos_token_id` as HF writes it: an int, a list of ints, or null."""
-    if value is None:
-        return []
-    values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise ConfigError(f"{source}: eos_token_id={value!r}: expected a token id or a list of them")
-    return list(values)
-
-
 def eos_ids_of(model_dir: Path, config_eos: Sequence[int] = ()) -> list[int]:
     """Every id that ends a sample: config.json's `eos_token_id` (given) and generation_config.json's.
 
@@ -80,7 +71,7 @@ def eos_ids_of(model_dir: Path, config_eos: Sequence[int] = ()) -> list[int]:
     ids = list(config_eos)
     path = Path(model_dir) / GENERATION_CONFIG
     if path.is_file():
-        ids += _eos_list(read_json_object(path).get("eos_token_id"), str(path))
+        ids += token_ids(read_json_object(path).get("eos_token_id"), "eos_token_id", str(path))
     return list(dict.fromkeys(ids))
 
 
