@@ -49,3 +49,24 @@ def test_another_vocabulary_without_tokenizer_json_is_refused_naming_what_is_mis
     message = str(err.value)
     assert str(tmp_path / "m") in message and "tokenizer.json is missing" in message
     assert "32000" in message and "\n" not in message
+
+
+DAMAGED_TOKENIZERS = {
+    "empty": (b"", "EOF while parsing"),
+    "truncated": (b'{"version": "1.0", "model": {', "EOF while parsing"),
+    "an-array": (b"[1, 2]", "invalid type: sequence"),
+    "no-model": (b"{}", "Model missing"),
+    "not-utf8": (b"\xff\xfe{}", "UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_TOKENIZERS)
+def test_a_damaged_tokenizer_json_is_one_line_naming_it(case, tmp_path, capsys):
+    from tests.helpers import refused_in_one_line
+
+    content, needle = DAMAGED_TOKENIZERS[case]
+    chat_model_dir(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_bytes(content)
+    line = refused_in_one_line(capsys, "run", "--model", str(tmp_path / "m"), "--prompt", "hi")
+    assert f"{tmp_path / 'm' / 'tokenizer.json'}: not a tokenizer the tokenizers library reads (" in line
+    assert needle in line

@@ -39,12 +39,17 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` read by the `tokenizers` library (no transformers needed)."""
+    """A `tokenizer.json` read by the `tokenizers` library (no transformers needed); ConfigError naming
+    the file when the library cannot read it."""
 
     def __init__(self, path: Path, eos_ids: Sequence[int], chat_template: ChatTemplate | None = None):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # `tokenizers` raises a bare Exception for any file it cannot read
+            why = " ".join(str(exc).split())
+            raise ConfigError(f"{path}: not a tokenizer the tokenizers library reads ({why})") from None
         self.eos_ids = frozenset(eos_ids)
         self.chat_template = chat_template
 
