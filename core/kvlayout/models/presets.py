@@ -24,6 +24,7 @@ from kvlayout.errors import ConfigError
 from kvlayout.models.loading import check_weights, load_model, save_model
 from kvlayout.models.llama import Model, ModelArgs
 from kvlayout.models.smollm2 import smollm2_dir
+from kvlayout.models.store import check_model_dir, write_model_dir
 from kvlayout.models.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_VOCAB, ByteTokenizer
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -93,11 +94,15 @@ def build_preset(name: str, seed: int = 0, **overrides: Any):
     return model, args, ByteTokenizer(args.eos_token_id)
 
 
-def write_preset(model_dir: Path, name: str = "tiny", seed: int = 0, **overrides: Any) -> Path:
-    """`kvlayout init-model DIR --preset NAME`: the preset in the HF layout (a real one copied from the cache)."""
+def write_preset(model_dir: Path, name: str = "tiny", seed: int = 0, force: bool = False, **overrides: Any) -> Path:
+    """`kvlayout init-model DIR --preset NAME`: the preset in the HF layout (a real one copied from the cache).
+
+    `model_dir` must be new or empty unless `force`, which replaces it whole
+    (`store.write_model_dir`); it is checked before anything is fetched.
+    """
+    check_model_dir(model_dir, force)
     if name in FETCHED and not overrides:
-        shutil.copytree(FETCHED[name](), model_dir, dirs_exist_ok=True)
-        return Path(model_dir)
+        source = FETCHED[name]()
+        return write_model_dir(model_dir, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True), force)
     cfg = preset_config(name, **overrides)
-    save_model(model_dir, cfg, random_weights(cfg, seed))
-    return Path(model_dir)
+    return write_model_dir(model_dir, lambda tmp: save_model(tmp, cfg, random_weights(cfg, seed)), force)

@@ -1,9 +1,10 @@
-"""Where fetched and converted models live, and how a directory appears there whole.
+"""Where fetched and converted models live, and how a model directory appears whole.
 
 The root is `$KVLAYOUT_CACHE`, else `$XDG_CACHE_HOME/kvlayout`, else
 `~/.cache/kvlayout`. A directory is built under a temporary name beside its
 final one and renamed into place, so an interrupted build never leaves a
-directory that looks done.
+directory that looks done: in the cache (`publish_dir`) and at a path the
+user names (`write_model_dir`, `kvlayout init-model DIR`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from kvlayout.errors import ConfigError
 
 
 def cache_root() -> Path:
@@ -44,3 +47,32 @@ def publish_dir(final: Path, build: Callable[[Path], object]) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def check_model_dir(dest: Path, force: bool = False) -> None:
+    """Refuse `dest` as the user's new model directory: a file, or a non-empty directory unless `force`.
+
+    Writing into a used directory would mix two models (a stale
+    chat_template.jinja left there changes every prompt), so it is replaced
+    whole or not at all.
+    """
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise ConfigError(f"{dest} is a file, not a directory; name a new or empty directory for the model")
+    if not force and dest.is_dir() and any(dest.iterdir()):
+        raise ConfigError(f"{dest} is not empty; name a new or empty directory, or replace it whole with --force")
+
+
+def write_model_dir(dest: Path, build: Callable[[Path], object], force: bool = False) -> Path:
+    """`build(tmp)` the model directory, then put it at `dest` whole (`publish_dir`).
+
+    Refused first, nothing changed, as `check_model_dir` says; `force`
+    replaces a non-empty directory. A failed build leaves `dest` as it was;
+    an OSError (a parent that is a file or not writable) is a ConfigError.
+    """
+    dest = Path(dest)
+    check_model_dir(dest, force)
+    try:
+        return publish_dir(dest, build)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {dest}: {' '.join(str(exc).split())}") from None
