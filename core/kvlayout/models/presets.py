@@ -21,6 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
+from kvlayout.mlx.pool import DTYPES
 from kvlayout.models.loading import check_weights, load_model, save_model
 from kvlayout.models.llama import Model, ModelArgs
 from kvlayout.models.smollm2 import smollm2_dir
@@ -49,6 +50,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Real models: name -> the function that returns their cached directory (fetching it first if need be).
 FETCHED = {"smollm2": smollm2_dir}
+# What a run calls a preset's model (a seeded one is "preset:NAME").
+TITLES = {"smollm2": "SmolLM2-135M-Instruct"}
 
 
 def _unknown(name: str) -> ConfigError:
@@ -81,15 +84,25 @@ def random_weights(hf_config: dict[str, Any], seed: int = 0) -> dict[str, mx.arr
     return weights
 
 
-def build_preset(name: str, seed: int = 0, **overrides: Any):
-    """(model, args, tokenizer) of a preset, in memory (a real one loaded from its cached directory)."""
-    if name in FETCHED and not overrides:
-        return load_model(FETCHED[name]())
+def preset_title(name: str) -> str:
+    """The name a run reports for the preset's model."""
+    return TITLES.get(name, f"preset:{name}")
+
+
+def build_preset(name: str, seed: int = 0, dtype: str | None = None, **overrides: Any):
+    """(model, args, tokenizer) of a preset: a real one loaded from its cached directory (fetched
+    first if need be), a seeded one built in memory. `dtype` casts the weights (None: as stored)."""
+    if name in FETCHED:
+        if overrides:
+            raise ConfigError(f"model preset {name!r} is a real model; it takes no overrides ({', '.join(overrides)})")
+        return load_model(FETCHED[name](), dtype)
     cfg = preset_config(name, **overrides)
     args = ModelArgs.from_hf(cfg, source=f"preset {name}")
     model = Model(args)
     weights = check_weights(model, random_weights(cfg, seed), f"preset {name}")
     model.load_weights(list(weights.items()), strict=True)
+    if dtype is not None:
+        model.set_dtype(DTYPES[dtype])
     mx.eval(model.parameters())
     return model, args, ByteTokenizer(args.eos_token_id)
 
