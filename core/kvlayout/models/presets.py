@@ -1,12 +1,17 @@
 """Built-in models: seeded random ones, and real ones fetched and converted on first use.
 
-`tiny` is a 2-layer Llama over the byte vocabulary: small enough that
-`kvlayout run` takes seconds on two CPU cores, and its weights are scaled so
-that logits are far from ties (greedy outputs are then stable across layouts,
-which the tests compare token for token). Nothing is downloaded for it.
+`smollm2` is SmolLM2-135M-Instruct (`kvlayout.models.smollm2`), the model
+the default `kvlayout run` chats with: a package from the package index,
+converted once into the kvlayout cache.
 
-`smollm2` is SmolLM2-135M-Instruct (`kvlayout.models.smollm2`): a package
-from the package index, converted once into the kvlayout cache.
+`tiny` is a 2-layer Llama over the byte vocabulary: a run on it takes seconds
+on two CPU cores (the default run falls back to it when SmolLM2 cannot be
+had), and its weights are scaled so that logits are far from ties (greedy
+outputs are then stable across layouts, which the tests compare token for
+token). Nothing is downloaded for it.
+
+`build_preset` is the one route to either, in memory; `write_preset` writes
+one as a model directory (`kvlayout init-model`).
 """
 
 from __future__ import annotations
