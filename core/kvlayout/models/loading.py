@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,12 +19,14 @@ from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
+from kvlayout.models.files import read_json_object
 from kvlayout.models.llama import Model, ModelArgs
 from kvlayout.models.quantization import quantize, read_quantization
 from kvlayout.models.tokenizer import load_tokenizer
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
+    """The directory's config.json as a dict; ConfigError when the directory or the file is not one."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConfigError(
@@ -34,10 +36,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: missing; a model directory needs config.json and *.safetensors")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    return read_json_object(path)
 
 
 def read_weights(model_dir: Path) -> dict[str, mx.array]:
@@ -68,15 +67,13 @@ def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) ->
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(expected.keys() - weights.keys())
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ConfigError(f"{source}: missing tensor {missing[0]!r}{more}; the checkpoint does not match config.json")
+        raise ConfigError(f"{source}: missing {tensors_named(missing)}; the checkpoint does not match config.json")
     unexpected = sorted(weights.keys() - expected.keys())
     if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         why = "the checkpoint does not match config.json"
         if any(n.endswith(".scales") for n in unexpected) and not any(n.endswith(".scales") for n in expected):
             why = "the checkpoint is quantized but config.json has no quantization section"
-        raise ConfigError(f"{source}: unexpected tensor {unexpected[0]!r}{more}; {why}")
+        raise ConfigError(f"{source}: unexpected {tensors_named(unexpected)}; {why}")
     modules = dict(model.named_modules())
     for name, param in expected.items():
         got = weights[name]
@@ -91,6 +88,12 @@ def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) ->
                 f"{source}: tensor {name!r} is {_name(got.dtype)}, config.json implies {_name(param.dtype)}{packed}"
             )
     return weights
+
+
+def tensors_named(names: Sequence[str]) -> str:
+    """"tensor 'first' (and N more)": the first of `names` (in the caller's order) and how many follow."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return f"tensor {names[0]!r}{more}"
 
 
 def _packing_of(module) -> str:
@@ -128,7 +131,7 @@ def load_model(model_dir: Path, dtype: str | None = None):
         weights = {k: v.astype(DTYPES[dtype]) if _is_float(v) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
-    return model, args, load_tokenizer(model_dir, args.eos_token_id)
+    return model, args, load_tokenizer(model_dir, args.eos_token_id, args.vocab_size)
 
 
 def save_model(model_dir: Path, hf_config: Mapping[str, Any], weights: Mapping[str, mx.array]) -> None:
