@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from kvlayout import CacheConfig, LayerConfig, LayerPolicy
-from kvlayout.errors import KVLayoutError, SequenceError, StepError
+from kvlayout.errors import ConfigError, KVLayoutError, SequenceError, StepError
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
+from kvlayout_cell.table import CellTable
 
 H, D = 2, 4
 WINDOWS = (0, 2, 0)  # flat, ring of 2, flat
@@ -278,3 +279,58 @@ def test_a_bad_update_and_fetch_is_refused_by_name_before_anything_is_written(ph
 def test_a_cache_built_from_something_not_a_config_is_refused_by_name(config):
     with pytest.raises(KVLayoutError, match="config"):
         CellCache(config, make_plugin_manager())
+
+
+# -- sizes: what a cache allocates up front, against the machine ------------------------------
+
+SIZES = {
+    "capacity 10**12": (dict(capacity=10**12), r"capacity=1000000000000 .*21\.8 TiB"),
+    "max_seqs 10**15": (dict(capacity=4096, max_seqs=10**15), r"max_seqs=1000000000000000: .*470 PiB"),
+    "capacity 2**63-1": (dict(capacity=2**63 - 1), rf"capacity={2**63 - 1} .*PiB"),
+    "capacity and max_seqs 2**40": (dict(capacity=2**40, max_seqs=2**40), rf"capacity={2**40} and max_seqs={2**40}"),
+}
+
+
+@pytest.mark.parametrize("sizes, message", SIZES.values(), ids=SIZES.keys())
+def test_a_cache_larger_than_any_machine_is_a_config_error_stating_its_bytes(sizes, message):
+    # Not a MemoryError or OverflowError from numpy part way: refused before anything is allocated.
+    config = CacheConfig(n_layers=2, layers=[LayerConfig(H, D)], kv_dtype="float32", **{"max_seqs": 64, **sizes})
+    with pytest.raises(ConfigError, match=message) as info:
+        CellCache(config, make_plugin_manager())
+    assert "up front" in str(info.value) and "more than this machine's" in str(info.value)
+    with pytest.raises(ConfigError, match="capacity="):  # the neutral table on its own, too
+        CellTable(config.capacity, config.max_seqs)
+
+
+def up_front(capacity, max_seqs, layers, initial):
+    """The bytes the design says a cell cache allocates up front, worked by hand: per cell a
+    position, owner words (one per 64 ids) and a free-list entry; per id two int64 and a bool;
+    per layer a K and a V pool of `initial` slots (float32)."""
+    return capacity * (8 + 8 * -(-max_seqs // 64) + 8) + max_seqs * (8 + 8 + 1) + layers * 2 * initial * H * D * 4
+
+
+# initial_capacity, and the slots each pool starts with: whole pages of 256 once past one page
+@pytest.mark.parametrize("capacity, max_seqs, initial, slots", [(300, 65, 16, 16), (16, 4, 4, 4), (1000, 200, 600, 768)])
+def test_the_up_front_bytes_are_refused_exactly_past_the_machine_s_memory(monkeypatch, capacity, max_seqs, initial, slots):
+    import kvlayout.config
+
+    need = up_front(capacity, max_seqs, 3, slots)
+    config = CacheConfig(capacity=capacity, n_layers=3, layers=[LayerConfig(H, D)], kv_dtype="float32",
+                         initial_capacity=initial, max_seqs=max_seqs)
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need)
+    c = CellCache(config, make_plugin_manager())
+    assert c.capacity == capacity
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need - 1)
+    with pytest.raises(ConfigError, match=rf"allocates .* \({need} bytes\) up front"):
+        CellCache(config, make_plugin_manager())
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: None)  # the OS cannot say: not checked
+    CellCache(config, make_plugin_manager())
+
+
+def test_a_capacity_past_what_an_mlx_pool_can_index_is_refused_on_any_machine(monkeypatch):
+    import kvlayout.config
+
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: 2**62)  # a machine with room for the table
+    top = 2**31 - 256  # the most cells whose pools, in whole pages of 256 slots, stay within int32
+    with pytest.raises(ConfigError, match=rf"capacity={top + 1} .*2147483648 slots.*expected capacity <= {top}"):
+        CellCache(CacheConfig(capacity=top + 1, n_layers=1, layers=[LayerConfig(H, D)], max_seqs=1), make_plugin_manager())

@@ -10,13 +10,16 @@ the registry are compared before and after.
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from kvlayout import CacheConfig, ConfigError, KVLayoutError, LayerConfig, LayerPolicy, LayoutNotFound
-from kvlayout.mlx import MLXPool
+from kvlayout.config import machine_memory, show_bytes
+from kvlayout.mlx import MAX_SLOTS, MLXPool
 from kvlayout.registry import available, build, make_plugin_manager, resolve
 from kvlayout.runner.config import RunConfig, load_config
 
@@ -283,3 +286,49 @@ def test_a_config_path_that_is_not_a_path_is_refused_by_name(path):
 
 def test_a_missing_config_file_is_refused_naming_it(tmp_path):
     raises_naming(ConfigError, "nothere.toml", lambda: load_config(tmp_path / "nothere.toml"))
+
+
+# -- sizes: what is allocated up front, against the machine ------------------------------------
+
+
+def test_machine_memory_is_the_physical_memory_the_os_reports():
+    assert machine_memory() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@pytest.mark.parametrize("n, shown", [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (8 * 10**12, "7.28 TiB"),
+                                      (455 * 2**50, "455 PiB"), (10**24, "8.882e+08 PiB")])
+def test_bytes_are_shown_in_binary_units(n, shown):
+    assert show_bytes(n) == shown
+
+
+def test_a_pool_past_what_an_mlx_array_can_index_is_refused_naming_max_slots():
+    raises_naming(ConfigError, f"max_slots={2**31}", lambda: MLXPool(0, 2**31, H, D))
+    assert MLXPool(0, MAX_SLOTS, H, D).max_slots == MAX_SLOTS  # lazily allocated: nothing yet
+
+
+def test_a_pool_whose_initial_slots_exceed_the_machine_is_refused_stating_its_bytes(monkeypatch):
+    import kvlayout.config
+
+    need = 100 * H * D * 4  # float32
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need)
+    assert MLXPool(100, 200, H, D, "float32").nbytes == need
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need - 1)
+    error = raises_naming(ConfigError, "initial_slots=100", lambda: MLXPool(100, 200, H, D, "float32"))
+    assert f"({need} bytes) up front" in str(error)
+
+
+@pytest.mark.parametrize("layout", ["mlx:cell", "mlx:seq"])
+@pytest.mark.parametrize("sizes", ["capacity = 1000000000000", "capacity = 9223372036854775807",
+                                   "capacity = 4096\nmax_seqs = 1000000000000000"])
+def test_kvlayout_run_refuses_a_cache_larger_than_the_machine_in_one_line(tmp_path, capsys, layout, sizes):
+    from kvlayout.cli import main
+
+    path = tmp_path / "run.toml"
+    path.write_text(f'[cache]\n{sizes}\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n')
+    code = main(["run", str(path), "--layout", layout])
+    err = capsys.readouterr().err.strip().splitlines()
+    if layout == "mlx:seq" and "max_seqs" in sizes:  # one sequence at a time: max_seqs holds nothing
+        assert code == 0
+        return
+    assert code == 2 and len(err) == 1 and err[0].startswith("kvlayout: error:"), err
+    assert "capacity=" in err[0] and re.search(r"\d (TiB|PiB|GiB)", err[0]), err[0]

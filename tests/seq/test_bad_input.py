@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import kvlayout.config
 from kvlayout import ConfigError, KVLayoutError, StepError
 from kvlayout_seq.mlx_cache import SeqCache
 
@@ -140,4 +141,40 @@ CONFIGS = {
 @pytest.mark.parametrize("config, message", CONFIGS.values(), ids=CONFIGS.keys())
 def test_a_cache_from_a_bad_config_is_refused_by_name(config, message):
     with pytest.raises(ConfigError, match=message):
+        SeqCache(config)
+
+
+# -- sizes: what a cache allocates up front, against the machine ------------------------------
+
+RING = {**LAYER, "policy": {"kind": "ring", "window": 10**12}}
+SIZES = {
+    "capacity 10**12": ({"capacity": 10**12, "n_layers": 2, "layers": [LAYER]}, r"capacity=1000000000000: layer 0's pools would span 1000000000000 slots"),
+    "capacity 2**63-1": ({"capacity": 2**63 - 1, "n_layers": 1, "layers": [LAYER]}, rf"capacity={2**63 - 1}: .*past the 2147483647"),
+    "capacity 2**31": ({"capacity": 2**31, "n_layers": 1, "layers": [LAYER]}, r"2147483648 slots .*lower capacity"),
+    "a ring of 10**12 over capacity 2**31": ({"capacity": 2**31, "n_layers": 2, "layers": [LAYER, RING]}, r"layer 0's pools"),
+    "a ring of 10**12 mirrored": (
+        {"capacity": 2**31 - 1, "n_layers": 1, "max_write": 1, "layers": [{**LAYER, "policy": {"kind": "ring", "window": 2**30 + 10}}]},
+        r"2147483668 slots \(a ring of window=1073741834 and max_write=1 keeps 1073741834, twice over"),
+}
+
+
+@pytest.mark.parametrize("config, message", SIZES.values(), ids=SIZES.keys())
+def test_a_cache_no_mlx_pool_can_span_is_a_config_error_stating_its_bytes(config, message):
+    # It built before, and failed later: OverflowError from mx.zeros, or a can_extend that promised
+    # positions no pool could hold.
+    with pytest.raises(ConfigError, match=message) as info:
+        SeqCache(config)
+    assert "at capacity the pools would hold" in str(info.value)
+
+
+def test_the_bytes_allocated_at_build_are_refused_exactly_past_the_machine_s_memory(monkeypatch):
+    # flat: initial_capacity 16 slots; ring of 8 (max_write 8): 15 slots, mirrored (30), whole.
+    # 32 B a slot (2 heads x 4 dims x float32), a K and a V pool per layer.
+    need = 2 * 16 * 32 + 2 * 30 * 32
+    config = {"capacity": 100, "n_layers": 2, "kv_dtype": "float32", "initial_capacity": 16,
+              "layers": [LAYER, {**LAYER, "policy": {"kind": "ring", "window": 8}}]}
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need)
+    assert SeqCache(config).nbytes == need
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need - 1)
+    with pytest.raises(ConfigError, match=rf"capacity=100: allocates .* \({need} bytes\) up front .*rings whole"):
         SeqCache(config)

@@ -31,10 +31,10 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.config import CacheConfig
-from kvlayout.errors import StepError
+from kvlayout.config import CacheConfig, check_up_front, show_bytes
+from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import BatchControl, CellStepper, FacesBase, face_of
-from kvlayout.mlx import MLXPool
+from kvlayout.mlx import MAX_SLOTS, MLXPool, pool_bytes
 from kvlayout.mlx.attention import pages_in_place
 from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
@@ -64,6 +64,9 @@ class CellCache(FacesBase):
     def __init__(self, config: CacheConfig, pm: Any = None):
         self.config = config = CacheConfig.coerce(config)  # a mapping is built; anything else refused
         layers = [config.layer(i) for i in range(config.n_layers)]
+        # Pools hold whole pages of PAGE_TILE slots (past the last cell: never written, masked when
+        # read), so every size they grow through is one that pages of up to PAGE_TILE cells tile.
+        max_slots, initial = _check_sizes(config, layers)  # before anything is allocated
         self.stepper = Stepper(
             CellTable(config.capacity, config.max_seqs),
             [lc.policy.window for lc in layers],  # 0 for flat layers
@@ -71,10 +74,6 @@ class CellCache(FacesBase):
         )
         self._batch_control = face_of(BatchControl, self.stepper)
         self._cell_stepper = face_of(CellStepper, self.stepper)
-        # Pools hold whole pages of PAGE_TILE slots (past the last cell: never written, masked when
-        # read), so every size they grow through is one that pages of up to PAGE_TILE cells tile.
-        max_slots = _tiled(config.capacity)
-        initial = _tiled(config.initial_capacity)  # the pool clamps it to max_slots
 
         def pool(lc):
             return MLXPool(initial, max_slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype)
@@ -237,11 +236,40 @@ class CellCache(FacesBase):
 
 
 PAGE_TILE = max(PAGE_SIZES)
+MAX_CAPACITY = MAX_SLOTS // PAGE_TILE * PAGE_TILE  # the most cells whose tiled pools MLX can index
 
 
 def _tiled(n: int) -> int:
     """`n` slots rounded up to whole PAGE_TILE pages; small pools (<= one page) stay as asked."""
     return n if n <= PAGE_TILE else -(-n // PAGE_TILE) * PAGE_TILE
+
+
+def _check_sizes(config: CacheConfig, layers: list) -> tuple[int, int]:
+    """(max_slots, initial slots) of every pool; ConfigError, stating the bytes, for a capacity no
+    MLX pool can span or a cache whose up-front allocations exceed the machine's memory.
+
+    Up front: the cell table's arrays (`CellTable.footprint`: 16 B a cell plus 8 B a cell per 64
+    ids, 17 B an id) and every layer's K and V pool at its initial slots. The pools grow lazily
+    past that, by doubling, up to capacity (their size there is stated, not refused: a cache
+    need not fill).
+    """
+    capacity, max_seqs = config.capacity, config.max_seqs
+    max_slots = _tiled(capacity)
+    initial = min(_tiled(config.initial_capacity), max_slots)
+
+    def pools(slots: int) -> int:  # bytes of every layer's K and V pools at `slots` slots
+        return sum(2 * pool_bytes(slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype) for lc in layers)
+
+    what = f"an mlx:cell cache of capacity={capacity} and max_seqs={max_seqs}"
+    table = CellTable.footprint(capacity, max_seqs)
+    check_up_front(what, {**table, f"K/V pools of {initial} slots": pools(initial)}, "lower capacity or max_seqs")
+    if max_slots > MAX_SLOTS:
+        raise ConfigError(
+            f"{what}: its pools would span {max_slots} slots (capacity in whole pages of {PAGE_TILE}), past "
+            f"the {MAX_SLOTS} an MLX array dimension holds (int32); expected capacity <= {MAX_CAPACITY} "
+            f"(at capacity the pools alone would hold {show_bytes(pools(max_slots))})"
+        )
+    return max_slots, initial
 
 
 def _as_mx(plan: AttendGroups) -> AttendGroups:
