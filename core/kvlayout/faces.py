@@ -68,7 +68,8 @@ class CacheControl(Protocol):
         ...
 
     def clear(self) -> None:
-        """Forget everything held; the cache is as built."""
+        """Forget everything held; the cache is as built. Always allowed, in the middle of a
+        forward too (the step in progress is dropped with the rest)."""
         ...
 
 
@@ -89,7 +90,9 @@ class SequenceControl(CacheControl, Protocol):
 
     def rewind(self, new_len: int) -> bool:
         """Shorten to `new_len` tokens; False (nothing changed) where the layout cannot (a ring
-        that already reused the slots below its floor). `rewind(0)` always succeeds."""
+        that already reused the slots below its floor). `rewind(0)` always succeeds. In the
+        middle of a forward, StepError (nothing changed) for a `new_len` that would keep part of
+        the step some layers have not written yet."""
         ...
 
 
@@ -99,6 +102,9 @@ class BatchControl(CacheControl, Protocol):
 
     One forward is one step: `declare_step` names each token's sequence
     first (the admission gate), then the layers place and read the step.
+    In between its first layer and its last, every verb but `clear` (which
+    drops the step with the rest) is refused with StepError, nothing
+    changed: it would leave cells some layers never wrote.
     """
 
     @property

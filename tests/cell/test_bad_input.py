@@ -18,6 +18,7 @@ import pytest
 
 from kvlayout import CacheConfig, LayerConfig, LayerPolicy
 from kvlayout.errors import ConfigError, KVLayoutError, SequenceError, StepError
+from kvlayout.hookspecs import hookimpl
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
 from kvlayout_cell.table import CellTable
@@ -33,7 +34,7 @@ def kv(T, seed=0, dtype=mx.float32, heads=H, dim=D):
     return mx.array(rng.normal(size=(1, heads, T, dim)).astype(np.float32)).astype(dtype)
 
 
-def make(phase: str) -> CellCache:
+def make(phase: str, pm=None) -> CellCache:
     """ids 0 (positions 0..3), 1 (shares 0..1, owns 2..3), 2 (live, empty); 3 not live.
 
     phase "declared": a step for ids [0, 1] is declared; "placed": layer 0 has
@@ -42,7 +43,7 @@ def make(phase: str) -> CellCache:
     layers = [LayerConfig(H, D, LayerPolicy("ring", w) if w else LayerPolicy()) for w in WINDOWS]
     c = CellCache(
         CacheConfig(capacity=16, n_layers=3, layers=layers, kv_dtype="float32", initial_capacity=4, max_seqs=MAX_SEQS),
-        make_plugin_manager(),
+        make_plugin_manager() if pm is None else pm,
     )
     s0 = c.seq_new()
     assert c.declare_step([s0] * 4)
@@ -222,6 +223,75 @@ def test_a_bad_argument_is_refused_by_name_and_changes_nothing(phase, verb, args
     assert re.search(message, str(info.value)), str(info.value)
     assert_same(state(c), before)
     finish(c, phase)
+
+
+# -- verbs in the middle of a forward -----------------------------------------------------------
+
+# Layer 0 has served the step, layers 1 and 2 not yet. Each verb, with good arguments, would end
+# the step with K/V that layers 1 and 2 never wrote in its cells (read as zeros ever after), so it
+# is refused; the forward then goes on. clear() is the one verb that goes ahead (it aborts first).
+MID_FORWARD = {
+    "seq_new": lambda c, d: c.seq_new(),
+    "seq_clone": lambda c, d: c.seq_clone(0),
+    "seq_clone upto": lambda c, d: c.seq_clone(1, 2),
+    "seq_rm of another sequence": lambda c, d: c.seq_rm(2),
+    "seq_rm of the step's own positions": lambda c, d: c.seq_rm(0, 4),
+    "declare_step": lambda c, d: c.declare_step([0, 1]),
+    "declare_step past the free cells": lambda c, d: c.declare_step([2] * 16),
+    "declare_step with a bad id": lambda c, d: c.declare_step([3]),
+    "the BatchControl face's seq_rm": lambda c, d: c.as_batch_control().seq_rm(1),
+    "load_seq": lambda c, d: c.load_seq(d / "one.kv"),
+    "save": lambda c, d: c.save(d / "all.kv"),
+    "save_seq": lambda c, d: c.save_seq(0, d / "seq.kv"),
+}
+
+
+@pytest.mark.parametrize("call", MID_FORWARD.values(), ids=MID_FORWARD.keys())
+def test_a_verb_in_the_middle_of_a_forward_is_refused_and_changes_nothing(tmp_path, call):
+    make("none").save_seq(0, tmp_path / "one.kv")
+    c = make("placed")
+    before = state(c)
+    with pytest.raises(StepError, match=r"during a forward: layer\(s\) \[1, 2\]"):
+        call(c, tmp_path)
+    assert_same(state(c), before)
+    assert [p.name for p in tmp_path.iterdir()] == ["one.kv"]  # nothing written
+    finish(c, "placed")
+
+
+class Seen:
+    """Records the steps announced placed and aborted."""
+
+    def __init__(self):
+        self.placed, self.aborted = [], []
+
+    @hookimpl
+    def kvlayout_step_placed(self, step, window):
+        self.placed.append(step)
+
+    @hookimpl
+    def kvlayout_step_aborted(self, step, window):
+        self.aborted.append(step)
+
+
+@pytest.mark.parametrize("phase", ["placed", "declared", "none"])
+def test_clear_in_the_middle_of_a_forward_aborts_the_step_then_clears(phase):
+    pm = make_plugin_manager()
+    seen = Seen()
+    pm.register(seen)
+    c = make(phase, pm)
+    placed = list(seen.placed)
+    c.clear()
+    fresh = make("none")
+    fresh.clear()
+    assert {k: v for k, v in state(c).items() if k != "pools"} == {k: v for k, v in state(fresh).items() if k != "pools"}
+    # Only a half-served step is taken back, and its observers hear it; a complete one is not.
+    assert seen.aborted == (placed[-1:] if phase == "placed" else [])
+    assert c.abort_step() is False and c.stepper.unserved_layers() == []
+    s = c.seq_new()
+    assert c.declare_step([s])
+    for layer in range(c.n_layers):
+        c.update_and_fetch(layer, [0], kv(1), kv(1))
+    assert (c.free_cells, c.used_end) == (15, 1)
 
 
 K, V = kv(2, 5), kv(2, 6)

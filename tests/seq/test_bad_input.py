@@ -125,6 +125,31 @@ def test_a_count_too_large_is_an_answer_not_an_error(cache, verb, args):
     assert_same(snapshot(cache), before)
 
 
+# -- calls in the middle of a forward ------------------------------------------------------------
+
+# Layer 0 has written the step at 10, layer 1 not yet. A rewind keeping position 10, or a step
+# starting past it, would leave it unwritten in layer 1 (read as zeros ever after): refused.
+MID_FORWARD = {
+    "rewind to the length": (lambda c, d: c.rewind(11), r"rewind\(new_len=11\) during a forward: layer\(s\) \[1\]"),
+    "rewind past the length": (lambda c, d: c.rewind(12), r"rewind\(new_len=12\) during a forward"),
+    "a step past it, layer 0": (lambda c, d: c.update_and_fetch(0, [11], K, V), r"start at 11, past the step at 10"),
+    "a step past it, layer 1": (lambda c, d: c.update_and_fetch(1, [11], K, V), r"start at 11, past the step at 10"),
+    "save": (lambda c, d: c.save(d / "c.kv"), r"save during a forward: layer\(s\) \[1\]"),
+}
+
+
+@pytest.mark.parametrize("call, message", MID_FORWARD.values(), ids=MID_FORWARD.keys())
+def test_a_call_in_the_middle_of_a_forward_is_refused_and_changes_nothing(cache, tmp_path, call, message):
+    cache.update_and_fetch(0, [10], one(), one())
+    before = snapshot(cache)
+    with pytest.raises(StepError, match=message):
+        call(cache, tmp_path)
+    assert_same(snapshot(cache), before)
+    assert list(tmp_path.iterdir()) == []
+    cache.update_and_fetch(1, [10], one(), one())  # the forward goes on
+    assert (cache.length, cache.book.open_step()) == (11, None)
+
+
 LAYER = {"n_kv_heads": H, "head_dim": D}
 
 CONFIGS = {
