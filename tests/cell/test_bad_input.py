@@ -294,6 +294,76 @@ def test_clear_in_the_middle_of_a_forward_aborts_the_step_then_clears(phase):
     assert (c.free_cells, c.used_end) == (15, 1)
 
 
+# -- the cache's views of the open step, its settings, its plugin manager -----------------------
+
+
+def served(c):
+    return c.stepper.served_step(0)  # layer 0's CellStep: the "placed" phase served layer 0 only
+
+
+STEP_VIEWS = {  # (call on a "placed" cache, what the message names)
+    "layer None": (lambda c, view: view(None, served(c)), "layer=None"),
+    "layer a string": (lambda c, view: view("0", served(c)), "layer='0'"),
+    "layer negative": (lambda c, view: view(-1, served(c)), "layer=-1"),
+    "layer past n_layers": (lambda c, view: view(3, served(c)), "layer=3"),
+    "layer 2**70": (lambda c, view: view(HUGE, served(c)), f"layer={HUGE}"),
+    "step None": (lambda c, view: view(0, None), "step=None"),
+    "step a string": (lambda c, view: view(0, "step"), "step='step'"),
+    "a layer the step has not served": (lambda c, view: view(1, served(c)), "step=.*layer 1"),
+}
+
+
+@pytest.mark.parametrize("view", ["step_groups", "step_mask"])
+@pytest.mark.parametrize("call, message", STEP_VIEWS.values(), ids=STEP_VIEWS.keys())
+def test_a_bad_step_view_is_refused_by_name_and_changes_nothing(view, call, message):
+    c = make("placed")
+    before = state(c)
+    with pytest.raises(StepError, match=message):
+        call(c, getattr(c, view))
+    assert_same(state(c), before)
+    getattr(c, view)(0, served(c))  # the right step: its grouping (None: dense) or its mask
+    finish(c, "placed")
+
+
+@pytest.mark.parametrize("view", ["step_groups", "step_mask"])
+def test_a_step_view_of_an_earlier_forward_is_refused(view):
+    # step_groups planned the open step's tokens under the stale step's read_len: a wrong grouping.
+    c = make("placed")
+    earlier = served(c)
+    finish(c, "placed")
+    assert c.declare_step([0, 1])
+    c.update_and_fetch(0, [5, 5], kv(2, 7), kv(2, 8))
+    with pytest.raises(StepError, match="step=.*another step"):
+        getattr(c, view)(0, earlier)
+
+
+@pytest.mark.parametrize("path", ["bogus", "DENSE", "", None, 3, ["dense"]])
+def test_an_unknown_attention_path_is_refused_where_it_is_assigned(path):
+    # Was: accepted, and the next update_and_fetch raised only after placing and writing the step.
+    c = make("declared")
+    c.attention_path = "grouped"
+    before = state(c)
+    with pytest.raises(ConfigError, match=rf"attention_path={re.escape(repr(path))}: expected one of auto, dense, grouped, paged"):
+        c.attention_path = path
+    assert c.attention_path == "grouped"
+    assert_same(state(c), before)
+    finish(c, "declared")
+
+
+@pytest.mark.parametrize("pm", ["pm", 3, object(), CellCache], ids=["a string", "an int", "an object", "a class"])
+def test_a_plugin_manager_that_is_not_one_is_refused_at_build_naming_pm(pm):
+    # Was: built, then an AttributeError at the first step.
+    config = CacheConfig(capacity=8, n_layers=1, layers=[LayerConfig(H, D)], kv_dtype="float32")
+    with pytest.raises(ConfigError, match=r"pm=.*kvlayout_choose_cells"):
+        CellCache(config, pm)
+
+
+@pytest.mark.parametrize("layer", [None, "0", -1, 3, HUGE, 1.0])
+def test_the_stepper_s_window_of_a_bad_layer_is_refused_by_name(layer):
+    with pytest.raises(StepError, match=f"layer={re.escape(repr(layer))}"):
+        make("none").stepper.window(layer)
+
+
 K, V = kv(2, 5), kv(2, 6)
 
 UPDATE = [

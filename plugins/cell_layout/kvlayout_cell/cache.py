@@ -40,7 +40,7 @@ from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout.checks import int_array, int_scalar
 from kvlayout_cell import persist
-from kvlayout_cell.groups import PAGE_SIZES, plan_cells
+from kvlayout_cell.groups import PAGE_SIZES, PATHS, plan_cells
 from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
 
@@ -56,12 +56,12 @@ class CellCache(FacesBase):
     `kvlayout_cell.groups` finds it cheaper, each batch gathered or read by
     pages, whichever is cheaper), "dense", "grouped" (every batch gathered)
     or "paged" (pages wherever a page size divides the pool) (forced; results
-    are identical either way, up to float rounding).
+    are identical either way, up to float rounding). Anything else is
+    refused where it is assigned (ConfigError).
     """
 
-    attention_path: str = "auto"
-
     def __init__(self, config: CacheConfig, pm: Any = None):
+        self._attention_path = "auto"
         self.config = config = CacheConfig.coerce(config)  # a mapping is built; anything else refused
         layers = [config.layer(i) for i in range(config.n_layers)]
         # Pools hold whole pages of PAGE_TILE slots (past the last cell: never written, masked when
@@ -86,6 +86,18 @@ class CellCache(FacesBase):
     @property
     def n_layers(self) -> int:
         return self.stepper.n_layers
+
+    @property
+    def attention_path(self) -> str:
+        """How steps attend: "auto", "dense", "grouped" or "paged" (see the class)."""
+        return self._attention_path
+
+    @attention_path.setter
+    def attention_path(self, path: str) -> None:
+        # Checked here, not at the next update_and_fetch, which would refuse it after placing the step.
+        if not isinstance(path, str) or path not in PATHS:
+            raise ConfigError(f"attention_path={path!r}: expected one of {', '.join(PATHS)}")
+        self._attention_path = path
 
     def as_batch_control(self) -> BatchControl:
         """The BatchControl face: ids, declarations and counts of the cells."""
@@ -192,7 +204,7 @@ class CellCache(FacesBase):
             self.value_pools[layer].write_cells(step.cells, v)
         keys = self.key_pools[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
         values = self.value_pools[layer].read(0, step.read_len)
-        groups = self.step_groups(layer, step)
+        groups = self._step_groups(layer, step)
         if groups is not None:
             # The whole pool buffer (a row-contiguous view): the grouped gather then copies
             # only the rows it takes. Dropped with the spec, like the read above.
@@ -200,13 +212,35 @@ class CellCache(FacesBase):
             groups = attrs.evolve(
                 groups, keys=self.key_pools[layer].read(0, slots), values=self.value_pools[layer].read(0, slots)
             )  # [1, H_kv, slots, D] each
-            mask = functools.partial(self.step_mask, layer, step)  # built only if a consumer reads spec.mask
+            mask = functools.partial(self._step_mask, layer, step)  # built only if a consumer reads spec.mask
         else:
-            mask = self.step_mask(layer, step)
+            mask = self._step_mask(layer, step)
         return AttendSpec(keys, values, MaskKind.EXPLICIT, mask, groups)
 
     def step_groups(self, layer: int, step) -> AttendGroups | None:
-        """The step's grouping for this layer's window (None: dense), planned once per window per step."""
+        """The step's grouping for this layer's window (None: dense), planned once per window per step.
+
+        `step` is what `place_step(layer, ...)` answered for the open step; StepError for a layer
+        out of range or any other step (a grouping is planned from the open step's tokens)."""
+        return self._step_groups(layer, self._check_step(layer, step))
+
+    def step_mask(self, layer: int, step) -> mx.array:
+        """The step's mask as bool [1, 1, T, read_len], converted once per window per step.
+
+        `step` is what `place_step(layer, ...)` answered for the open step; StepError otherwise."""
+        return self._step_mask(layer, self._check_step(layer, step))
+
+    def _check_step(self, layer: Any, step: Any) -> Any:
+        served = self.stepper.served_step(layer)  # StepError for a bad layer
+        if step is None or step is not served:
+            what = "no step is open or it has not served this layer" if served is None else "another step"
+            raise StepError(
+                f"step={step!r:.80}: expected the CellStep place_step answered for layer {layer} in the open "
+                f"step ({what})"
+            )
+        return step
+
+    def _step_groups(self, layer: int, step) -> AttendGroups | None:
         window = self.stepper.window(layer)
         path = self.attention_path
         held = self._mx_groups.get(window)
@@ -225,8 +259,8 @@ class CellCache(FacesBase):
             self._mx_groups[window] = held
         return held[2]
 
-    def step_mask(self, layer: int, step) -> mx.array:
-        """The step's mask as bool [1, 1, T, read_len], converted once per window per step."""
+    def _step_mask(self, layer: int, step) -> mx.array:
+        """A lazy spec's mask may be read after the step ended: the step's own (`CellStep.mask`)."""
         window = self.stepper.window(layer)
         held = self._mx_mask.get(window)
         if held is None or held[0] is not step:

@@ -37,6 +37,8 @@ from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
 from kvlayout_cell.table import CellTable
 
+HOOKS = ("kvlayout_choose_cells", "kvlayout_step_placed", "kvlayout_step_aborted")  # what the stepper calls
+
 
 @attrs.define(eq=False)
 class _Placed:
@@ -66,6 +68,13 @@ class Stepper:
     def __init__(self, table: CellTable, windows: Sequence[int], pm: Any):
         self.table = table  # read it freely; change it only through the stepper's verbs
         self._windows = tuple(int_scalar("window", w, ConfigError, minimum=0) for w in windows)
+        hook = getattr(pm, "hook", None)  # checked now: a bad one would fail at the first step
+        missing = [name for name in HOOKS if not hasattr(hook, name)]
+        if missing:
+            raise ConfigError(
+                f"pm={pm!r:.80}: expected a kvlayout plugin manager (kvlayout.registry.plugin_manager() or "
+                f"make_plugin_manager()), got one without the hook(s) {', '.join(missing)}"
+            )
         self._pm = pm
         self._declared: _Declared | None = None
         self._placed: _Placed | None = None
@@ -75,8 +84,17 @@ class Stepper:
         return len(self._windows)
 
     def window(self, layer: int) -> int:
-        """Layer `layer`'s window (0 = flat)."""
-        return self._windows[layer]
+        """Layer `layer`'s window (0 = flat); StepError for a layer out of range."""
+        return self._windows[self._layer(layer)]
+
+    def served_step(self, layer: int) -> CellStep | None:
+        """The open step's CellStep for `layer` (shared by its window), once `layer` has served it;
+        else None. StepError for a layer out of range."""
+        layer = self._layer(layer)
+        placed = self._open_step()
+        if placed is None or layer not in placed.served:
+            return None
+        return placed.steps.get(self._windows[layer])
 
     # -- the table's counts, read through (BatchControl) ------------------------
 
@@ -176,9 +194,7 @@ class Stepper:
         with no declaration, a token count differing from it, a position not
         newer than its sequence holds, or a bad `kvlayout_choose_cells` answer.
         """
-        layer = int_scalar("layer", layer, StepError, minimum=0)
-        if layer >= self.n_layers:
-            raise StepError(f"layer={layer}: expected a layer in [0, {self.n_layers})")
+        layer = self._layer(layer)
         pos = int_array("positions", positions, StepError)
         placed = self._open_step()
         if placed is not None:
@@ -279,6 +295,12 @@ class Stepper:
         return placed.seq_ids, placed.positions
 
     # -- inside ----------------------------------------------------------------
+
+    def _layer(self, layer: Any) -> int:
+        layer = int_scalar("layer", layer, StepError, minimum=0)
+        if layer >= self.n_layers:
+            raise StepError(f"layer={layer}: expected a layer in [0, {self.n_layers})")
+        return layer
 
     def _refuse_mid_forward(self, verb: str) -> None:
         """StepError, nothing changed, while the open step is half served: the verb would end it
