@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout import CacheConfig, ConfigError, KVLayoutError, LayerConfig, LayerPolicy, LayoutNotFound
+from kvlayout import CacheConfig, ConfigError, KVLayoutError, LayerConfig, LayerPolicy, LayoutNotFound, StateError
 from kvlayout.config import machine_memory, show_bytes
 from kvlayout.mlx import MAX_SLOTS, MLXPool
 from kvlayout.registry import available, build, make_plugin_manager, resolve
@@ -332,3 +332,95 @@ def test_kvlayout_run_refuses_a_cache_larger_than_the_machine_in_one_line(tmp_pa
         return
     assert code == 2 and len(err) == 1 and err[0].startswith("kvlayout: error:"), err
     assert "capacity=" in err[0] and re.search(r"\d (TiB|PiB|GiB)", err[0]), err[0]
+
+
+# -- saving and loading: the path ----------------------------------------------------------------
+
+SMALL = CacheConfig(capacity=8, n_layers=2, layers=[L], kv_dtype="float32")
+
+PATHS = {  # (path under tmp_path, or a value; what the message says)
+    "None": (None, "path=None: expected a file path"),
+    "an int": (5, "path=5: expected a file path"),
+    "a float": (1.5, "path=1.5: expected a file path"),
+    "a list": (["x.kv"], r"path=\['x.kv'\]: expected a file path"),
+    "bytes": (b"x.kv", "path=b'x.kv': expected a file path"),
+    "empty": ("", "path='': expected a file path"),
+    "a directory": ("adir", "is a directory"),
+    "the current directory": (".", "path='.': is a directory"),
+}
+WRITE_ONLY = {  # a file can be read from neither, but these say more when writing
+    "in a missing directory": ("nodir/x.kv", "its directory .*nodir' does not exist"),
+    "under a file": ("afile/x.kv", "its directory .*afile' does not exist"),
+}
+
+
+def at(tmp_path, path):
+    (tmp_path / "adir").mkdir(exist_ok=True)
+    (tmp_path / "afile").write_bytes(b"x")
+    return tmp_path / path if isinstance(path, str) and path not in ("", ".") else path
+
+
+def files(tmp_path):
+    return sorted(p.name for p in tmp_path.rglob("*"))
+
+
+def saved_caches():
+    cell, seq = build("mlx", "cell", SMALL), build("mlx", "seq", SMALL)
+    s = cell.seq_new()
+    assert cell.declare_step([s])
+    for layer in range(2):
+        cell.update_and_fetch(layer, [0], mx.ones((1, H, 1, D)), mx.ones((1, H, 1, D)))
+        seq.update_and_fetch(layer, [0], mx.ones((1, H, 1, D)), mx.ones((1, H, 1, D)))
+    return {"cell save": cell.save, "cell save_seq": lambda p: cell.save_seq(s, p), "seq save": seq.save}
+
+
+@pytest.mark.parametrize("path, message", [*PATHS.values(), *WRITE_ONLY.values()], ids=[*PATHS, *WRITE_ONLY])
+@pytest.mark.parametrize("save", ["cell save", "cell save_seq", "seq save"])
+def test_a_save_to_something_that_is_no_file_path_is_refused_naming_it_and_writes_nothing(tmp_path, save, path, message):
+    # Was: TypeError (None), IsADirectoryError, FileNotFoundError, OSError from os.replace ('').
+    path = at(tmp_path, path)
+    before = files(tmp_path)
+    with pytest.raises(StateError, match=message):
+        saved_caches()[save](path)
+    assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("path, message", PATHS.values(), ids=PATHS.keys())
+@pytest.mark.parametrize("load", ["kvlayout.load", "load_seq"])
+def test_a_load_from_something_that_is_no_file_path_is_refused_naming_it(tmp_path, load, path, message):
+    import kvlayout
+
+    cell = build("mlx", "cell", SMALL)
+    call = kvlayout.load if load == "kvlayout.load" else cell.load_seq
+    with pytest.raises(StateError, match=message):
+        call(at(tmp_path, path))
+    assert (cell.free_cells, cell.used_end, cell.stepper.table.live_ids().tolist()) == (8, 0, [])
+
+
+def test_a_write_the_os_refuses_is_a_state_error_naming_the_path_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    import errno
+
+    from kvlayout import persist
+
+    path = tmp_path / "c.kv"
+    saves = saved_caches()
+    saves["cell save"](path)
+    before = path.read_bytes()
+
+    def full(f, chunk):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persist, "_write_chunk", full)
+    with pytest.raises(StateError, match=r"path='.*c.kv': cannot write the state file \(No space left on device\)"):
+        saves["seq save"](path)
+    assert path.read_bytes() == before and files(tmp_path) == ["c.kv"]
+
+
+@pytest.mark.parametrize("config", [{"capacity": 8}, "capacity=8", 8], ids=["a bad mapping", "a string", "an int"])
+def test_load_with_a_config_that_is_not_one_is_refused_naming_it(tmp_path, config):
+    import kvlayout
+
+    saved_caches()["cell save"](tmp_path / "c.kv")
+    with pytest.raises(ConfigError, match="config|n_layers"):
+        kvlayout.load(tmp_path / "c.kv", config=config)
+    assert kvlayout.load(tmp_path / "c.kv", config=SMALL.to_mapping()).capacity == 8  # a mapping of it is one
