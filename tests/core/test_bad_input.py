@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout import CacheConfig, ConfigError, KVLayoutError, LayerConfig, LayerPolicy, LayoutNotFound, StateError
+from kvlayout import AttendSpec, CacheConfig, ConfigError, KVLayoutError, LayerConfig, LayerPolicy, LayoutNotFound, MaskKind, StateError
 from kvlayout.config import machine_memory, show_bytes
 from kvlayout.mlx import MAX_SLOTS, MLXPool
 from kvlayout.registry import available, build, make_plugin_manager, resolve
@@ -424,3 +424,64 @@ def test_load_with_a_config_that_is_not_one_is_refused_naming_it(tmp_path, confi
     with pytest.raises(ConfigError, match="config|n_layers"):
         kvlayout.load(tmp_path / "c.kv", config=config)
     assert kvlayout.load(tmp_path / "c.kv", config=SMALL.to_mapping()).capacity == 8  # a mapping of it is one
+
+
+# -- attend ----------------------------------------------------------------------------------
+
+
+def layout_spec(layout: str, T: int):
+    """What layer 0 of a real step of T tokens hands attend(): [1, H, S, D] keys, queries=T."""
+    cache = build(*layout.split(":"), SMALL)
+    if layout == "mlx:cell":
+        s = cache.seq_new()
+        assert cache.declare_step([s] * T)
+    return cache.update_and_fetch(0, list(range(T)), mx.ones((1, H, T, D)), mx.ones((1, H, T, D)))
+
+
+def _q(T, heads=2 * H, dim=D, dtype=mx.float32):
+    return mx.ones((1, heads, T, dim), dtype=dtype)
+
+
+ATTEND = {  # (q, spec as (layout, T), scale, what the message names)
+    "q None": (None, ("mlx:seq", 1), 0.5, "q: expected a floating mlx array"),
+    "q numpy": (np.ones((1, 2 * H, 1, D), np.float32), ("mlx:seq", 1), 0.5, "q: expected .* got ndarray"),
+    "q 3-d": (mx.ones((2 * H, 1, D)), ("mlx:seq", 1), 0.5, r"q: expected .* got array \(4, 1, 3\)"),
+    "q int32": (_q(1, dtype=mx.int32), ("mlx:seq", 1), 0.5, "q: expected a floating .*int32"),
+    "q batch of 2": (mx.ones((2, 2 * H, 1, D)), ("mlx:seq", 1), 0.5, r"q of shape \(2, 4, 1, 3\)"),
+    "q head_dim differs": (_q(1, dim=D + 1), ("mlx:seq", 1), 0.5, r"q of shape \(1, 4, 1, 4\).*\b3\]"),
+    "q heads not a multiple": (_q(1, heads=3), ("mlx:cell", 1), 0.5, "a multiple of H_kv=2"),
+    "q fewer heads than keys": (_q(1, heads=1), ("mlx:cell", 1), 0.5, "a multiple of H_kv=2"),
+    # MLX broadcast these and answered: T rows for a step of another length.
+    "q T=5, a seq step of 1 (NONE)": (_q(5), ("mlx:seq", 1), 0.5, "T=5 queries for a step of 1 token"),
+    "q T=1, a seq step of 3 (CAUSAL)": (_q(1), ("mlx:seq", 3), 0.5, "T=1 queries for a step of 3 token"),
+    "q T=5, a cell step of 1 (EXPLICIT)": (_q(5), ("mlx:cell", 1), 0.5, "T=5 queries for a step of 1 token"),
+    "q T=1, a cell step of 2 (EXPLICIT)": (_q(1), ("mlx:cell", 2), 0.5, "T=1 queries for a step of 2 token"),
+    "spec None": (_q(1), None, 0.5, "spec: expected an AttendSpec"),
+    "spec a dict": (_q(1), {"keys": 1}, 0.5, "spec: expected an AttendSpec"),
+    "scale None": (_q(1), ("mlx:seq", 1), None, "scale=None"),
+    "scale a string": (_q(1), ("mlx:seq", 1), "0.5", "scale='0.5'"),
+    "scale NaN": (_q(1), ("mlx:seq", 1), math.nan, "scale=nan"),
+    "scale inf": (_q(1), ("mlx:seq", 1), math.inf, "scale=inf"),
+    "scale a bool": (_q(1), ("mlx:seq", 1), True, "scale=True"),
+}
+
+
+@pytest.mark.parametrize("q, spec, scale, message", ATTEND.values(), ids=ATTEND.keys())
+def test_a_bad_attend_call_is_refused_naming_the_argument(q, spec, scale, message):
+    from kvlayout.errors import StepError
+    from kvlayout.mlx import attend
+
+    if isinstance(spec, tuple):
+        spec = layout_spec(*spec)
+    with pytest.raises(StepError, match=message):
+        attend(q, spec, scale)
+
+
+def test_a_causal_spec_with_no_stated_length_still_refuses_more_queries_than_keys():
+    from kvlayout.errors import StepError
+    from kvlayout.mlx import attend
+
+    spec = AttendSpec(mx.ones((1, H, 3, D)), mx.ones((1, H, 3, D)), MaskKind.CAUSAL)  # a third party's spec
+    assert attend(_q(3), spec, 0.5).shape == (1, 2 * H, 3, D)
+    with pytest.raises(StepError, match="T=4 queries, more than the 3 keys"):
+        attend(_q(4), spec, 0.5)

@@ -215,7 +215,7 @@ class CellCache(FacesBase):
             mask = functools.partial(self._step_mask, layer, step)  # built only if a consumer reads spec.mask
         else:
             mask = self._step_mask(layer, step)
-        return AttendSpec(keys, values, MaskKind.EXPLICIT, mask, groups)
+        return AttendSpec(keys, values, MaskKind.EXPLICIT, mask, groups, queries=T)
 
     def step_groups(self, layer: int, step) -> AttendGroups | None:
         """The step's grouping for this layer's window (None: dense), planned once per window per step.

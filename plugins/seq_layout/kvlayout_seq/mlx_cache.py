@@ -140,7 +140,7 @@ class SeqCache(FacesBase):
         mask = None
         if plan.mask_kind is MaskKind.EXPLICIT:
             mask = _band_mask(plan.length, plan.read_len, plan.window)  # [1, 1, T, S]
-        return AttendSpec(keys, values, plan.mask_kind, mask)
+        return AttendSpec(keys, values, plan.mask_kind, mask, queries=plan.length)
 
     def _plan(self, layer: Any, pos: np.ndarray, k: Any, v: Any) -> tuple[int, SeqStepPlan]:
         """Check the whole step (layer, K/V shapes, positions) and plan it; changes nothing."""
