@@ -474,3 +474,33 @@ def test_a_capacity_past_what_an_mlx_pool_can_index_is_refused_on_any_machine(mo
     top = 2**31 - 256  # the most cells whose pools, in whole pages of 256 slots, stay within int32
     with pytest.raises(ConfigError, match=rf"capacity={top + 1} .*2147483648 slots.*expected capacity <= {top}"):
         CellCache(CacheConfig(capacity=top + 1, n_layers=1, layers=[LayerConfig(H, D)], max_seqs=1), make_plugin_manager())
+
+
+# -- ids not live: the queries answer, the verbs refuse ------------------------------------------
+
+
+def test_an_id_not_live_is_answered_0_by_the_queries_and_refused_by_every_verb_acting_on_it(tmp_path):
+    c = make("none")
+    bc = c.as_batch_control()
+    c.seq_rm(2)  # live and empty until now: the seq_rm that leaves it owning nothing releases it
+    assert c.declare_step([0, 1])  # a standing declaration: the refusals below leave it standing
+    before = state(c)
+    for target in (c, bc):
+        for dead in (2, 3):
+            assert (target.seq_len(dead), target.next_pos(dead)) == (0, 0)  # as a live empty id would
+            refusals = [
+                (lambda: target.declare_step([0, dead]), r"seq_ids\[1\]"),
+                (lambda: target.seq_clone(dead), "src"),
+                (lambda: target.seq_rm(dead), "seq_id"),
+                (lambda: c.save_seq(dead, tmp_path / "s.kv"), "seq_id"),
+            ]
+            for call, name in refusals:
+                with pytest.raises(SequenceError, match=rf"{name}={dead}: expected a live sequence"):
+                    call()
+        for far in (-1, MAX_SEQS, HUGE):  # out of range: refused by the queries too
+            for query in (target.seq_len, target.next_pos):
+                with pytest.raises(SequenceError, match=f"seq_id={far}"):
+                    query(far)
+    assert_same(state(c), before)
+    assert list(tmp_path.iterdir()) == []
+    finish(c, "declared")
