@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvlayout import CacheConfig, LayerConfig, LayerPolicy
-from kvlayout.errors import ConfigError, KVLayoutError, SequenceError, StepError
+from kvlayout.errors import ConfigError, KVLayoutError, SequenceError, StateError, StepError
 from kvlayout.hookspecs import hookimpl
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
@@ -241,6 +241,9 @@ MID_FORWARD = {
     "declare_step with a bad id": lambda c, d: c.declare_step([3]),
     "the BatchControl face's seq_rm": lambda c, d: c.as_batch_control().seq_rm(1),
     "load_seq": lambda c, d: c.load_seq(d / "one.kv"),
+    "the stepper's place_sequence (what load_seq does)": lambda c, d: c.stepper.place_sequence([0, 1]),
+    "the stepper's restore (what kvlayout.load does)": lambda c, d: c.stepper.restore(
+        *c.stepper.table.occupied(), c.stepper.table.live_ids(), StateError),
     "save": lambda c, d: c.save(d / "all.kv"),
     "save_seq": lambda c, d: c.save_seq(0, d / "seq.kv"),
 }
