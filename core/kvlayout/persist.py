@@ -33,8 +33,9 @@ other-version, other-layout or mismatched file) raises StateError and loads
 nothing. A `path` that cannot name a state file (not a str or os.PathLike,
 empty, a directory, in a directory that does not exist) is a StateError
 naming it, raised before anything is read or written (`state_path`); so is
-an OSError while writing (the previous file stays whole). This module is tensor-agnostic (bytes and numpy); the MLX
-conversions live in `kvlayout.mlx.tensors`.
+an OSError while writing (the previous file stays whole). This module is
+tensor-agnostic (bytes and numpy); the MLX conversions live in
+`kvlayout.mlx.tensors`.
 """
 
 from __future__ import annotations

@@ -470,6 +470,13 @@ def test_the_up_front_bytes_are_refused_exactly_past_the_machine_s_memory(monkey
     CellCache(config, make_plugin_manager())
 
 
+@pytest.mark.parametrize("layer, message", [(LayerConfig(2**40, D), "n_kv_heads"), (LayerConfig(H, 2**33), "head_dim")])
+def test_a_layer_wider_than_an_mlx_dimension_is_refused_at_build_naming_the_field(layer, message):
+    # Was: OverflowError from mx.zeros (with initial_capacity 0 nothing else is allocated).
+    with pytest.raises(ConfigError, match=rf"layer 0: LayerConfig.{message}=\d+: expected at most 2147483647"):
+        CellCache(CacheConfig(capacity=8, n_layers=1, layers=[layer], initial_capacity=0), make_plugin_manager())
+
+
 def test_a_capacity_past_what_an_mlx_pool_can_index_is_refused_on_any_machine(monkeypatch):
     import kvlayout.config
 

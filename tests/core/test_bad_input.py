@@ -303,6 +303,8 @@ def test_bytes_are_shown_in_binary_units(n, shown):
 
 def test_a_pool_past_what_an_mlx_array_can_index_is_refused_naming_max_slots():
     raises_naming(ConfigError, f"max_slots={2**31}", lambda: MLXPool(0, 2**31, H, D))
+    raises_naming(ConfigError, f"n_heads={2**31}", lambda: MLXPool(0, 4, 2**31, D))  # was OverflowError
+    raises_naming(ConfigError, f"head_dim={2**40}", lambda: MLXPool(0, 4, H, 2**40))
     assert MLXPool(0, MAX_SLOTS, H, D).max_slots == MAX_SLOTS  # lazily allocated: nothing yet
 
 

@@ -20,8 +20,8 @@ from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.pool import Pool
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-# MLX array dimensions are int32: no pool holds more slots than this (a shape past it is an
-# OverflowError in mx.zeros, and cell indices are int32 in every step record).
+# MLX array dimensions are int32: no pool holds more slots (or heads, or head_dim) than this (a
+# shape past it is an OverflowError in mx.zeros, and cell indices are int32 in every step record).
 MAX_SLOTS = 2**31 - 1
 
 
@@ -39,6 +39,19 @@ def pool_bytes(slots: int, n_heads: int, head_dim: int, dtype: Any) -> int:
     return slots * n_heads * head_dim * storage_dtype(dtype).size
 
 
+def check_layer_dims(config: Any) -> None:
+    """ConfigError naming the field for a layer of `config` (a CacheConfig) whose n_kv_heads or
+    head_dim no MLX array dimension holds (more than MAX_SLOTS)."""
+    for i in range(config.n_layers):
+        lc = config.layer(i)
+        for name in ("n_kv_heads", "head_dim"):
+            if getattr(lc, name) > MAX_SLOTS:
+                raise ConfigError(
+                    f"layer {i}: LayerConfig.{name}={getattr(lc, name)}: expected at most {MAX_SLOTS} "
+                    "(MLX array dimensions are int32)"
+                )
+
+
 class MLXPool(Pool):
     """A layer's K or V: `initial_slots` allocated at once (clamped to `max_slots`), grown by
     doubling up to `max_slots` (at most MAX_SLOTS) as writes need. ConfigError, before any
@@ -53,6 +66,9 @@ class MLXPool(Pool):
         initial = min(int_scalar("initial_slots", initial_slots, KVLayoutError, minimum=0), self._max)
         self._heads = int_scalar("n_heads", n_heads, KVLayoutError, minimum=1)
         self._dim = int_scalar("head_dim", head_dim, KVLayoutError, minimum=1)
+        for name, value in (("n_heads", self._heads), ("head_dim", self._dim)):
+            if value > MAX_SLOTS:
+                raise ConfigError(f"{name}={value}: expected at most {MAX_SLOTS} (MLX array dimensions are int32)")
         self._dtype = storage_dtype(dtype)
         check_up_front(
             f"an MLXPool of initial_slots={initial} x n_heads={self._heads} x head_dim={self._dim}",

@@ -34,7 +34,7 @@ import numpy as np
 from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import BatchControl, CellStepper, FacesBase, face_of
-from kvlayout.mlx import MAX_SLOTS, MLXPool, pool_bytes
+from kvlayout.mlx import MAX_SLOTS, MLXPool, check_layer_dims, pool_bytes
 from kvlayout.mlx.attention import pages_in_place
 from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
@@ -295,6 +295,7 @@ def _check_sizes(config: CacheConfig, layers: list) -> tuple[int, int]:
         return sum(2 * pool_bytes(slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype) for lc in layers)
 
     what = f"an mlx:cell cache of capacity={capacity} and max_seqs={max_seqs}"
+    check_layer_dims(config)
     table = CellTable.footprint(capacity, max_seqs)
     check_up_front(what, {**table, f"K/V pools of {initial} slots": pools(initial)}, "lower capacity or max_seqs")
     if max_slots > MAX_SLOTS:

@@ -19,7 +19,7 @@ from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import FacesBase, SequenceControl, face_of
 from kvlayout.spec import AttendSpec, MaskKind
-from kvlayout.mlx import MAX_SLOTS, MLXPool, pool_bytes
+from kvlayout.mlx import MAX_SLOTS, MLXPool, check_layer_dims, pool_bytes
 
 from kvlayout_seq.bookkeeping import SeqBook, SeqStepPlan, band_mask
 
@@ -181,6 +181,7 @@ def _check_sizes(config: CacheConfig, book: SeqBook) -> list[int]:
         return sum(2 * pool_bytes(n, heads, dim, config.kv_dtype) for n, (heads, dim) in zip(slots, shapes))
 
     what = f"an mlx:seq cache of capacity={config.capacity}"
+    check_layer_dims(config)
     for i, policy in enumerate(book.layers):
         if policy.storage > MAX_SLOTS:
             if policy.kind == "flat":
