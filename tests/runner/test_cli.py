@@ -196,3 +196,41 @@ def test_a_model_directory_without_its_tokenizer_is_one_line(tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path / "m"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tokenizer.json is missing" in err[0]
+
+
+# -- Python 3.10: no tomllib; the same parser comes as the tomli package ---------------------------
+
+AS_ON_PYTHON_3_10 = (
+    "import sys; sys.modules['tomllib'] = None  # `import tomllib` raises, as on Python 3.10\n"
+    "from kvlayout.runner import config\n"
+    "assert config.tomllib.__name__ == 'tomli', config.tomllib\n"
+    "from kvlayout.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_without_tomllib_a_run_reads_its_config_with_tomli(tiny_dir, tmp_path):
+    good = _write(tmp_path, f'[model]\npath = "{tiny_dir}"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n')
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cache\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    ran = subprocess.run([sys.executable, "-c", AS_ON_PYTHON_3_10, "run", good, "--json"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout)["requests"][0]["prompt"] == "hi"
+    # tomli's decode error is the one caught: one line, not a traceback.
+    refused = subprocess.run([sys.executable, "-c", AS_ON_PYTHON_3_10, "run", str(bad)],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.startswith(f"kvlayout: error: {bad}: invalid TOML (")
+
+
+def test_pyproject_installs_tomli_only_where_tomllib_is_missing():
+    from pathlib import Path
+
+    from kvlayout.runner.config import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    [tomli] = [d for d in pyproject["project"]["dependencies"] if d.startswith("tomli")]
+    assert tomli.replace('"', "'").endswith("; python_version < '3.11'")
+    assert pyproject["project"]["requires-python"] == ">=3.10"

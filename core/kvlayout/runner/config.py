@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,6 +20,11 @@ from kvlayout.checks import int_scalar, reject_unknown
 from kvlayout.config import KV_DTYPES
 from kvlayout.errors import ConfigError
 from kvlayout.models.chat import ROLES
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package (pyproject: tomli; python_version < '3.11')
+    import tomli as tomllib
 
 DEFAULT_TOML = """\
 # The embedded default: SmolLM2-135M-Instruct (downloaded once, then cached) answering
