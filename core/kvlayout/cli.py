@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -177,8 +178,26 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, its mistakes said the way every other one is: one line, exit 2.
+
+    argparse prints its usage (several lines) and then `kvlayout run: error: ...`;
+    here it is `kvlayout: error: run: ... (see kvlayout run --help)`. Subcommands'
+    parsers are of this class too (add_subparsers makes them of the parent's class).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("kvlayout").strip()
+        where = f"{command}: " if command else ""
+        self.exit(2, f"kvlayout: error: {where}{message} (see {self.prog} --help)\n")
+
+    def print_help(self, file=None) -> None:
+        super().print_help(file)
+        (file or sys.stdout).flush()  # a reader that went away (`--help | head -1`) shows here, inside main
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlayout", description="KV-cache layouts for MLX, as plugins.")
+    parser = Parser(prog="kvlayout", description="KV-cache layouts for MLX, as plugins.")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="list installed layouts and plugins that failed to load")
     plugins.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -246,9 +265,11 @@ EXIT_BROKEN_PIPE = 128 + 13  # as a shell reports a writer killed by SIGPIPE (`k
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
     try:
-        return args.func(args)
+        args = make_parser().parse_args(argv)  # --help prints and exits here; a bad argument is one line
+        code = args.func(args)
+        sys.stdout.flush()  # what is still buffered meets a reader that went away here, not at exit
+        return code
     except KVLayoutError as exc:
         # A user's mistake gets one line and exit 2, never a traceback.
         print(f"kvlayout: error: {exc}", file=sys.stderr)

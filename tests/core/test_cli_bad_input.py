@@ -1,0 +1,82 @@
+"""Bad input to the `kvlayout` command: one line, exit 2, never a traceback.
+
+Each row runs the real command in a subprocess (this tree's code) with one
+wrong thing: an argument of the wrong type, a missing value, an empty
+string, a path that is a directory, missing, not UTF-8 or binary, a flag that
+does not go with another, standard input closed or not text, an environment
+variable with an odd value. The command must exit 2 with exactly one line on
+stderr, `kvlayout: error: ...` naming what to fix, and nothing on stdout.
+
+The rows come from a sweep of every command with every kind of wrong
+argument. They run concurrently, once per module (`outcomes`), so the table
+costs a few seconds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import cli_env, kvlayout
+
+# Files the rows name as {d}/NAME (written once into a temporary directory); {tiny} is the tiny model.
+FILES: dict[str, bytes] = {
+    "good.toml": b'[model]\npath = "{tiny}"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n',
+}
+
+# id: (argv, what the one line must hold, options for tests.helpers.kvlayout)
+ROWS: dict[str, tuple[list, str, dict]] = {
+    # argparse's own refusals, one line like every other
+    "no command": ([], "the following arguments are required: command", {}),
+    "an unknown command": (["nope"], "invalid choice: 'nope'", {}),
+    "an unknown flag": (["run", "--nope"], "unrecognized arguments: --nope", {}),
+    "two configs": (["run", "{d}/good.toml", "{d}/good.toml"], "unrecognized arguments: ", {}),
+    "--max-tokens not an integer": (["run", "--prompt", "x", "--max-tokens", "1.5"],
+                                    "run: argument --max-tokens: invalid int value: '1.5'", {}),
+    "--temperature not a number": (["run", "--prompt", "x", "--temperature", "warm"],
+                                   "run: argument --temperature: invalid float value: 'warm'", {}),
+    "--layout without its value": (["run", "--layout"], "run: argument --layout: expected one argument", {}),
+    "--json given a value": (["plugins", "--json=yes"], "argument --json: ignored explicit argument 'yes'", {}),
+    "--json on init-model": (["init-model", "{d}/m", "--json"], "unrecognized arguments: --json", {}),
+    "init-model without a directory": (["init-model"], "init-model: the following arguments are required: dir", {}),
+    "init-model --seed not an integer": (["init-model", "{d}/m", "--seed", "x"], "invalid int value: 'x'", {}),
+    "init-model --preset with --from-gguf": (["init-model", "{d}/m", "--preset", "tiny", "--from-gguf", "{d}/x.gguf"],
+                                             "argument --from-gguf: not allowed with argument --preset", {}),
+    "bench --quick with --full": (["bench", "--quick", "--full"], "argument --full: not allowed with argument --quick", {}),
+}
+
+
+def _fill(arg, d: Path, tiny: Path):
+    return arg if isinstance(arg, bytes) else arg.replace("{d}", str(d)).replace("{tiny}", str(tiny))
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tiny_dir, tmp_path_factory) -> dict[str, object]:
+    """Every selected row's finished command, run four at a time."""
+    d = tmp_path_factory.mktemp("bad-input")
+    for name, data in FILES.items():
+        (d / name).write_bytes(data.replace(b"{tiny}", str(tiny_dir).encode()))
+    wanted = [item.callspec.params["row"] for item in request.session.items
+              if item.module is request.module and "row" in getattr(getattr(item, "callspec", None), "params", {})]
+
+    def run(row: str):
+        argv, _, options = ROWS[row]
+        options = dict(options)
+        if "env" in options:
+            options["env"] = cli_env(**options["env"])
+        return kvlayout(*(_fill(a, d, tiny_dir) for a in argv), **options)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return dict(zip(wanted, pool.map(run, wanted)))
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_a_wrong_argument_is_one_line_and_exit_2(outcomes, row):
+    done, needle = outcomes[row], ROWS[row][1]
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith("kvlayout: error: ") and needle in line, line
+    assert done.stdout == ""
