@@ -102,13 +102,13 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def kvlayout(*argv: str | bytes, stdin: bytes | None = b"", redirect: str = "", env: dict | None = None,
-             timeout: float = 120) -> subprocess.CompletedProcess:
+             cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python -m kvlayout.cli ARGV` (text out, bytes in); `redirect` is a shell redirection of its
     standard input (`<&-` closes it, `< /` makes it a directory)."""
     cmd = [sys.executable, "-m", "kvlayout.cli", *argv]
     if redirect:
         cmd = ["sh", "-c", f'exec "$@" {redirect}', "sh", *cmd]
         stdin = None
-    done = subprocess.run(cmd, input=stdin, capture_output=True, env=env or cli_env(), timeout=timeout)
+    done = subprocess.run(cmd, input=stdin, capture_output=True, env=env or cli_env(), cwd=cwd, timeout=timeout)
     return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(errors="replace"),
                                        done.stderr.decode(errors="replace"))

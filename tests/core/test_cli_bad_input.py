@@ -24,6 +24,10 @@ from tests.helpers import cli_env, kvlayout
 # Files the rows name as {d}/NAME (written once into a temporary directory); {tiny} is the tiny model.
 FILES: dict[str, bytes] = {
     "good.toml": b'[model]\npath = "{tiny}"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n',
+    "latin1.toml": '[[requests]]\nprompt = "h\xe9llo"\n'.encode("latin-1"),
+    "utf16.toml": '[[requests]]\nprompt = "hi"\n'.encode("utf-16"),
+    "binary.toml": bytes(range(256)),
+    "invalid.toml": b"[cache\n",
 }
 
 # id: (argv, what the one line must hold, options for tests.helpers.kvlayout)
@@ -44,7 +48,17 @@ ROWS: dict[str, tuple[list, str, dict]] = {
     "init-model --seed not an integer": (["init-model", "{d}/m", "--seed", "x"], "invalid int value: 'x'", {}),
     "init-model --preset with --from-gguf": (["init-model", "{d}/m", "--preset", "tiny", "--from-gguf", "{d}/x.gguf"],
                                              "argument --from-gguf: not allowed with argument --preset", {}),
-    "bench --quick with --full": (["bench", "--quick", "--full"], "argument --full: not allowed with argument --quick", {}),
+    "bench --quick with --full": (["bench", "--quick", "--full"],
+                                  "argument --full: not allowed with argument --quick", {}),
+    # the config file: each way a path can fail to be a TOML file
+    "config missing": (["run", "{d}/absent.toml"], "config file '{d}/absent.toml' does not exist", {}),
+    "config a directory": (["run", "{d}"], "config file '{d}' is a directory", {}),
+    "config through a file": (["run", "{d}/good.toml/x.toml"], "cannot be read (Not a directory)", {}),
+    "config not UTF-8": (["run", "{d}/latin1.toml"], "latin1.toml: not UTF-8 text (byte 0xe9 at offset 24)", {}),
+    "config UTF-16": (["run", "{d}/utf16.toml"], "utf16.toml: not UTF-8 text (byte 0xff at offset 0)", {}),
+    "config binary": (["run", "{d}/binary.toml"], "binary.toml: not UTF-8 text (byte 0x80 at offset 128)", {}),
+    "config not TOML": (["run", "{d}/invalid.toml"], "invalid.toml: invalid TOML (", {}),
+    "config /dev/null": (["run", "/dev/null"], "/dev/null: no [[requests]]", {}),
 }
 
 
@@ -69,12 +83,12 @@ def outcomes(request, tiny_dir, tmp_path_factory) -> dict[str, object]:
         return kvlayout(*(_fill(a, d, tiny_dir) for a in argv), **options)
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        return dict(zip(wanted, pool.map(run, wanted)))
+        return {"{d}": d, **dict(zip(wanted, pool.map(run, wanted)))}
 
 
 @pytest.mark.parametrize("row", list(ROWS))
 def test_a_wrong_argument_is_one_line_and_exit_2(outcomes, row):
-    done, needle = outcomes[row], ROWS[row][1]
+    done, needle = outcomes[row], ROWS[row][1].replace("{d}", str(outcomes["{d}"]))
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.splitlines()

@@ -234,3 +234,19 @@ def test_pyproject_installs_tomli_only_where_tomllib_is_missing():
     [tomli] = [d for d in pyproject["project"]["dependencies"] if d.startswith("tomli")]
     assert tomli.replace('"', "'").endswith("; python_version < '3.11'")
     assert pyproject["project"]["requires-python"] == ">=3.10"
+
+
+def test_a_config_with_a_byte_order_mark_runs(tiny_dir, tmp_path, capsys):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + f'[model]\npath = "{tiny_dir}"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n'.encode())
+    assert _json_run(capsys, str(path))["requests"][0]["prompt"] == "hi"
+
+
+def test_a_config_can_come_through_a_pipe_its_paths_from_the_working_directory(tiny_dir):
+    from tests.helpers import kvlayout
+
+    config = f'[model]\npath = "{tiny_dir.name}"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n'
+    # A pipe, as `kvlayout run <(...)` gives; the model's relative path is taken from the working directory.
+    done = kvlayout("run", "/dev/stdin", "--json", stdin=config.encode(), cwd=tiny_dir.parent)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["model"] == str(tiny_dir.resolve())

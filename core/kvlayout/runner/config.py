@@ -352,16 +352,44 @@ def prompt_config(
 
 
 def load_config(path: str | Path | None = None) -> RunConfig:
-    """The config at `path`, or the embedded default when None."""
+    """The config at `path`, or the embedded default when None.
+
+    `path` may be any file that reads as UTF-8 TOML, a pipe included
+    (`kvlayout run <(...)`); a relative model.path is taken from the directory
+    of a regular file, from the working directory otherwise. ConfigError, naming
+    the file, when it cannot be read: missing, a directory, not UTF-8, not TOML.
+    """
     if path is None:
         return RunConfig.from_mapping(tomllib.loads(DEFAULT_TOML), source="<embedded default>")
-    if not isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ConfigError(f"path={path!r}: expected a TOML file path (str or Path), or None for the default")
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file or no argument for the default")
+    data = read_toml(path)
+    base_dir = path.resolve().parent if path.is_file() else Path.cwd()
+    return RunConfig.from_mapping(data, source=str(path), base_dir=base_dir)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The table in the TOML file `path`; ConfigError naming the file for each way it can fail to be one."""
     try:
-        data = tomllib.loads(path.read_text())
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist; pass a TOML file or no argument for the default"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"config file {str(path)!r} is a directory; pass a TOML file or no argument for the default"
+        ) from None
+    except OSError as exc:  # unreadable, a path through a file, ...
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); a TOML file is UTF-8"
+        ) from None
+    try:
+        return tomllib.loads(text.removeprefix("\ufeff"))  # the byte-order mark some editors write
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc})") from None
-    return RunConfig.from_mapping(data, source=str(path), base_dir=path.resolve().parent)
