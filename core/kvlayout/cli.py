@@ -90,11 +90,12 @@ def _run_config(args: argparse.Namespace):
             )
         prompt = args.prompt
         if prompt == "-":
-            prompt = sys.stdin.read().rstrip("\n")
+            prompt = utf8_text(_read_stdin(), "--prompt -: standard input").rstrip("\n")
             if not prompt:
                 raise ConfigError("--prompt -: nothing came on standard input")
         if not prompt:
             raise ConfigError("--prompt: expected some text (or - to read it from standard input)")
+        utf8_text(prompt, "--prompt")
         max_tokens = 128 if args.max_tokens is None else args.max_tokens
         if max_tokens < 1:
             raise ConfigError(f"--max-tokens {max_tokens}: expected an integer >= 1")
@@ -105,6 +106,32 @@ def _run_config(args: argparse.Namespace):
     if args.layout:
         cfg = cfg.with_layout(args.layout)
     return cfg
+
+
+def _read_stdin() -> str:
+    """Standard input, all of it (`--prompt -`); ConfigError when it is closed or cannot be read as text."""
+    if sys.stdin is None:  # the command was started with it closed (`<&-`)
+        raise ConfigError("--prompt -: standard input is closed; pipe the prompt in, or give it as --prompt TEXT")
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as exc:  # a strict locale; under a UTF-8 one, bad bytes come as surrogates
+        raise ConfigError(
+            f"--prompt -: standard input is not {exc.encoding} text (byte 0x{exc.object[exc.start]:02x})"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"--prompt -: cannot read standard input ({exc.strerror or exc})") from None
+
+
+def utf8_text(text: str, what: str) -> str:
+    """`text` if it is Unicode text; ConfigError naming `what` if it holds bytes that were not UTF-8
+    (Python passes them on from the command line and standard input as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        byte = f" (byte 0x{code - 0xDC00:02x})" if 0xDC80 <= code <= 0xDCFF else ""
+        raise ConfigError(f"{what} is not UTF-8 text{byte}") from None
+    return text
 
 
 def _run(args: argparse.Namespace) -> int:
