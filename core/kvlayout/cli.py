@@ -10,11 +10,21 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from rich.console import Console
+import rich.console
 from rich.table import Table
 
 from kvlayout import registry
 from kvlayout.errors import ConfigError, KVLayoutError
+
+
+class Console(rich.console.Console):
+    """rich's Console, but a reader that goes away (`kvlayout run | head -1`) raises BrokenPipeError,
+    which `main` answers as it does for any other write: exit 141. rich's own answer is exit 1,
+    silently, which reads as a failure."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -238,8 +248,11 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"kvlayout: error: {where}{message} (see {self.prog} --help)\n")
 
     def print_help(self, file=None) -> None:
-        super().print_help(file)
-        (file or sys.stdout).flush()  # a reader that went away (`--help | head -1`) shows here, inside main
+        # argparse's own swallows a failed write; a reader that went away (`--help | head -1`) must
+        # reach main, as it does from every other command.
+        file = file or sys.stdout
+        file.write(self.format_help())
+        file.flush()
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -71,13 +71,27 @@ def test_the_installed_command_prints_json(plugin_world):
     assert "kvlayout-fake-broken" in done.stderr  # also reported on stderr
 
 
-def test_a_reader_that_goes_away_ends_the_command_quietly_not_with_a_traceback():
-    import subprocess
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--model", "{tiny}", "--prompt", "hi", "--raw", "--max-tokens", "3"],  # the table, through rich
+        ["run", "--model", "{tiny}", "--prompt", "hi", "--raw", "--max-tokens", "3", "--json"],
+        ["plugins"],
+        ["plugins", "--json"],
+        ["init-model", "{tmp}/m"],
+        ["--help"],
+        ["run", "--help"],
+    ],
+    ids=" ".join,
+)
+def test_a_reader_that_goes_away_ends_every_command_with_141_quietly(tiny_dir, tmp_path, argv):
+    from tests.helpers import cli_env
 
+    argv = [a.replace("{tiny}", str(tiny_dir)).replace("{tmp}", str(tmp_path)) for a in argv]
     # The reader closes before the command writes (as `| head -1` does once it has its line).
-    proc = subprocess.Popen([sys.executable, "-m", "kvlayout.cli", "plugins", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "kvlayout.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=cli_env())
     proc.stdout.close()
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=60) == 141
-    assert "Traceback" not in err and "BrokenPipeError" not in err
+    assert proc.wait(timeout=60) == 141, err  # as a shell reports a writer killed by SIGPIPE
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err
