@@ -95,3 +95,15 @@ def test_a_reader_that_goes_away_ends_every_command_with_141_quietly(tiny_dir, t
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err  # as a shell reports a writer killed by SIGPIPE
     assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err
+
+
+@pytest.mark.parametrize("value, strict", [("1", True), ("true", True), ("Yes", True), ("on", True),
+                                           ("0", False), ("false", False), ("No", False), ("off", False), ("", False)])
+def test_kvlayout_strict_reads_yes_and_no_words(plugin_world, monkeypatch, capsys, value, strict):
+    monkeypatch.setenv("KVLAYOUT_STRICT", value)
+    if strict:  # the broken plugin stops the command
+        assert main(["plugins", "--json"]) == 2
+        assert "failed to load" in capsys.readouterr().err
+    else:  # it is listed and skipped
+        assert main(["plugins", "--json"]) == 0
+        assert "kvlayout-fake-broken" in {f["distribution"] for f in json.loads(capsys.readouterr().out)["failed"]}

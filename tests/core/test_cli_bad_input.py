@@ -86,6 +86,9 @@ ROWS: dict[str, tuple[list, str, dict]] = {
                                             {"stdin": b"h\xe9llo\n", "env": {"PYTHONIOENCODING": "utf-8:strict"}}),
     "--prompt not UTF-8": (["run", "--model", "{tiny}", "--prompt", b"h\xe9llo"],
                            "--prompt is not UTF-8 text (byte 0xe9)", {}),
+    # the environment
+    "KVLAYOUT_STRICT neither yes nor no": (["plugins"], "KVLAYOUT_STRICT='maybe': expected one of 1, true, yes, on",
+                                           {"env": {"KVLAYOUT_STRICT": "maybe"}}),
     # bench --out is made before anything is measured
     "bench --out a file": (["bench", "--quick", "--rows", "fp16", "--out", "{d}/good.toml"],
                            "--out {d}/good.toml: cannot create the directory (File exists)", {}),
