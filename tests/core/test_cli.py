@@ -81,6 +81,7 @@ def test_the_installed_command_prints_json(plugin_world):
         ["init-model", "{tmp}/m"],
         ["--help"],
         ["run", "--help"],
+        ["--version"],
     ],
     ids=" ".join,
 )
@@ -107,3 +108,19 @@ def test_kvlayout_strict_reads_yes_and_no_words(plugin_world, monkeypatch, capsy
     else:  # it is listed and skipped
         assert main(["plugins", "--json"]) == 0
         assert "kvlayout-fake-broken" in {f["distribution"] for f in json.loads(capsys.readouterr().out)["failed"]}
+
+
+def test_version_names_kvlayout_mlx_python_and_each_installed_layout(plugin_world, capsys):
+    import importlib.metadata
+    import platform
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    first, layouts = capsys.readouterr().out.splitlines()
+    assert first == (f"kvlayout {importlib.metadata.version('kvlayout')} "
+                     f"(mlx {importlib.metadata.version('mlx')}, Python {platform.python_version()})")
+    assert layouts.startswith("layouts: ")
+    for entry in ("fake:good (kvlayout-fake-good 1.2.3)", "fake:dup (kvlayout-fake-dup-a 1.0)",
+                  "fake:dup (kvlayout-fake-dup-b 2.0)", "mlx:seq (kvlayout-seq ", "mlx:cell (kvlayout-cell "):
+        assert entry in layouts
