@@ -190,6 +190,27 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_config(args: argparse.Namespace) -> int:
+    """`kvlayout run --print-config`: the TOML of the config the run would use; no model is loaded.
+    `kvlayout run FILE`, FILE holding this text, runs the same config."""
+    from kvlayout.runner.config import dump_config
+
+    for flag, value in (("--json", args.json), ("--save-state", args.save_state), ("--resume", args.resume)):
+        if value:
+            raise ConfigError(f"--print-config prints the config and runs nothing; drop {flag}")
+    cfg = _run_config(args)
+    print(f"# The config of this run ({cfg.source}, flags applied); `kvlayout run FILE` runs it.")
+    if args.prompt is not None and not args.raw:
+        print("# --prompt sends its message as plain text to a model without a chat template; from a file,")
+        print("# such a model refuses chat messages (give the request a prompt = \"...\" instead).")
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    return _print_config(args) if args.print_config else _run(args)
+
+
 def _init_model(args: argparse.Namespace) -> int:
     from kvlayout.models import presets
 
@@ -328,7 +349,13 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--resume", type=given, metavar="DIR", help="continue the run --save-state saved in DIR (same config)"
     )
-    run.set_defaults(func=_run)
+    run.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the config this run would use as TOML (the embedded default, the file's or --prompt's, "
+        "flags applied) and exit without loading a model; `kvlayout run FILE` runs what it prints",
+    )
+    run.set_defaults(func=_run_command)
     init = sub.add_parser("init-model", help="write a built-in or converted model in the Hugging Face layout")
     init.add_argument(
         "dir", type=given, help="directory to write config.json, model.safetensors (and the tokenizer) into"

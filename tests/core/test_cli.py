@@ -82,6 +82,7 @@ def test_the_installed_command_prints_json(plugin_world):
         ["--help"],
         ["run", "--help"],
         ["--version"],
+        ["run", "--print-config"],
     ],
     ids=" ".join,
 )

@@ -86,6 +86,11 @@ ROWS: dict[str, tuple[list, str, dict]] = {
                                             {"stdin": b"h\xe9llo\n", "env": {"PYTHONIOENCODING": "utf-8:strict"}}),
     "--prompt not UTF-8": (["run", "--model", "{tiny}", "--prompt", b"h\xe9llo"],
                            "--prompt is not UTF-8 text (byte 0xe9)", {}),
+    # --print-config prints and runs nothing
+    "--print-config with --json": (["run", "--print-config", "--json"],
+                                   "--print-config prints the config and runs nothing; drop --json", {}),
+    "--print-config with --resume": (["run", "--print-config", "--resume", "{d}"], "runs nothing; drop --resume", {}),
+    "--print-config of a missing file": (["run", "{d}/absent.toml", "--print-config"], "does not exist", {}),
     # the environment
     "KVLAYOUT_STRICT neither yes nor no": (["plugins"], "KVLAYOUT_STRICT='maybe': expected one of 1, true, yes, on",
                                            {"env": {"KVLAYOUT_STRICT": "maybe"}}),

@@ -351,6 +351,64 @@ def prompt_config(
     return attrs.evolve(cfg, plain_chat=True)
 
 
+def dump_config(cfg: RunConfig) -> str:
+    """`cfg` as TOML that `load_config` reads back to an equal config (`kvlayout run --print-config`).
+
+    Every key is written, defaults included, so the text shows all the run uses.
+    A model.path is written absolute (taken from the config's directory), so the
+    text means the same wherever it is saved.
+    """
+    lines: list[str] = []
+    for name in ("layout", "cache", "model", "sampling", "engine"):
+        section = getattr(cfg, name)
+        lines.append(f"[{name}]")
+        for field in attrs.fields(type(section)):
+            value = getattr(section, field.name)
+            if (name, field.name) == ("model", "path") and value is not None:
+                value = str(cfg.model_dir())
+            if value is not None:
+                lines.append(f"{field.name} = {_toml_value(value)}")
+        lines.append("")
+    for request in cfg.requests:
+        lines.append("[[requests]]")
+        for field in attrs.fields(RequestSpec):
+            value = getattr(request, field.name)
+            if field.name == "where" or value is None:
+                continue
+            if field.name == "messages":  # one inline table a line
+                lines.append("messages = [")
+                lines += [f"  {{ role = {_toml_str(m.role)}, content = {_toml_str(m.content)} }}," for m in value]
+                lines.append("]")
+            else:
+                lines.append(f"{field.name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# What a TOML basic string must escape; other control characters are written \uXXXX.
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_str(text: str) -> str:
+    escaped = (
+        _TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if c < " " or c == "\x7f" else c) for c in text
+    )
+    return '"' + "".join(escaped) + '"'
+
+
+def _toml_value(value: Any) -> str:
+    """A config value as TOML: a string, an integer, a (finite) float, or a list of them."""
+    if isinstance(value, str):
+        return _toml_str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # a float's repr is a TOML float (the config refuses nan and inf)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
 def load_config(path: str | Path | None = None) -> RunConfig:
     """The config at `path`, or the embedded default when None.
 
