@@ -15,11 +15,13 @@ costs a few seconds.
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.chat_dirs import chat_model_dir
 from tests.helpers import cli_env, kvlayout
 
 # Files the rows name as {d}/NAME (written once into a temporary directory); {tiny} is the tiny model.
@@ -30,6 +32,20 @@ FILES: dict[str, bytes] = {
     "binary.toml": bytes(range(256)),
     "invalid.toml": b"[cache\n",
 }
+
+# Model directories the rows name as {d}/NAME: (the tiny preset, or "chat": the tiny model with a
+# tokenizer.json and a chat template), with files replaced (bytes), made directories ("DIR") or added.
+MODELS: dict[str, tuple[str, dict]] = {
+    "config-latin1": ("tiny", {"config.json": '{"model_type": "ll\xe9ma"}'.encode("latin-1")}),
+    "config-list": ("tiny", {"config.json": b"[1, 2]"}),
+    "config-dir": ("tiny", {"config.json": "DIR"}),
+    "generation-latin1": ("tiny", {"generation_config.json": b'{"eos_token_id": "\xe9"}'}),
+    "tokenizer-garbage": ("chat", {"tokenizer.json": b'{"version": 1}'}),
+    "tokenizer-latin1": ("chat", {"tokenizer.json": b'{"\xe9": 1}'}),
+    "tokenizer-config-latin1": ("chat", {"tokenizer_config.json": b'{"chat_template": "\xe9"}'}),
+    "template-latin1": ("chat", {"chat_template.jinja": b"{{ messages }}\xe9"}),
+}
+MODEL = ["run", "--prompt", "hi", "--raw", "--max-tokens", "2", "--model"]
 
 # id: (argv, what the one line must hold, options for tests.helpers.kvlayout)
 ROWS: dict[str, tuple[list, str, dict]] = {
@@ -71,8 +87,24 @@ ROWS: dict[str, tuple[list, str, dict]] = {
                                      "argument --from-gguf: expected a value", {}),
     "bench --out empty": (["bench", "--out", ""], "bench: argument --out: expected a value", {}),
     "bench --rows empty": (["bench", "--rows", ""], "bench: argument --rows: expected a value", {}),
-    "bench --rows only commas": (["bench", "--rows", ", ,"], "--rows ', ,': expected comma-separated rows, some of write", {}),
+    "bench --rows only commas": (["bench", "--rows", ", ,"],
+                                 "--rows ', ,': expected comma-separated rows, some of write", {}),
     "bench --model empty": (["bench", "--model", ""], "bench: argument --model: expected a value", {}),
+    # a model directory's files, each named when it cannot be read
+    "--model a file": (MODEL + ["{d}/good.toml"], "model directory '{d}/good.toml' is not a directory", {}),
+    "config.json not UTF-8": (MODEL + ["{d}/config-latin1"],
+                              "config.json: not UTF-8 text (byte 0xe9 at offset 18)", {}),
+    "config.json not an object": (MODEL + ["{d}/config-list"], "config.json: expected a JSON object, got list", {}),
+    "config.json a directory": (MODEL + ["{d}/config-dir"], "config.json: cannot be read (Is a directory)", {}),
+    "generation_config.json not UTF-8": (MODEL + ["{d}/generation-latin1"],
+                                         "generation_config.json: not UTF-8 text (byte 0xe9", {}),
+    "tokenizer.json not a tokenizer": (MODEL + ["{d}/tokenizer-garbage"],
+                                       "tokenizer.json: not a tokenizer the tokenizers library can read (", {}),
+    "tokenizer.json not UTF-8": (MODEL + ["{d}/tokenizer-latin1"], "tokenizer.json: not UTF-8 text (byte 0xe9", {}),
+    "tokenizer_config.json not UTF-8": (MODEL + ["{d}/tokenizer-config-latin1"],
+                                        "tokenizer_config.json: not UTF-8 text (byte 0xe9", {}),
+    "chat_template.jinja not UTF-8": (MODEL + ["{d}/template-latin1"],
+                                      "chat_template.jinja: not UTF-8 text (byte 0xe9 at offset 14)", {}),
     # --prompt's text: from the command line or standard input, closed, empty or not UTF-8
     "--prompt empty": (["run", "--prompt", ""], "--prompt: expected some text", {}),
     "--prompt - with stdin closed": (["run", "--model", "{tiny}", "--prompt", "-"],
@@ -112,6 +144,15 @@ def outcomes(request, tiny_dir, tmp_path_factory) -> dict[str, object]:
     d = tmp_path_factory.mktemp("bad-input")
     for name, data in FILES.items():
         (d / name).write_bytes(data.replace(b"{tiny}", str(tiny_dir).encode()))
+    bases = {"tiny": tiny_dir, "chat": chat_model_dir(d / "chat")}
+    for name, (base, files) in MODELS.items():
+        shutil.copytree(bases[base], d / name)
+        for file, data in files.items():
+            if data == "DIR":
+                (d / name / file).unlink()
+                (d / name / file).mkdir()
+            else:
+                (d / name / file).write_bytes(data)
     wanted = [item.callspec.params["row"] for item in request.session.items
               if item.module is request.module and "row" in getattr(getattr(item, "callspec", None), "params", {})]
 

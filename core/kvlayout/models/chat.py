@@ -26,6 +26,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvlayout.errors import ConfigError
+from kvlayout.models.files import read_json_object, read_text
 
 ROLES = ("system", "user", "assistant")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -106,13 +107,7 @@ def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
     path = Path(model_dir) / TOKENIZER_CONFIG
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def read_chat_template(model_dir: Path) -> ChatTemplate | None:
@@ -122,7 +117,7 @@ def read_chat_template(model_dir: Path) -> ChatTemplate | None:
     specials = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
     jinja_file = model_dir / TEMPLATE_FILE
     if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(), specials, str(jinja_file))
+        return ChatTemplate(read_text(jinja_file), specials, str(jinja_file))
     origin = str(model_dir / TOKENIZER_CONFIG)
     source = config.get("chat_template")
     if source is None:

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
+from kvlayout.models.files import read_json_object
 from kvlayout.models.llama import Model, ModelArgs
 from kvlayout.models.quantization import quantize, read_quantization
 from kvlayout.models.tokenizer import load_tokenizer
@@ -27,17 +28,15 @@ from kvlayout.models.tokenizer import load_tokenizer
 def read_config(model_dir: Path) -> dict[str, Any]:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
+        problem = "is not a directory" if model_dir.exists() else "does not exist"
         raise ConfigError(
-            f"model directory {str(model_dir)!r} does not exist; set [model] path to a Hugging Face "
+            f"model directory {str(model_dir)!r} {problem}; set [model] path to a Hugging Face "
             "model directory, or create one with `kvlayout init-model DIR --preset tiny`"
         )
     path = model_dir / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{path}: missing; a model directory needs config.json and *.safetensors")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    return read_json_object(path)
 
 
 def read_weights(model_dir: Path) -> dict[str, mx.array]:

@@ -10,12 +10,12 @@ missing (a 32000-id model decoding through bytes would "generate" nothing).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
 from kvlayout.errors import ConfigError
 from kvlayout.models.chat import ChatTemplate, read_chat_template
+from kvlayout.models.files import read_json_object, read_text
 
 BYTE_VOCAB = 258  # 256 bytes, then BOS and EOS
 BYTE_BOS, BYTE_EOS = 256, 257
@@ -43,7 +43,11 @@ class HFTokenizer:
     def __init__(self, path: Path, eos_ids: Sequence[int], chat_template: ChatTemplate | None = None):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(path))
+        read_text(path)  # bytes that are not UTF-8 are named as in every other file
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception on a file it cannot read
+            raise ConfigError(f"{path}: not a tokenizer the tokenizers library can read ({exc})") from None
         self.eos_ids = frozenset(eos_ids)
         self.chat_template = chat_template
 
@@ -59,16 +63,6 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return data
 
 
 def _eos_list(value: Any, source: str) -> list[int]:
@@ -90,7 +84,7 @@ def eos_ids_of(model_dir: Path, config_eos: Sequence[int] = ()) -> list[int]:
     ids = list(config_eos)
     path = Path(model_dir) / GENERATION_CONFIG
     if path.is_file():
-        ids += _eos_list(_read_json(path).get("eos_token_id"), str(path))
+        ids += _eos_list(read_json_object(path).get("eos_token_id"), str(path))
     return list(dict.fromkeys(ids))
 
 
@@ -106,7 +100,8 @@ def load_tokenizer(model_dir: Path | None, eos_ids: Sequence[int]):
     eos = eos_ids_of(model_dir, eos_ids)
     if (model_dir / "tokenizer.json").is_file():
         return HFTokenizer(model_dir / "tokenizer.json", eos, read_chat_template(model_dir))
-    vocab = _read_json(model_dir / "config.json").get("vocab_size") if (model_dir / "config.json").is_file() else None
+    config = model_dir / "config.json"
+    vocab = read_json_object(config).get("vocab_size") if config.is_file() else None
     if vocab != BYTE_VOCAB:
         raise ConfigError(
             f"{model_dir}: tokenizer.json is missing, and the model's vocabulary ({vocab} ids in config.json) "
