@@ -108,4 +108,6 @@ def env_flag(name: str, environ: Mapping[str, str] = os.environ) -> bool:
         return True
     if word in NO:
         return False
-    raise ConfigError(f"{name}={value!r}: expected one of {', '.join(YES)} (on) or {', '.join(NO[:-1])} (off), or unset")
+    raise ConfigError(
+        f"{name}={value!r}: expected one of {', '.join(YES)} (on) or {', '.join(NO[:-1])} (off), or unset"
+    )

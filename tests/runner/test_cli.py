@@ -241,7 +241,8 @@ def test_pyproject_installs_tomli_only_where_tomllib_is_missing():
 
 def test_a_config_with_a_byte_order_mark_runs(tiny_dir, tmp_path, capsys):
     path = tmp_path / "bom.toml"
-    path.write_bytes(b"\xef\xbb\xbf" + f'[model]\npath = "{tiny_dir}"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n'.encode())
+    config = f'[model]\npath = "{tiny_dir}"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n'
+    path.write_bytes(b"\xef\xbb\xbf" + config.encode())
     assert _json_run(capsys, str(path))["requests"][0]["prompt"] == "hi"
 
 
@@ -308,7 +309,8 @@ def _body(printed: str) -> str:
         ([], lambda d: load_config(None)),
         (["--layout", "mlx:seq"], lambda d: load_config(None).with_layout("mlx:seq")),
         (["--prompt", "hi"], lambda d: prompt_config("hi")),
-        (["--prompt", 'a "quoted"\n\tline é', "--raw", "--max-tokens", "7", "--temperature", "0.5", "--model", "{tiny}"],
+        (["--prompt", 'a "quoted"\n\tline é', "--raw", "--max-tokens", "7", "--temperature", "0.5",
+          "--model", "{tiny}"],
          lambda d: prompt_config('a "quoted"\n\tline é', str(d["tiny"]), 7, 0.5, raw=True)),
         (["{every}", "--model", "{tiny}"], lambda d: load_config(d["every"]).with_model_path(str(d["tiny"]))),
         (["{every}", "--layout", "mlx:cell"], lambda d: load_config(d["every"]).with_layout("mlx:cell")),
@@ -347,7 +349,8 @@ def test_a_printed_config_runs_what_the_flags_ran(tiny_dir, tmp_path, capsys):
     saved = tmp_path / "printed.toml"
     saved.write_text(_printed(capsys, *flags))
     again = _json_run(capsys, str(saved))
-    assert (again["layout"], again["model"], again["requests"]) == (direct["layout"], direct["model"], direct["requests"])
+    for key in ("layout", "model", "requests"):
+        assert again[key] == direct[key]
 
 
 @settings(max_examples=100)
