@@ -23,11 +23,19 @@ hookimpl = pluggy.HookimplMarker("kvlayout")
 
 @hookspec
 def kvlayout_builders() -> list[Builder]:
-    """Called once when the registry first collects layouts.
+    """Called once, when the plugin is registered.
 
-    Return the `Builder` records this plugin provides, one per
-    `(backend_id, kind)`. The registry tags each with the distribution that
-    provided it and refuses to pick between two that claim the same key.
+    Return a list (any iterable) of the `Builder` records this plugin
+    provides, one per `(backend_id, kind)`; `[]` for none. The registry tags
+    each with the distribution that provided it and refuses to pick between
+    two distributions that claim the same key. Raising, or returning None,
+    a single Builder, anything but Builders, a Builder whose names cannot
+    make a "backend:kind" key or whose build/load is not callable, or one key
+    twice, skips the plugin (named in `kvlayout plugins` under "failed";
+    resolving a key it was seen to claim says why). Its Builder's
+    `build(config)` / `load(state_file)` raising (other than a KVLayoutError,
+    the layout's refusal of a bad config) or returning None is a PluginError
+    naming the layout and its distribution.
     """
 
 

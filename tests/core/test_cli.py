@@ -56,7 +56,9 @@ def kvlayout_command() -> str:
 
 
 def test_the_installed_command_prints_json(plugin_world):
-    env = dict(os.environ, PYTHONPATH=str(plugin_world.root))
+    # The fakes first, then whatever the suite runs with: the command must run the code under test,
+    # not whichever checkout the console script was installed from.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(plugin_world.root), os.environ.get("PYTHONPATH")])))
     env.pop("KVLAYOUT_STRICT", None)
     done = subprocess.run(
         [kvlayout_command(), "plugins", "--json"], capture_output=True, text=True, env=env, timeout=120
@@ -68,7 +70,7 @@ def test_the_installed_command_prints_json(plugin_world):
         (e["backend"], e["kind"], e["distribution"]) for e in payload["layouts"]
     }
     assert "kvlayout-fake-broken" in {f["distribution"] for f in payload["failed"]}
-    assert "kvlayout-fake-broken" in done.stderr  # also reported on stderr
+    assert done.stderr == ""  # the failure is in the output; said once, not again on stderr
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly_not_with_a_traceback():

@@ -1,0 +1,391 @@
+"""Bad plugins: every way a plugin can misbehave, one row each, through the API and the real command.
+
+Each row installs one fake distribution `kvlayout-bad-<row>` 1.0 (entry point
+`p`, module `kvl_bad_<row>`) with the `fake_dists` fixture, or, for the rows
+in SUBPROCESS, in a site directory of its own on the PYTHONPATH of the real
+command, run in a subprocess (two at a time, each table's once per module).
+
+- REGISTRATION: a plugin that cannot count (it fails to import, implements a
+  hook kvlayout does not have, or its `kvlayout_builders` raises or answers
+  anything but a list of valid Builders). It is skipped, recorded under
+  `failures` with its distribution and the hook, nothing of it registered;
+  the shipped layouts still resolve, and `kvlayout run --layout fake:x` says
+  why in one line.
+- BUILDERS: a Builder whose build/load raises or returns None, or builds a
+  cache the runner cannot drive: one line naming the layout and distribution.
+
+The oracle is written out per row (the exact reason), never derived from the
+code under test; control rows (plugins that behave) must pass unchanged.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvlayout
+from kvlayout import CacheConfig, LayerConfig, LayoutNotFound, PluginError, registry
+from kvlayout.registry import make_plugin_manager, resolve
+
+HEAD = "from kvlayout import Builder, hookimpl\nimport numpy as np\n\n"
+GOOD_BUILD = "def _b(config):\n    import kvlayout\n    return kvlayout.build('mlx', 'seq', config)\n\n"
+
+
+def builders(answer: str, before: str = "") -> str:
+    return HEAD + GOOD_BUILD + before + f"@hookimpl\ndef kvlayout_builders():\n    return {answer}\n"
+
+
+def hook(body: str, name: str = "kvlayout_choose_cells", args: str = "free, count", opts: str = "") -> str:
+    return HEAD + f"@hookimpl{opts}\ndef {name}({args}):\n" + textwrap.indent(textwrap.dedent(body), "    ")
+
+
+def dist_of(row: str) -> str:
+    return f"kvlayout-bad-{row}"
+
+
+def module_of(row: str) -> str:
+    return "kvl_bad_" + row.replace("-", "_")
+
+
+def install(fake_dists, row: str, source: str, target: str | None = None) -> str:
+    """Install row `row` as distribution kvlayout-bad-<row> 1.0; its name."""
+    module = module_of(row)
+    if target == "twice":
+        eps = {"p": module, "q": module}
+    else:
+        eps = {"p": (target or "{m}").format(m=module)}
+    fake_dists.add(dist_of(row), "1.0", eps, {module: source})
+    return dist_of(row)
+
+
+# -- registration: skipped, recorded, named --------------------------------------------------------
+
+# row -> (source, entry point target or None, the failure's hook, its error exactly or None, a fragment, keys)
+REGISTRATION = {
+    # the issue's items
+    "misspelled-builders-hook": (
+        HEAD + GOOD_BUILD + "@hookimpl\ndef kvlayout_builder():\n    return [Builder('fake', 'x', _b)]\n", None, None,
+        "implements kvlayout_builder, which is not a kvlayout hook; did you mean kvlayout_builders?", None, ()),
+    "builders-raises": (
+        HEAD + "@hookimpl\ndef kvlayout_builders():\n    raise RuntimeError('boom in builders')\n", None,
+        "kvlayout_builders", "kvlayout_builders raised RuntimeError: boom in builders", None, ()),
+    "builders-returns-one-builder": (
+        builders("Builder('fake', 'x', _b)"), None, "kvlayout_builders",
+        "kvlayout_builders returned one Builder (fake:x), not a list: expected a list of Builder records ([] for none)",
+        None, ("fake:x",)),
+    "builders-returns-a-non-builder": (
+        builders("['fake:x']"), None, "kvlayout_builders",
+        "kvlayout_builders returned 'fake:x' among its records: expected Builder records", None, ()),
+    # the other members of the class
+    "misspelled-observer-hook": (
+        hook("pass", name="kvlayout_step_place", args="step, window"), None, None,
+        "implements kvlayout_step_place, which is not a kvlayout hook; did you mean kvlayout_step_placed?", None, ()),
+    "an-argument-the-hookspec-lacks": (
+        hook("return free[:n]", args="free, n"), None, None, None,
+        "Argument(s) {'n'} are declared in the hookimpl but can not be found in the hookspec", ()),
+    "a-hookwrapper-that-is-no-generator": (
+        hook("return None", opts="(hookwrapper=True)"), None, None, None, "PluginValidationError", ()),
+    "an-unknown-hookimpl-option": (
+        HEAD + "@hookimpl(firstresult=True)\ndef kvlayout_builders():\n    return []\n", None, None, None,
+        "TypeError", ()),
+    "import-raises": ("raise ImportError('no native library')\n", None, None, "ImportError: no native library", None, ()),
+    "import-calls-sys-exit": ("import sys\nsys.exit(3)\n", None, None, "SystemExit: 3", None, ()),
+    "builders-calls-sys-exit": (
+        HEAD + "import sys\n\n@hookimpl\ndef kvlayout_builders():\n    sys.exit(4)\n", None, "kvlayout_builders",
+        "kvlayout_builders raised SystemExit: 4", None, ()),
+    "entry-point-names-a-missing-attribute": (
+        HEAD, "{m}:nothere", None, None, "AttributeError: module 'kvl_bad_entry_point_names_a_missing_attribute'", ()),
+    "builders-returns-none": (
+        builders("None"), None, "kvlayout_builders",
+        "kvlayout_builders returned None: expected a list of Builder records ([] for none)", None, ()),
+    "builders-returns-a-dict": (
+        builders("{'fake': 'x'}"), None, "kvlayout_builders",
+        "kvlayout_builders returned {'fake': 'x'}: expected a list of Builder records ([] for none)", None, ()),
+    "builders-returns-a-string": (
+        builders("'fake:x'"), None, "kvlayout_builders",
+        "kvlayout_builders returned 'fake:x': expected a list of Builder records ([] for none)", None, ()),
+    "a-builder-and-a-non-builder": (
+        builders("[Builder('fake', 'x', _b), 3]"), None, "kvlayout_builders",
+        "kvlayout_builders returned 3 among its records: expected Builder records", None, ("fake:x",)),
+    "a-generator-raising-midway": (
+        HEAD + GOOD_BUILD + "@hookimpl\ndef kvlayout_builders():\n    yield Builder('fake', 'x', _b)\n"
+        "    raise ValueError('midway')\n", None, "kvlayout_builders",
+        "kvlayout_builders raised ValueError: midway", None, ("fake:x",)),
+    "a-builder-with-an-empty-kind": (
+        builders("[Builder('fake', '', _b)]"), None, "kvlayout_builders",
+        "kvlayout_builders returned a Builder with kind='': expected a non-empty name without ':' or spaces", None, ()),
+    "a-builder-with-kind-none": (
+        builders("[Builder('fake', None, _b)]"), None, "kvlayout_builders",
+        "kvlayout_builders returned a Builder with kind=None: expected a non-empty name without ':' or spaces", None, ()),
+    "a-builder-with-a-colon-in-its-kind": (
+        builders("[Builder('fake', 'x:y', _b)]"), None, "kvlayout_builders",
+        "kvlayout_builders returned a Builder with kind='x:y': expected a non-empty name without ':' or spaces",
+        None, ()),
+    "a-build-that-is-not-callable": (
+        builders("[Builder('fake', 'x', 'not callable')]"), None, "kvlayout_builders",
+        "kvlayout_builders returned Builder fake:x whose build is 'not callable': expected a callable", None,
+        ("fake:x",)),
+    "a-load-that-is-not-callable": (
+        builders("[Builder('fake', 'x', _b, load=3)]"), None, "kvlayout_builders",
+        "kvlayout_builders returned Builder fake:x whose load is 3: expected a callable or None", None, ("fake:x",)),
+    "a-summary-that-is-not-a-string": (
+        builders("[Builder('fake', 'x', _b, None)]"), None, "kvlayout_builders",
+        "kvlayout_builders returned Builder fake:x whose summary is None: expected a string", None, ("fake:x",)),
+    "one-key-claimed-twice": (
+        builders("[Builder('fake', 'x', _b), Builder('fake', 'x', _b)]"), None, "kvlayout_builders",
+        "kvlayout_builders returned two Builders for fake:x", None, ("fake:x",)),
+    "one-module-under-two-entry-points": (
+        builders("[Builder('fake', 'twice', _b)]"), "twice", None, None, "ValueError: Plugin already registered", ()),
+}
+
+
+def check_failure(failure, hook, error, fragment):
+    assert failure.hook == hook and failure.version == "1.0"
+    if error is not None:
+        assert failure.error == error
+    else:
+        assert fragment in failure.error and "\n" not in failure.error
+
+
+@pytest.mark.parametrize("row", REGISTRATION, ids=REGISTRATION)
+def test_a_plugin_that_cannot_count_is_skipped_recorded_and_named(fake_dists, row):
+    source, target, hook_name, error, fragment, keys = REGISTRATION[row]
+    dist = install(fake_dists, row, source, target)
+    pm = make_plugin_manager()
+    [failure] = [f for f in pm.failures if f.distribution == dist]
+    check_failure(failure, hook_name, error, fragment)
+    assert failure.keys == keys
+    assert failure.entry_point == ("q" if target == "twice" else "p")
+    # Nothing of it registered (the first of the two entry points of one module is a plugin of its own).
+    assert [p.name for p in pm.plugins() if p.distribution == dist] == (["p"] if target == "twice" else [])
+    assert resolve("mlx", "cell", pm).distribution == "kvlayout-cell"  # every other layout keeps working
+    assert resolve("mlx", "seq", pm).distribution == "kvlayout-seq"
+    with pytest.raises(LayoutNotFound) as info:  # resolving what it would have provided says why
+        resolve("fake", "x", pm)
+    message = str(info.value)
+    if keys:
+        assert message == f"layout fake:x is not available: plugin 'p' from {dist} 1.0 was skipped: {failure.error}"
+    else:
+        assert message.startswith("no layout fake:x; available: ")
+        assert f"skipped: plugin '{failure.entry_point}' from {dist} 1.0 ({failure.error})" in message
+
+
+@pytest.mark.parametrize("row", ["builders-raises", "misspelled-builders-hook"])
+def test_strict_mode_raises_naming_the_plugin_instead(fake_dists, row):
+    source, target, hook_name, error, _, _ = REGISTRATION[row]
+    dist = install(fake_dists, row, source, target)
+    with pytest.raises(PluginError) as info:
+        make_plugin_manager(strict=True)
+    assert str(info.value) == f"plugin 'p' from {dist} 1.0 failed to load: {error}"
+    assert (info.value.distribution, info.value.hook) == (dist, hook_name)
+
+
+def test_a_builders_hook_yielding_good_records_is_a_good_plugin(fake_dists):
+    dist = install(fake_dists, "yields", HEAD + GOOD_BUILD + "@hookimpl\ndef kvlayout_builders():\n"
+                   "    yield Builder('fake', 'x', _b, 'yielded')\n")
+    pm = make_plugin_manager()
+    assert not pm.failures
+    assert (resolve("fake", "x", pm).distribution, resolve("fake", "x", pm).summary) == (dist, "yielded")
+
+
+# -- the commands, in subprocesses, with each row in a site directory of its own ---------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def site_with(tmp: Path, rows: dict[str, tuple[str, str | None]]) -> Path:
+    """A site directory holding each row's distribution: {row: (source, target)}."""
+    from tests.conftest import FakeDists
+
+    site = tmp / "site"
+    site.mkdir(parents=True)
+    fakes = FakeDists(site)
+    for row, (source, target) in rows.items():
+        install(fakes, row, source, target)
+    return site
+
+
+def command(site: Path | None, *args: str) -> subprocess.CompletedProcess:
+    path = [str(site)] if site else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]), "COLUMNS": "200"}
+    env.pop("KVLAYOUT_STRICT", None)
+    return subprocess.run([sys.executable, "-m", "kvlayout.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=180, cwd=ROOT)
+
+
+def in_parallel(calls: dict) -> dict:
+    """Run {name: (site, args)} two at a time; {name: CompletedProcess}."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(command, site, *args) for name, (site, args) in calls.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+# The rows whose command runs in a subprocess of its own (the issue's items, and one of each path the
+# failure takes); the others run `kvlayout.cli.main` in this process, the same code short of the interpreter.
+SUBPROCESS = {
+    "misspelled-builders-hook", "builders-raises", "builders-returns-one-builder", "builders-returns-a-non-builder",
+    "import-raises", "an-argument-the-hookspec-lacks", "a-builder-and-a-non-builder",
+    "build-raises", "build-returns-none", "build-returns-a-string",
+}
+
+
+def in_process(fake_dists, capsys, row: str, source: str, target: str | None, args) -> subprocess.CompletedProcess:
+    """`kvlayout *args` through `cli.main` here, with the row installed; as a CompletedProcess."""
+    from kvlayout.cli import main
+
+    install(fake_dists, row, source, target)
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def one_line(done: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def run_args(model_dir, *more: str) -> tuple[str, ...]:
+    return ("run", "--model", str(model_dir), "--prompt", "hello", "--max-tokens", "4", "--json", *more)
+
+
+@pytest.fixture(scope="module")
+def registration_runs(tmp_path_factory, tiny_dir):
+    """`kvlayout run --layout fake:x` with each row alone, and a default run with all of them."""
+    calls = {}
+    for row, (source, target, *_) in REGISTRATION.items():
+        if row in SUBPROCESS:
+            site = site_with(tmp_path_factory.mktemp(row), {row: (source, target)})
+            calls[row] = (site, run_args(tiny_dir, "--layout", "fake:x"))
+    everything = site_with(tmp_path_factory.mktemp("all"), {r: (v[0], v[1]) for r, v in REGISTRATION.items()})
+    calls["default run"] = (everything, run_args(tiny_dir))
+    return in_parallel(calls)
+
+
+@pytest.mark.parametrize("row", REGISTRATION, ids=REGISTRATION)
+def test_run_with_the_layout_of_a_skipped_plugin_says_why_in_one_line(request, tiny_dir, row):
+    source, target, _, error, fragment, keys = REGISTRATION[row]
+    if row in SUBPROCESS:
+        done = request.getfixturevalue("registration_runs")[row]
+    else:
+        args = run_args(tiny_dir, "--layout", "fake:x")
+        done = in_process(request.getfixturevalue("fake_dists"), request.getfixturevalue("capsys"), row, source, target, args)
+    assert done.returncode == 2
+    line = one_line(done)
+    ep = "q" if target == "twice" else "p"
+    if keys:
+        assert line == (f"kvlayout: error: layout fake:x is not available: plugin 'p' from {dist_of(row)} 1.0 "
+                        f"was skipped: {error}")
+    else:
+        assert line.startswith("kvlayout: error: no layout fake:x; available: ")
+        assert "mlx:cell (kvlayout-cell 0.1.0), mlx:seq (kvlayout-seq 0.1.0)" in line
+        assert f"; skipped: plugin '{ep}' from {dist_of(row)} 1.0 ({error or ''}" in line
+        assert error is not None or fragment in line
+
+
+def test_a_run_of_another_layout_goes_on_saying_once_what_was_skipped(registration_runs):
+    done = registration_runs["default run"]
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    skipped = [line for line in done.stderr.splitlines() if line.startswith("kvlayout: skipped plugin ")]
+    assert len(skipped) == len(REGISTRATION)
+    assert "kvlayout: skipped plugin 'p' from kvlayout-bad-misspelled-builders-hook 1.0: implements " \
+           "kvlayout_builder, which is not a kvlayout hook; did you mean kvlayout_builders?" in skipped
+    assert all(s["finish_reason"] == "length" for r in json.loads(done.stdout)["requests"] for s in r["samples"])
+
+
+# -- a Builder's build and load ------------------------------------------------------------------
+
+FACELESS = "class _C:\n    def as_batch_control(self):\n        raise RuntimeError('no face today')\n\n"
+REFUSES = "def _refuse(config):\n    from kvlayout import ConfigError\n    raise ConfigError('cache.capacity: this layout wants more')\n\n"
+
+# row -> (source, the one line `kvlayout run --layout fake:x` prints after "kvlayout: error: ", recorded?)
+BUILDERS = {
+    "build-raises": (
+        builders("[Builder('fake', 'x', _bad)]", "def _bad(config):\n    raise RuntimeError('build exploded')\n\n"),
+        "plugin 'p' from {d} 1.0: layout fake:x: build() raised RuntimeError: build exploded", True),
+    "build-returns-none": (
+        builders("[Builder('fake', 'x', lambda config: None)]"),
+        "plugin 'p' from {d} 1.0: layout fake:x: build() returned None: expected a cache", True),
+    "build-calls-sys-exit": (
+        builders("[Builder('fake', 'x', _bad)]", "def _bad(config):\n    import sys\n    sys.exit(5)\n\n"),
+        "plugin 'p' from {d} 1.0: layout fake:x: build() raised SystemExit: 5", True),
+    "build-returns-a-string": (
+        builders("[Builder('fake', 'x', lambda config: 'a cache')]"),
+        "layout fake:x ({d} 1.0) offers neither a batch nor a sequence control face; the runner cannot drive it",
+        False),
+    "build-returns-a-cache-whose-face-raises": (
+        builders("[Builder('fake', 'x', lambda config: _C())]", FACELESS),
+        "layout fake:x ({d} 1.0): its as_batch_control() raised RuntimeError: no face today", False),
+    "build-refuses-the-config": (  # a layout's own refusal: the user's to fix, passed on as it is
+        builders("[Builder('fake', 'x', _refuse)]", REFUSES), "cache.capacity: this layout wants more", False),
+}
+
+
+@pytest.fixture(scope="module")
+def builder_runs(tmp_path_factory, tiny_dir):
+    calls = {}
+    for row, (source, *_) in BUILDERS.items():
+        if row in SUBPROCESS:
+            site = site_with(tmp_path_factory.mktemp(row), {row: (source, None)})
+            calls[row] = (site, run_args(tiny_dir, "--layout", "fake:x"))
+    return in_parallel(calls)
+
+
+@pytest.mark.parametrize("row", BUILDERS, ids=BUILDERS)
+def test_a_bad_build_is_one_line_naming_the_layout_and_its_distribution(request, tiny_dir, row):
+    if row in SUBPROCESS:
+        done = request.getfixturevalue("builder_runs")[row]
+    else:
+        args = run_args(tiny_dir, "--layout", "fake:x")
+        done = in_process(request.getfixturevalue("fake_dists"), request.getfixturevalue("capsys"), row, BUILDERS[row][0], None, args)
+    assert done.returncode == 2
+    assert one_line(done) == "kvlayout: error: " + BUILDERS[row][1].format(d=dist_of(row))
+
+
+@pytest.mark.parametrize("row", BUILDERS, ids=BUILDERS)
+def test_a_bad_build_through_the_api_is_recorded_against_the_plugin(fake_dists, row):
+    source, line, recorded = BUILDERS[row]
+    dist = install(fake_dists, row, source)
+    pm = make_plugin_manager()
+    config = CacheConfig(capacity=8, n_layers=1, layers=[LayerConfig(1, 4)])
+    try:
+        registry.build("fake", "x", config, pm)
+    except kvlayout.KVLayoutError as exc:
+        assert str(exc) == line.format(d=dist)
+        assert isinstance(exc, PluginError) == recorded
+    else:
+        assert not recorded  # a cache the registry cannot judge; the runner refuses it (above)
+    assert [(f.distribution, f.hook, f.keys) for f in pm.failures] == ([(dist, "Builder.build", ("fake:x",))] if recorded else [])
+    assert registry.notices(pm) == []  # the layout is there; the error said why it failed
+    assert resolve("mlx", "cell", pm).distribution == "kvlayout-cell"
+
+
+LOADS = {
+    "load-raises": ("def _l(state_file):\n    raise KeyError('k')\n\n", "load() raised KeyError: 'k'"),
+    "load-returns-none": ("def _l(state_file):\n    return None\n\n", "load() returned None: expected a cache"),
+}
+
+
+@pytest.mark.parametrize("row", LOADS, ids=LOADS)
+def test_a_bad_load_is_named_and_recorded(fake_dists, tmp_path, row):
+    from kvlayout import persist
+
+    before, reason = LOADS[row]
+    dist = install(fake_dists, row, builders("[Builder('fake', 'x', _b, load=_l)]", before))
+    pm = make_plugin_manager()
+    config = CacheConfig(capacity=8, n_layers=1, layers=[LayerConfig(1, 4)])
+    path = persist.save_state(tmp_path / "s.safetensors", layout="fake:x", content="cache", config=config, state={},
+                              tensors={}, pm=pm)
+    with pytest.raises(PluginError) as info:
+        kvlayout.load(path, pm=pm)
+    assert str(info.value) == f"plugin 'p' from {dist} 1.0: layout fake:x: {reason}"
+    assert [(f.distribution, f.hook) for f in pm.failures] == [(dist, "Builder.load")]
