@@ -11,16 +11,25 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvlayout import registry
 from kvlayout.errors import ConfigError, KVLayoutError
 
 
 def _plugins(args: argparse.Namespace) -> int:
+    """Every registered plugin and the hooks it implements, every layout (duplicates marked),
+    every plugin that was skipped and why."""
     pm = registry.plugin_manager()
+    plugins = pm.plugins()
     builders = registry.available(pm)
+    dups = registry.duplicates(builders)
     if args.json:
         payload = {
+            "plugins": [
+                {"name": p.name, "distribution": p.distribution, "version": p.version, "hooks": list(p.hooks)}
+                for p in plugins
+            ],
             "layouts": [
                 {
                     "backend": b.backend_id,
@@ -28,6 +37,7 @@ def _plugins(args: argparse.Namespace) -> int:
                     "distribution": b.distribution,
                     "version": b.version,
                     "summary": b.summary,
+                    "duplicate": b.key in dups,
                 }
                 for b in builders
             ],
@@ -36,6 +46,7 @@ def _plugins(args: argparse.Namespace) -> int:
                     "entry_point": f.entry_point,
                     "distribution": f.distribution,
                     "version": f.version,
+                    "hook": f.hook,
                     "error": f.error,
                 }
                 for f in pm.failures
@@ -44,18 +55,35 @@ def _plugins(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
         return 0
     console = Console()
+    table = Table(title="kvlayout plugins")
+    for column in ("plugin", "distribution", "version", "hooks"):
+        table.add_column(column)
+    for p in plugins:
+        cells = (p.name, p.distribution or "?", p.version or "?", ", ".join(p.hooks) or "(none)")
+        table.add_row(*(Text(c) for c in cells))
+    console.print(table)
     table = Table(title="kvlayout layouts")
-    for column in ("backend", "kind", "distribution", "version", "summary"):
+    for column in ("backend", "kind", "distribution", "version", "summary") + (("note",) if dups else ()):
         table.add_column(column)
     for b in builders:
-        table.add_row(b.backend_id, b.kind, b.distribution or "?", b.version or "?", b.summary)
+        cells = (b.backend_id, b.kind, b.distribution or "?", b.version or "?", b.summary)
+        if dups:
+            cells += ("duplicate" if b.key in dups else "",)
+        table.add_row(*(Text(c) for c in cells))
     console.print(table)
     if not builders:
         console.print("no layouts installed: pip install kvlayout-seq kvlayout-cell")
-    for f in pm.failures:
+    for key, claims in dups.items():
+        claimants = " and ".join(b.provider() for b in claims)
         console.print(
-            f"[red]failed[/red] {f.entry_point} from {f.distribution} {f.version}: {f.error}",
-            markup=True,
+            Text("duplicate", style="yellow")
+            + f" {key} is claimed by {claimants}: using it fails until all but one are uninstalled",
+            highlight=False,
+        )
+    for f in pm.failures:
+        where = f" in {f.hook}" if f.hook else ""
+        console.print(
+            Text("failed", style="red") + f" {f.entry_point} from {f.distribution} {f.version}{where}: {f.error}",
             highlight=False,
         )
     return 0
@@ -180,7 +208,9 @@ def _bench(args: argparse.Namespace) -> int:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlayout", description="KV-cache layouts for MLX, as plugins.")
     sub = parser.add_subparsers(dest="command", required=True)
-    plugins = sub.add_parser("plugins", help="list installed layouts and plugins that failed to load")
+    plugins = sub.add_parser(
+        "plugins", help="list plugins and the hooks they implement, installed layouts, and plugins that failed"
+    )
     plugins.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     plugins.set_defaults(func=_plugins)
     run = sub.add_parser(

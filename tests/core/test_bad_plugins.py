@@ -9,8 +9,8 @@ command, run in a subprocess (two at a time, each table's once per module).
   hook kvlayout does not have, or its `kvlayout_builders` raises or answers
   anything but a list of valid Builders). It is skipped, recorded under
   `failures` with its distribution and the hook, nothing of it registered;
-  the shipped layouts still resolve, and `kvlayout run --layout fake:x` says
-  why in one line.
+  the shipped layouts still resolve, `kvlayout plugins` shows it under
+  "failed" and exits 0, and `kvlayout run --layout fake:x` says why in one line.
 - BUILDERS: a Builder whose build/load raises or returns None, or builds a
   cache the runner cannot drive: one line naming the layout and distribution.
 
@@ -260,13 +260,15 @@ def run_args(model_dir, *more: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def registration_runs(tmp_path_factory, tiny_dir):
-    """`kvlayout run --layout fake:x` with each row alone, and a default run with all of them."""
+    """`kvlayout run --layout fake:x` with each row alone, and `plugins` / a default run with all of them."""
     calls = {}
     for row, (source, target, *_) in REGISTRATION.items():
         if row in SUBPROCESS:
             site = site_with(tmp_path_factory.mktemp(row), {row: (source, target)})
             calls[row] = (site, run_args(tiny_dir, "--layout", "fake:x"))
     everything = site_with(tmp_path_factory.mktemp("all"), {r: (v[0], v[1]) for r, v in REGISTRATION.items()})
+    calls["plugins --json"] = (everything, ("plugins", "--json"))
+    calls["plugins"] = (everything, ("plugins",))
     calls["default run"] = (everything, run_args(tiny_dir))
     return in_parallel(calls)
 
@@ -290,6 +292,24 @@ def test_run_with_the_layout_of_a_skipped_plugin_says_why_in_one_line(request, t
         assert "mlx:cell (kvlayout-cell 0.1.0), mlx:seq (kvlayout-seq 0.1.0)" in line
         assert f"; skipped: plugin '{ep}' from {dist_of(row)} 1.0 ({error or ''}" in line
         assert error is not None or fragment in line
+
+
+def test_plugins_lists_every_skipped_plugin_and_exits_0(registration_runs):
+    done = registration_runs["plugins --json"]
+    assert done.returncode == 0 and done.stderr == ""
+    payload = json.loads(done.stdout)
+    assert {"mlx:cell", "mlx:seq", "fake:twice"} <= {f"{e['backend']}:{e['kind']}" for e in payload["layouts"]}
+    failed = {f["distribution"]: f for f in payload["failed"]}
+    for row, (_, target, hook_name, error, fragment, _) in REGISTRATION.items():
+        f = failed[dist_of(row)]
+        assert (f["entry_point"], f["version"], f["hook"]) == ("q" if target == "twice" else "p", "1.0", hook_name)
+        assert f["error"] == error if error is not None else fragment in f["error"]
+    table = registration_runs["plugins"]
+    assert table.returncode == 0 and table.stderr == ""
+    failed_lines = [line for line in table.stdout.splitlines() if line.startswith("failed ")]
+    assert len(failed_lines) == len(REGISTRATION)
+    assert "failed p from kvlayout-bad-builders-raises 1.0 in kvlayout_builders: kvlayout_builders raised " \
+           "RuntimeError: boom in builders" in failed_lines
 
 
 def test_a_run_of_another_layout_goes_on_saying_once_what_was_skipped(registration_runs):
