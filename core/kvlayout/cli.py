@@ -174,10 +174,13 @@ def _run(args: argparse.Namespace) -> int:
         report.print_json(result)
     else:
         report.print_report(result, console)
+    failed = report.failure_line(result)  # a sample that failed is said once, and the exit is 1
+    if failed:
+        print(f"kvlayout: error: {failed}", file=sys.stderr)
     if not result.complete:
         print(f"kvlayout: stopped early; state saved to {save}; {again}", file=sys.stderr)
         return 130
-    return 0
+    return 1 if failed else 0
 
 
 def _init_model(args: argparse.Namespace) -> int:

@@ -13,6 +13,12 @@ command, run in a subprocess (two at a time, each table's once per module).
   "failed" and exits 0, and `kvlayout run --layout fake:x` says why in one line.
 - BUILDERS: a Builder whose build/load raises or returns None, or builds a
   cache the runner cannot drive: one line naming the layout and distribution.
+- STEP_HOOKS: a placement policy or an observer misbehaving during a step.
+  Through the API the step is refused (a PluginStepError naming the plugin
+  and the hook) and the cell table is as it was before the refused call: the
+  same call succeeds once the plugin is gone. Through `kvlayout run` every
+  sample the failing steps carried is an error, the reason is said once on
+  stderr naming the plugin and the hook, and the exit is 1.
 
 The oracle is written out per row (the exact reason), never derived from the
 code under test; control rows (plugins that behave) must pass unchanged.
@@ -28,10 +34,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 import kvlayout
-from kvlayout import CacheConfig, LayerConfig, LayoutNotFound, PluginError, registry
+from kvlayout import CacheConfig, LayerConfig, LayoutNotFound, PluginError, PluginStepError, StepError, registry
 from kvlayout.registry import make_plugin_manager, resolve
 
 HEAD = "from kvlayout import Builder, hookimpl\nimport numpy as np\n\n"
@@ -233,6 +241,8 @@ SUBPROCESS = {
     "misspelled-builders-hook", "builders-raises", "builders-returns-one-builder", "builders-returns-a-non-builder",
     "import-raises", "an-argument-the-hookspec-lacks", "a-builder-and-a-non-builder",
     "build-raises", "build-returns-none", "build-returns-a-string",
+    "choose-cells-repeats-a-cell", "step-placed-raises", "choose-cells-raises", "choose-cells-answers-taken-cells",
+    "step-placed-raises-on-the-ring-window", "choose-cells-highest-free",
 }
 
 
@@ -409,3 +419,333 @@ def test_a_bad_load_is_named_and_recorded(fake_dists, tmp_path, row):
         kvlayout.load(path, pm=pm)
     assert str(info.value) == f"plugin 'p' from {dist} 1.0: layout fake:x: {reason}"
     assert [(f.distribution, f.hook) for f in pm.failures] == [(dist, "Builder.load")]
+
+
+# -- hooks during a step ---------------------------------------------------------------------------
+
+# row -> (source, the hook named, the reason for a step of 2 tokens on a fresh 64-cell cache, or None
+#         where it depends on the run, a warm-up step first?)
+STEP_HOOKS = {
+    # the issue's items
+    "choose-cells-repeats-a-cell": (
+        hook("return [free[0]] * count"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered [0, 0]: expected 2 distinct cells from the free list (cell 0 more than once)"),
+    "step-placed-raises": (
+        hook("raise RuntimeError('observer exploded')", name="kvlayout_step_placed", args="step, window"),
+        "kvlayout_step_placed", "kvlayout_step_placed raised RuntimeError: observer exploded"),
+    # the other members of the class
+    "choose-cells-raises": (
+        hook("raise ValueError('policy exploded')"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells raised ValueError: policy exploded"),
+    "choose-cells-calls-sys-exit": (
+        hook("import sys\nsys.exit(6)"), "kvlayout_choose_cells", "kvlayout_choose_cells raised SystemExit: 6"),
+    "choose-cells-too-few": (
+        hook("return free[:count - 1]"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered [0]: expected 2 distinct cells from the free list (1 cell(s))"),
+    "choose-cells-too-many": (
+        hook("return free[:count + 1]"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered [0, 1, 2]: expected 2 distinct cells from the free list (3 cell(s))"),
+    "choose-cells-floats": (
+        hook("return free[:count].astype(float)"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered [0.0, 1.0]: expected 2 distinct cells from the free list "
+        "(float64 values, not integers)"),
+    "choose-cells-bools": (
+        hook("return np.ones(count, bool)"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered [True, True]: expected 2 distinct cells from the free list "
+        "(bool values, not integers)"),
+    "choose-cells-out-of-range": (
+        hook("return np.arange(count) + 10**9"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered [1000000000, 1000000001]: expected 2 distinct cells from the free list "
+        "(cell 1000000000 is not free)"),
+    "choose-cells-negative": (
+        hook("return -np.arange(1, count + 1)"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered [-1, -2]: expected 2 distinct cells from the free list (cell -1 is not free)"),
+    "choose-cells-a-scalar": (
+        hook("return int(free[0])"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered 0: expected 2 distinct cells from the free list (a single int)"),
+    "choose-cells-a-string": (
+        hook("return 'cells'"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered 'cells': expected 2 distinct cells from the free list (a single str)"),
+    "choose-cells-2-d": (
+        hook("return free[:count][None]"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered [[0, 1]]: expected 2 distinct cells from the free list (a 2-d array)"),
+    "choose-cells-sorts-free-in-place": (
+        hook("free.sort()\nreturn free[:count]"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells raised ValueError: sort array is read-only"),
+    "choose-cells-answers-taken-cells": (  # the first step's answer is right; the same cells again are not
+        hook("return np.arange(count)"), "kvlayout_choose_cells",
+        "kvlayout_choose_cells answered [0, 1]: expected 2 distinct cells from the free list (cell 0 is not free)"),
+    "step-placed-writes-to-the-step": (
+        hook("step.cells[0] = 0", name="kvlayout_step_placed", args="step, window"), "kvlayout_step_placed",
+        "kvlayout_step_placed raised ValueError: assignment destination is read-only"),
+    "step-placed-raises-on-the-ring-window": (
+        hook("if window:\n    raise RuntimeError('ring observer')", name="kvlayout_step_placed", args="step, window"),
+        "kvlayout_step_placed", "kvlayout_step_placed raised RuntimeError: ring observer"),
+}
+RING_ROWS = {"step-placed-raises-on-the-ring-window"}
+WARM_ROWS = {"choose-cells-answers-taken-cells"}
+
+# Plugins that behave: the run is the one with no plugin, token for token.
+GOOD_HOOKS = {
+    "choose-cells-abstains": hook("return None"),
+    "choose-cells-highest-free": hook("return free[::-1][:count]"),
+    "step-placed-returns-a-value": hook("return 42", name="kvlayout_step_placed", args="step, window"),
+    "step-aborted-observer": hook("pass", name="kvlayout_step_aborted", args="step, window"),
+}
+
+
+def cell_cache(pm, ring=False):
+    from kvlayout_cell.cache import CellCache
+
+    flat = LayerConfig(1, 4)
+    layers = [flat, LayerConfig(1, 4, policy={"kind": "ring", "window": 4})] if ring else [flat]
+    return CellCache(CacheConfig(capacity=64, n_layers=2, layers=layers, kv_dtype="float32"), pm=pm)
+
+
+def table_state(cache, ids) -> tuple:
+    """What a caller can see of the cell table, read straight from it."""
+    t = cache.stepper.table
+    cells, pos, owners = t.occupied()
+    per_id = tuple((t.seq_len(s), t.next_pos(s)) for s in ids)
+    return t.free_list().tolist(), t.used_end, cells.tolist(), pos.tolist(), owners.tolist(), t.live_ids().tolist(), per_id
+
+
+KV = mx.zeros((1, 1, 2, 4))
+
+
+@pytest.mark.parametrize("row", STEP_HOOKS, ids=STEP_HOOKS)
+def test_a_misbehaving_hook_refuses_the_step_naming_the_plugin_and_changes_nothing(fake_dists, row):
+    source, hook_name, reason = STEP_HOOKS[row]
+    dist = install(fake_dists, row, source)
+    pm = make_plugin_manager()
+    cache = cell_cache(pm, ring=row in RING_ROWS)
+    bc = cache.as_batch_control()
+    s = bc.seq_new()
+    positions = [0, 1]
+    if row in WARM_ROWS:
+        assert bc.declare_step([s, s])
+        for layer in range(2):
+            cache.update_and_fetch(layer, positions, KV, KV)
+        positions = [2, 3]
+    assert bc.declare_step([s, s])
+    refused_at = 1 if row in RING_ROWS else 0
+    for layer in range(refused_at):
+        cache.update_and_fetch(layer, positions, KV, KV)
+    before = table_state(cache, [s])
+    with pytest.raises(PluginStepError) as info:
+        cache.update_and_fetch(refused_at, positions, KV, KV)
+    assert str(info.value) == f"plugin 'p' from {dist} 1.0: {reason}"
+    assert (info.value.distribution, info.value.hook) == (dist, hook_name)
+    assert isinstance(info.value, StepError)
+    assert table_state(cache, [s]) == before  # the refused call changed nothing
+    # ... so the same call succeeds once the plugin is gone: the declaration (or the placement) stood.
+    pm.unregister(name=f"{dist}:p")
+    for layer in range(refused_at, 2):
+        cache.update_and_fetch(layer, positions, KV, KV)
+    assert bc.next_pos(s) == positions[-1] + 1 and bc.seq_len(s) == positions[-1] + 1
+
+
+def test_an_observer_of_an_abort_that_raises_is_named_and_the_abort_happens(fake_dists):
+    dist = install(fake_dists, "step-aborted-raises",
+                   hook("raise RuntimeError('abort observer exploded')", name="kvlayout_step_aborted", args="step, window"))
+    cache = cell_cache(make_plugin_manager(), ring=True)
+    bc = cache.as_batch_control()
+    s = bc.seq_new()
+    before = table_state(cache, [s])
+    assert bc.declare_step([s, s])
+    for layer in range(2):
+        cache.update_and_fetch(layer, [0, 1], KV, KV)
+    with pytest.raises(PluginStepError) as info:
+        cache.abort_step()
+    assert str(info.value) == f"plugin 'p' from {dist} 1.0: kvlayout_step_aborted raised RuntimeError: abort observer exploded"
+    assert table_state(cache, [s]) == before  # aborted all the same
+    assert cache.abort_step() is False  # and nothing is left open
+
+
+def test_every_window_is_announced_aborted_even_when_an_observer_of_the_first_raises():
+    from kvlayout import hookimpl
+
+    heard = []
+
+    class Flaky:
+        @hookimpl
+        def kvlayout_step_aborted(self, step, window):
+            heard.append(window)
+            if window == 0:
+                raise RuntimeError("first window")
+
+    pm = make_plugin_manager()
+    pm.register(Flaky(), name="flaky")
+    cache = cell_cache(pm, ring=True)
+    bc = cache.as_batch_control()
+    s = bc.seq_new()
+    assert bc.declare_step([s, s])
+    for layer in range(2):
+        cache.update_and_fetch(layer, [0, 1], KV, KV)
+    with pytest.raises(PluginStepError, match="kvlayout_step_aborted raised RuntimeError: first window"):
+        cache.abort_step()
+    assert sorted(heard) == [0, 4]
+
+
+def test_observers_hear_a_refused_window_taken_back(fake_dists):
+    from kvlayout import hookimpl
+
+    class Ledger:  # a policy's own record of where tokens landed, as a paged allocator keeps
+        def __init__(self):
+            self.held = {}
+
+        @hookimpl
+        def kvlayout_step_placed(self, step, window):
+            self.held[window] = self.held.get(window, 0) + step.length
+
+        @hookimpl
+        def kvlayout_step_aborted(self, step, window):
+            self.held[window] -= step.length
+
+    install(fake_dists, "ring-observer", STEP_HOOKS["step-placed-raises-on-the-ring-window"][0])
+    pm = make_plugin_manager()
+    ledger = Ledger()
+    pm.register(ledger, name="ledger")
+    cache = cell_cache(pm, ring=True)
+    bc = cache.as_batch_control()
+    s = bc.seq_new()
+    assert bc.declare_step([s, s])
+    cache.update_and_fetch(0, [0, 1], KV, KV)
+    with pytest.raises(PluginStepError):
+        cache.update_and_fetch(1, [0, 1], KV, KV)
+    assert ledger.held == {0: 2, 4: 0}  # it heard the ring window placed (whatever the order), then taken back
+    cache.abort_step()
+    assert ledger.held == {0: 0, 4: 0}
+
+
+def test_a_restored_sequence_refused_by_an_observer_leaves_no_cell_and_no_id(fake_dists, tmp_path):
+    source = STEP_HOOKS["step-placed-raises"][0]
+    src = cell_cache(make_plugin_manager())
+    bc = src.as_batch_control()
+    s = bc.seq_new()
+    assert bc.declare_step([s, s])
+    for layer in range(2):
+        src.update_and_fetch(layer, [0, 1], KV, KV)
+    path = src.save_seq(s, tmp_path / "seq.safetensors")
+    dist = install(fake_dists, "observer-of-restores", source)
+    dst = cell_cache(make_plugin_manager())
+    before = table_state(dst, range(4))
+    with pytest.raises(PluginStepError, match=f"^plugin 'p' from {dist} 1.0: kvlayout_step_placed raised"):
+        dst.load_seq(path)
+    assert table_state(dst, range(4)) == before
+
+
+# -- the same hooks through `kvlayout run` ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hook_runs(tmp_path_factory, tiny_dir, ring_dir):
+    calls = {"no plugin": (None, run_args(tiny_dir))}
+    for row, source in {**{r: v[0] for r, v in STEP_HOOKS.items()}, **GOOD_HOOKS}.items():
+        if row in SUBPROCESS:
+            model = ring_dir if row in RING_ROWS else tiny_dir
+            calls[row] = (site_with(tmp_path_factory.mktemp(row), {row: (source, None)}), run_args(model))
+    return in_parallel(calls)
+
+
+def hook_run(request, row: str, source: str) -> subprocess.CompletedProcess:
+    if row in SUBPROCESS:
+        return request.getfixturevalue("hook_runs")[row]
+    model = request.getfixturevalue("ring_dir" if row in RING_ROWS else "tiny_dir")
+    return in_process(request.getfixturevalue("fake_dists"), request.getfixturevalue("capsys"), row, source, None, run_args(model))
+
+
+@pytest.mark.parametrize("row", STEP_HOOKS, ids=STEP_HOOKS)
+def test_run_fails_the_samples_of_a_misbehaving_hook_says_why_once_and_exits_1(request, row):
+    source, hook_name, reason = STEP_HOOKS[row]
+    done = hook_run(request, row, source)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("kvlayout: error")]
+    assert len(errors) == 1, done.stderr
+    prefix = f"kvlayout: error: 1 of 1 samples failed: plugin 'p' from {dist_of(row)} 1.0: {hook_name} "
+    assert errors[0].startswith(prefix), errors[0]
+    assert "array(" not in errors[0]
+    out = json.loads(done.stdout)
+    [sample] = [s for r in out["requests"] for s in r["samples"]]
+    assert sample["finish_reason"] == "error" and errors[0] == f"kvlayout: error: 1 of 1 samples failed: {sample['error']}"
+    assert out["stats"]["failed_forwards"] == 1  # a plugin's fault is not retried as a transient failure
+    if row not in WARM_ROWS:
+        assert sample["token_ids"] == []
+
+
+@pytest.mark.parametrize("row", GOOD_HOOKS, ids=GOOD_HOOKS)
+def test_run_with_a_plugin_that_behaves_gives_the_tokens_of_a_run_without_it(request, hook_runs, row):
+    done, alone = hook_run(request, row, GOOD_HOOKS[row]), hook_runs["no plugin"]
+    assert done.returncode == alone.returncode == 0
+    assert done.stderr == alone.stderr  # the one notice (no chat template), nothing else
+    ids = lambda d: [s["token_ids"] for r in json.loads(d.stdout)["requests"] for s in r["samples"]]  # noqa: E731
+    assert ids(done) == ids(alone) and len(ids(alone)[0]) == 4
+
+
+def test_an_abort_observer_that_raises_fails_the_step_it_could_have_retried(fake_dists, tiny_loaded, tiny_dir):
+    """A transient forward failure would be retried; the abort's observer raising makes it a plugin's fault."""
+    from kvlayout.runner import job
+    from tests.runner.conftest import make_config
+
+    dist = install(fake_dists, "abort-observer",
+                   hook("raise RuntimeError('abort observer exploded')", name="kvlayout_step_aborted", args="step, window"))
+    model, args, tok, name = tiny_loaded
+    calls = []
+
+    class FailsAtLayer1:  # the first forward writes layer 0, then runs out of memory
+        def __init__(self, cache):
+            self.cache = cache
+
+        def update_and_fetch(self, layer, positions, k, v):
+            if layer == 1:
+                raise MemoryError("transient")
+            return self.cache.update_and_fetch(layer, positions, k, v)
+
+    def fails_once(tokens, positions, cache, rows=None):
+        calls.append(len(tokens))
+        return model(tokens, positions, FailsAtLayer1(cache) if len(calls) == 1 else cache, rows=rows)
+
+    cfg = make_config(tiny_dir, requests=[{"prompt": "hello", "max_tokens": 3}])
+    result = job.prepare(cfg, loaded=(fails_once, args, tok, name)).generate()
+    [sample] = result.outputs[0]
+    assert sample.finish_reason == "error"
+    assert sample.error == f"plugin 'p' from {dist} 1.0: kvlayout_step_aborted raised RuntimeError: abort observer exploded"
+    assert calls == [len(tok.encode("hello"))] and result.stats.failed_forwards == 1  # not retried
+
+
+FLAKY_LAYOUT = HEAD + '''
+import kvlayout
+
+
+class _Flaky:
+    """mlx:seq underneath, but every forward fails at its first layer: a layout's bug, not a hook's."""
+
+    def __init__(self, config):
+        self.inner = kvlayout.build("mlx", "seq", config)
+
+    def as_batch_control(self):
+        return None
+
+    def as_control(self):
+        return self.inner.as_control()
+
+    def abort_step(self):
+        return self.inner.abort_step()
+
+    def update_and_fetch(self, layer, positions, k, v):
+        raise RuntimeError("the layout lost its pool")
+
+
+@hookimpl
+def kvlayout_builders():
+    return [Builder("fake", "flaky", _Flaky)]
+'''
+
+
+def test_a_failure_that_may_be_transient_is_retried_and_still_exits_1(fake_dists, capsys, tiny_dir):
+    done = in_process(fake_dists, capsys, "flaky-layout", FLAKY_LAYOUT, None, run_args(tiny_dir, "--layout", "fake:flaky"))
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("kvlayout: error")]
+    assert errors == ["kvlayout: error: 1 of 1 samples failed: RuntimeError: the layout lost its pool"]
+    assert json.loads(done.stdout)["stats"]["failed_forwards"] == 2  # tried, then retried once
