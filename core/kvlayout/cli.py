@@ -12,6 +12,7 @@ from typing import NoReturn
 
 import rich.console
 from rich.table import Table
+from rich.text import Text
 
 from kvlayout import registry
 from kvlayout.errors import ConfigError, KVLayoutError
@@ -28,10 +29,18 @@ class Console(rich.console.Console):
 
 
 def _plugins(args: argparse.Namespace) -> int:
+    """Every registered plugin and the hooks it implements, every layout (duplicates marked),
+    every plugin that was skipped and why."""
     pm = registry.plugin_manager()
+    plugins = pm.plugins()
     builders = registry.available(pm)
+    dups = registry.duplicates(builders)
     if args.json:
         payload = {
+            "plugins": [
+                {"name": p.name, "distribution": p.distribution, "version": p.version, "hooks": list(p.hooks)}
+                for p in plugins
+            ],
             "layouts": [
                 {
                     "backend": b.backend_id,
@@ -39,6 +48,7 @@ def _plugins(args: argparse.Namespace) -> int:
                     "distribution": b.distribution,
                     "version": b.version,
                     "summary": b.summary,
+                    "duplicate": b.key in dups,
                 }
                 for b in builders
             ],
@@ -47,6 +57,7 @@ def _plugins(args: argparse.Namespace) -> int:
                     "entry_point": f.entry_point,
                     "distribution": f.distribution,
                     "version": f.version,
+                    "hook": f.hook,
                     "error": f.error,
                 }
                 for f in pm.failures
@@ -55,18 +66,35 @@ def _plugins(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
         return 0
     console = Console()
+    table = Table(title="kvlayout plugins")
+    for column in ("plugin", "distribution", "version", "hooks"):
+        table.add_column(column)
+    for p in plugins:
+        cells = (p.name, p.distribution or "?", p.version or "?", ", ".join(p.hooks) or "(none)")
+        table.add_row(*(Text(c) for c in cells))
+    console.print(table)
     table = Table(title="kvlayout layouts")
-    for column in ("backend", "kind", "distribution", "version", "summary"):
+    for column in ("backend", "kind", "distribution", "version", "summary") + (("note",) if dups else ()):
         table.add_column(column)
     for b in builders:
-        table.add_row(b.backend_id, b.kind, b.distribution or "?", b.version or "?", b.summary)
+        cells = (b.backend_id, b.kind, b.distribution or "?", b.version or "?", b.summary)
+        if dups:
+            cells += ("duplicate" if b.key in dups else "",)
+        table.add_row(*(Text(c) for c in cells))
     console.print(table)
     if not builders:
         console.print("no layouts installed: pip install kvlayout-seq kvlayout-cell")
-    for f in pm.failures:
+    for key, claims in dups.items():
+        claimants = " and ".join(b.provider() for b in claims)
         console.print(
-            f"[red]failed[/red] {f.entry_point} from {f.distribution} {f.version}: {f.error}",
-            markup=True,
+            Text("duplicate", style="yellow")
+            + f" {key} is claimed by {claimants}: using it fails until all but one are uninstalled",
+            highlight=False,
+        )
+    for f in pm.failures:
+        where = f" in {f.hook}" if f.hook else ""
+        console.print(
+            Text("failed", style="red") + f" {f.entry_point} from {f.distribution} {f.version}{where}: {f.error}",
             highlight=False,
         )
     return 0
@@ -184,10 +212,13 @@ def _run(args: argparse.Namespace) -> int:
         report.print_json(result)
     else:
         report.print_report(result, console)
+    failed = report.failure_line(result)  # a sample that failed is said once, and the exit is 1
+    if failed:
+        print(f"kvlayout: error: {failed}", file=sys.stderr)
     if not result.complete:
         print(f"kvlayout: stopped early; state saved to {save}; {again}", file=sys.stderr)
         return 130
-    return 0
+    return 1 if failed else 0
 
 
 def _print_config(args: argparse.Namespace) -> int:
@@ -317,7 +348,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kvlayout", description="KV-cache layouts for MLX, as plugins.")
     parser.add_argument("--version", action=VersionAction, help="kvlayout's version and the installed layouts'")
     sub = parser.add_subparsers(dest="command", required=True)
-    plugins = sub.add_parser("plugins", help="list installed layouts and plugins that failed to load")
+    plugins = sub.add_parser(
+        "plugins", help="list plugins and the hooks they implement, installed layouts, and plugins that failed"
+    )
     plugins.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     plugins.set_defaults(func=_plugins)
     run = sub.add_parser(

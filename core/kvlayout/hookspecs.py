@@ -4,6 +4,17 @@ Discovery: every layout plugin implements `kvlayout_builders`. The others
 are the CellStepper seams a cell layout calls through the plugin manager, so a
 third party can change where tokens land, or watch them land (and be taken
 back), without forking the layout.
+
+What the host does with a plugin that breaks these contracts
+(`kvlayout.registry`): a plugin implementing a hook not listed here, or whose
+`kvlayout_builders` fails, is skipped whole and shown under "failed" by
+`kvlayout plugins`. Every implementation is called through a guard naming its
+plugin, so a step hook that raises or answers wrongly refuses the step with a
+`PluginStepError` (a StepError) naming the plugin, its distribution and the
+hook, and the cell layout's state is as before the refused call. `kvlayout
+run` does not retry a plugin's fault as a transient forward failure: the
+samples the step carried end with "error", the reason is said once on stderr,
+and the run exits 1.
 """
 
 from __future__ import annotations
@@ -23,11 +34,19 @@ hookimpl = pluggy.HookimplMarker("kvlayout")
 
 @hookspec
 def kvlayout_builders() -> list[Builder]:
-    """Called once when the registry first collects layouts.
+    """Called once, when the plugin is registered.
 
-    Return the `Builder` records this plugin provides, one per
-    `(backend_id, kind)`. The registry tags each with the distribution that
-    provided it and refuses to pick between two that claim the same key.
+    Return a list (any iterable) of the `Builder` records this plugin
+    provides, one per `(backend_id, kind)`; `[]` for none. The registry tags
+    each with the distribution that provided it and refuses to pick between
+    two distributions that claim the same key. Raising, or returning None,
+    a single Builder, anything but Builders, a Builder whose names cannot
+    make a "backend:kind" key or whose build/load is not callable, or one key
+    twice, skips the plugin (named in `kvlayout plugins` under "failed";
+    resolving a key it was seen to claim says why). Its Builder's
+    `build(config)` / `load(state_file)` raising (other than a KVLayoutError,
+    the layout's refusal of a bad config) or returning None is a PluginError
+    naming the layout and its distribution.
     """
 
 
@@ -42,6 +61,9 @@ def kvlayout_choose_cells(free: np.ndarray, count: int) -> np.ndarray | None:
     wins. The cell plugin's own answer (the lowest free cells) is `trylast`,
     so any installed policy overrides it. Attention results never depend on
     the answer: masks key off positions and owners, never cell indices.
+    `free` is read-only. An answer that is not `count` distinct integers from
+    `free`, or an implementation that raises, refuses the step
+    (PluginStepError quoting the answer as a list); nothing is placed.
     """
 
 
@@ -52,7 +74,11 @@ def kvlayout_step_placed(step: CellStep, window: int) -> None:
 
     `step` is the placed `CellStep` (cells, mask) shared by every layer whose
     window is `window` (0 for flat layers). For observers (metrics, tracing,
-    pictures); the return value is ignored and the step must not be changed.
+    pictures); the return value is ignored and the step must not be changed
+    (its arrays are read-only). An observer that raises refuses the step:
+    every other observer still hears of it, the first failure is raised as a
+    PluginStepError, and the placement is taken back (`kvlayout_step_aborted`
+    for the refused window, the cells released when it was the step's first).
     """
 
 
@@ -63,5 +89,7 @@ def kvlayout_step_aborted(step: CellStep, window: int) -> None:
     `abort_step()` (a forward that failed part way) released the step's
     cells: they are free again and no sequence holds its tokens. A placement
     policy or observer that keeps its own record of where tokens landed
-    takes `step.cells` back out of it here. The return value is ignored.
+    takes `step.cells` back out of it here. The return value is ignored. An
+    observer that raises does not undo the abort: every window is still
+    announced, then the first failure is raised as a PluginStepError.
     """

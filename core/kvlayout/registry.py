@@ -1,49 +1,405 @@
 """Finding layouts: the plugin manager, entry-point discovery, resolve and build.
 
 Plugins are found through the entry-point group "kvlayout". Each entry point
-is loaded on its own so one broken plugin is named on stderr and skipped
-instead of taking the others down (KVLAYOUT_STRICT=1 raises instead). Two
-distributions claiming the same (backend_id, kind) are an error when that key
-is resolved, never "last one registered wins".
+is loaded and registered on its own, so one broken plugin is recorded in
+`PluginManager.failures` (named with its distribution) and skipped instead of
+taking the others down; KVLAYOUT_STRICT=1 raises instead. The host decides
+what a plugin's answers mean:
+
+- **Registering** a plugin checks it whole before it counts: a hook kvlayout
+  does not have (a misspelled `kvlayout_builder`), an implementation taking an
+  argument its hookspec lacks, or a `kvlayout_builders` that raises or returns
+  anything but a list of valid `Builder` records refuses the plugin, all of
+  it, nothing left registered.
+- **Every hook implementation is called through a guard** naming its plugin:
+  one that raises, or a `kvlayout_choose_cells` answer that is not `count`
+  distinct cells of `free`, becomes a `PluginStepError` (a StepError) saying
+  which plugin, which hook and what it did. An observer
+  (`kvlayout_step_placed`, `kvlayout_step_aborted`) that raises does not stop
+  the others hearing of the step; the first failure is raised once all have.
+- **A Builder's build and load** are guarded too: raising (anything but a
+  KVLayoutError, the layout's own refusal of a bad config) or returning None
+  is a `PluginError` naming the layout and its distribution, also recorded in
+  `failures`.
+- Two distributions claiming the same (backend_id, kind) are an error when
+  that key is resolved, never "last one registered wins"; `duplicates` lists
+  them for `kvlayout plugins`.
 """
 
 from __future__ import annotations
 
+import collections
 import difflib
 import functools
 import importlib.metadata
+import os
 import sys
-from typing import Any
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable
 
 import attrs
+import numpy as np
 import pluggy
 
 from kvlayout import hookspecs
 from kvlayout.builder import Builder, layout_key
 from kvlayout.checks import env_flag
-from kvlayout.errors import ConfigError, DuplicateLayout, KVLayoutError, LayoutNotFound
+from kvlayout.errors import (
+    ConfigError,
+    DuplicateLayout,
+    KVLayoutError,
+    LayoutNotFound,
+    PluginError,
+    PluginStepError,
+)
 
 ENTRY_POINT_GROUP = "kvlayout"
+HOOKS = tuple(sorted(name for name in vars(hookspecs) if name.startswith("kvlayout_")))
+STEP_HOOKS = ("kvlayout_choose_cells", "kvlayout_step_placed", "kvlayout_step_aborted")
+OBSERVERS = ("kvlayout_step_placed", "kvlayout_step_aborted")
 
 
 @attrs.frozen
-class LoadFailure:
-    """A plugin that could not be loaded, and why."""
+class PluginFailure:
+    """A plugin that was skipped, or whose Builder failed, and why.
+
+    `hook` is None when it failed to load or register, else what failed:
+    `kvlayout_builders`, `Builder.build` or `Builder.load`. `keys` are the
+    layout keys it was seen to claim (empty when its answer never got that far).
+    """
 
     entry_point: str
     distribution: str
     version: str
     error: str
+    hook: str | None = None
+    keys: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return f"plugin {self.entry_point!r} from {self.distribution} {self.version}"
+
+
+@attrs.frozen
+class PluginInfo:
+    """A registered plugin and the hooks it implements (what `kvlayout plugins` lists)."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    hooks: tuple[str, ...]
+
+
+def one_line(text: str) -> str:
+    """`text` with every run of whitespace (newlines included) as one space."""
+    return " ".join(str(text).split())
+
+
+def quote(value: Any, limit: int = 8) -> str:
+    """A plugin's answer as a short list or repr, never numpy's truncated array repr."""
+    try:
+        items = np.asarray(value).tolist() if isinstance(value, (np.ndarray, list, tuple)) else None
+    except Exception:
+        items = None
+    if isinstance(items, list):
+        text = repr(items[:limit])
+        if len(items) > limit:
+            text = f"{text[:-1]}, ... {len(items)} in all]"
+    else:
+        text = repr(value)
+    return text if len(text) <= 120 else text[:119] + "…"
+
+
+def _check_cells(answer: Any, free: Any, count: int) -> str | None:
+    """Why `answer` is not `count` distinct cells of `free` (ascending), or None when it is.
+
+    Once per step: the usual answer is settled in a few microseconds (found in
+    `free` by bisection, distinct when their places there rise).
+    """
+    try:
+        cells = np.asarray(answer)
+    except Exception:
+        cells = None
+    if cells is not None and cells.ndim == 1 and cells.size == count and cells.dtype.kind in "iu" and count:
+        at = np.searchsorted(free, cells)
+        if at.max() < len(free) and (free[at] == cells).all():
+            if count == 1 or (at[1:] > at[:-1]).all() or np.unique(at).size == count:
+                return None
+    if cells is None or cells.ndim != 1:
+        why = f"a single {type(answer).__name__}" if cells is None or cells.ndim == 0 else f"a {cells.ndim}-d array"
+    elif cells.size != count:
+        why = f"{cells.size} cell(s)"
+    elif count and (not np.issubdtype(cells.dtype, np.integer)):
+        why = f"{cells.dtype} values, not integers"
+    else:
+        cells = cells.astype(np.int64)
+        free = np.asarray(free)
+        at = np.minimum(np.searchsorted(free, cells), max(free.size - 1, 0))
+        outside = np.flatnonzero(free[at] != cells) if free.size else np.arange(cells.size)
+        uniq, counts = np.unique(cells, return_counts=True)
+        if outside.size:
+            why = f"cell {cells[outside[0]]} is not free"
+        elif (counts > 1).any():
+            why = f"cell {uniq[counts > 1][0]} more than once"
+        else:
+            return None
+    return f"answered {quote(answer)}: expected {count} distinct cells from the free list ({why})"
+
+
+HOST = "kvlayout"  # the name the host's own wrapper is registered under; not a plugin anyone installed
+
+
+class _Observers:
+    """The host's wrapper around each observer hook: the guard sets an observer's failure aside
+    (every other observer still hears of the step) and this raises the first once all have."""
+
+    def __init__(self, calls: threading.local):
+        self.calls = calls
+
+    def _around(self) -> Any:
+        frames = self.calls.__dict__.setdefault("open", [])
+        frames.append([])
+        try:
+            result = yield
+        finally:
+            faults = frames.pop()
+        if faults:
+            raise faults[0]
+        return result
+
+    @hookspecs.hookimpl(wrapper=True, tryfirst=True)
+    def kvlayout_step_placed(self) -> Any:
+        return (yield from self._around())
+
+    @hookspecs.hookimpl(wrapper=True, tryfirst=True)
+    def kvlayout_step_aborted(self) -> Any:
+        return (yield from self._around())
 
 
 class PluginManager(pluggy.PluginManager):
-    """pluggy's manager plus what the host records about each plugin."""
+    """pluggy's manager plus what the host records about each plugin (see the module docstring)."""
 
     def __init__(self) -> None:
         super().__init__("kvlayout")
         self.add_hookspecs(hookspecs)
-        self.failures: list[LoadFailure] = []
+        self.failures: list[PluginFailure] = []
         self.provenance: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version)
+        self._builders: dict[str, list[Builder]] = {}  # plugin name -> its Builders, tagged and guarded
+        self._calls = threading.local()  # per thread: a list of observer failures per hook call open
+        super().register(_Observers(self._calls), name=HOST)  # raises an observer's failure once all heard
+
+    # -- naming a plugin
+
+    def short_name(self, name: str, plugin: Any = None) -> str:
+        """The entry point's name of a plugin from a distribution, else its registered name
+        (an unnamed instance, which pluggy names by its id(), by its class)."""
+        if name in self.provenance:  # registered as "distribution:entry point"
+            return name.partition(":")[2]
+        if name.isdigit() and plugin is not None:
+            return type(plugin).__name__
+        return name
+
+    def who(self, name: str, plugin: Any = None) -> str:
+        """"plugin 'cell' from kvlayout-cell 0.1.0", or "plugin 'name'" for one without a distribution."""
+        dist, version = self.provenance.get(name, (None, None))
+        where = f" from {dist} {version}" if dist is not None else ""
+        return f"plugin {self.short_name(name, plugin)!r}{where}"
+
+    def fault(
+        self, name: str, plugin: Any, hook: str | None, reason: str, error: type = PluginError, keys: Iterable[str] = ()
+    ) -> PluginError:
+        """The PluginError (or `error`) naming plugin `name` and saying `reason`, in one line."""
+        reason = one_line(reason)
+        dist, version = self.provenance.get(name, (None, None))
+        return error(
+            f"{self.who(name, plugin)}: {reason}",
+            plugin=self.short_name(name, plugin),
+            distribution=dist,
+            version=version,
+            hook=hook,
+            reason=reason,
+            keys=tuple(keys),
+        )
+
+    # -- registering: checked whole, guarded, its Builders collected
+
+    def register(self, plugin: Any, name: str | None = None) -> str | None:
+        """Register `plugin`: refused (PluginError, or pluggy's PluginValidationError for an
+        implementation taking an argument its hookspec lacks; nothing registered) when it
+        implements a hook kvlayout does not have or its `kvlayout_builders` fails."""
+        name = super().register(plugin, name)
+        if name is None:  # blocked
+            return None
+        try:
+            self._check_known_hooks(plugin, name)
+            self._guard(plugin, name)
+            self._builders[name] = self._collect(plugin, name)
+        except BaseException:
+            super().unregister(plugin=plugin, name=name)
+            raise
+        return name
+
+    def unregister(self, plugin: Any = None, name: str | None = None) -> Any:
+        if name is None and plugin is not None:
+            name = self.get_name(plugin)
+        self._builders.pop(name, None)
+        return super().unregister(plugin=plugin, name=name)
+
+    def _check_known_hooks(self, plugin: Any, name: str) -> None:
+        for caller in self.get_hookcallers(plugin) or ():
+            if caller.has_spec() or all(i.optionalhook for i in caller.get_hookimpls() if i.plugin is plugin):
+                continue
+            close = difflib.get_close_matches(caller.name, HOOKS, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"kvlayout's hooks are {', '.join(HOOKS)}"
+            raise self.fault(name, plugin, None, f"implements {caller.name}, which is not a kvlayout hook; {hint}")
+
+    def _guard(self, plugin: Any, name: str) -> None:
+        """Call each of the plugin's hook implementations through a guard that names it."""
+        for caller in self.get_hookcallers(plugin) or ():
+            if caller.spec is None:  # an optionalhook kvlayout does not have: never called
+                continue
+            for impl in caller.get_hookimpls():
+                if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
+                    self._guard_impl(impl, caller.name, tuple(caller.spec.argnames))
+
+    def _guard_impl(self, impl: Any, hook: str, spec_args: tuple[str, ...]) -> None:
+        fn, own = impl.function, tuple(impl.argnames)
+        error = PluginStepError if hook in STEP_HOOKS else PluginError
+
+        def guarded(*args: Any) -> Any:
+            kwargs = dict(zip(spec_args, args))
+            try:
+                answer = fn(*(kwargs[a] for a in own))
+            except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() is a fault like any other
+                why = f"{hook} raised {type(exc).__name__}: {exc}"
+                fault = self.fault(impl.plugin_name, impl.plugin, hook, why, error)
+                fault.__cause__ = exc
+                pending = getattr(self._calls, "open", None)
+                if hook in OBSERVERS and pending:  # the others hear of the step too; raised after them
+                    pending[-1].append(fault)
+                    return None
+                raise fault from exc
+            if hook == "kvlayout_choose_cells" and answer is not None:
+                why = _check_cells(answer, kwargs["free"], kwargs["count"])
+                if why is not None:
+                    raise self.fault(impl.plugin_name, impl.plugin, hook, f"{hook} {why}", error)
+            return answer
+
+        guarded.__wrapped__ = fn  # type: ignore[attr-defined]
+        impl.argnames = spec_args  # pluggy hands the guard every argument; it passes on the plugin's own
+        impl.function = guarded
+
+    def _collect(self, plugin: Any, name: str) -> list[Builder]:
+        """The plugin's Builders, build/load guarded (`builders` tags them with its distribution);
+        PluginError naming what is wrong with its `kvlayout_builders` answer."""
+        impls = [
+            i for i in self.hook.kvlayout_builders.get_hookimpls()
+            if i.plugin is plugin and not (i.wrapper or i.hookwrapper)
+        ]
+        if not impls:
+            return []
+        hook = "kvlayout_builders"
+        seen: list[Builder] = []
+
+        def refuse(why: str) -> PluginError:
+            keys = dict.fromkeys(b.key for b in seen if isinstance(b, Builder) and _name_problem(b) is None)
+            return self.fault(name, plugin, hook, f"{hook} {why}", keys=keys)
+
+        answer = impls[0].function()  # guarded: raising is a PluginError already
+        expected = "expected a list of Builder records ([] for none)"
+        if answer is None or isinstance(answer, (str, bytes, Builder, Mapping)) or not isinstance(answer, Iterable):
+            if isinstance(answer, Builder):
+                seen.append(answer)  # its key is known: resolving it says why it is missing
+                raise refuse(f"returned one Builder ({answer.key}), not a list: {expected}")
+            raise refuse(f"returned {quote(answer)}: {expected}")
+        try:
+            for item in answer:
+                seen.append(item)
+        except (Exception, SystemExit) as exc:
+            raise refuse(f"raised {type(exc).__name__}: {exc}") from exc
+        builders, keys = [], set()
+        for b in seen:
+            why = _builder_problem(b)
+            if why is None and b.key in keys:
+                why = f"returned two Builders for {b.key}"
+            if why is not None:
+                raise refuse(why)
+            keys.add(b.key)
+            builders.append(self._guard_builder(b, name, plugin))
+        return builders
+
+    def _guard_builder(self, b: Builder, name: str, plugin: Any) -> Builder:
+        def guard(what: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            hook = f"Builder.{what}"
+
+            def call(arg: Any) -> Any:
+                try:
+                    out = fn(arg)
+                except KVLayoutError:  # the layout's own refusal (a bad config, a damaged file): already one line
+                    raise
+                except (Exception, SystemExit) as exc:
+                    why = f"layout {b.key}: {what}() raised {type(exc).__name__}: {exc}"
+                    raise self._runtime_fault(name, plugin, hook, why, b.key) from exc
+                if out is None:
+                    why = f"layout {b.key}: {what}() returned None: expected a cache"
+                    raise self._runtime_fault(name, plugin, hook, why, b.key)
+                return out
+
+            call.__wrapped__ = fn  # type: ignore[attr-defined]
+            return call
+
+        return attrs.evolve(b, build=guard("build", b.build), load=None if b.load is None else guard("load", b.load))
+
+    def _runtime_fault(self, name: str, plugin: Any, hook: str, reason: str, key: str) -> PluginError:
+        fault = self.fault(name, plugin, hook, reason, keys=[key])
+        dist, version = self.provenance.get(name, (name, "?"))
+        self.failures.append(PluginFailure(fault.plugin, dist, version, fault.reason, hook, (key,)))
+        return fault
+
+    # -- what the host knows
+
+    def builders(self) -> list[Builder]:
+        """Every registered plugin's Builders, tagged with its distribution, sorted by key then distribution."""
+        found = []
+        for name, builders in self._builders.items():
+            dist, version = self.provenance.get(name, (name, "?"))
+            found += [attrs.evolve(b, distribution=dist, version=version) for b in builders]
+        return sorted(found, key=lambda b: (b.key, b.distribution or ""))
+
+    def plugins(self) -> list[PluginInfo]:
+        """Every registered plugin with the hooks it implements, by distribution then name."""
+        out = []
+        for name, plugin in self.list_name_plugin():
+            if plugin is None or name == HOST:  # blocked, or the host's own
+                continue
+            dist, version = self.provenance.get(name, (None, None))
+            hooks = tuple(sorted(c.name for c in self.get_hookcallers(plugin) or ()))
+            out.append(PluginInfo(self.short_name(name, plugin), dist, version, hooks))
+        return sorted(out, key=lambda p: (p.distribution or "~", p.name))
+
+
+def _name_problem(b: Builder) -> str | None:
+    """Why `b`'s backend_id or kind cannot make a "backend:kind" key, or None."""
+    for field in ("backend_id", "kind"):
+        value = getattr(b, field)
+        if not isinstance(value, str) or not value or ":" in value or value != value.strip():
+            return f"returned a Builder with {field}={value!r}: expected a non-empty name without ':' or spaces"
+    return None
+
+
+def _builder_problem(b: Any) -> str | None:
+    """Why `b` is not a usable Builder record, or None."""
+    if not isinstance(b, Builder):
+        return f"returned {quote(b)} among its records: expected Builder records"
+    if _name_problem(b) is not None:
+        return _name_problem(b)
+    if not callable(b.build):
+        return f"returned Builder {b.key} whose build is {quote(b.build)}: expected a callable"
+    if b.load is not None and not callable(b.load):
+        return f"returned Builder {b.key} whose load is {quote(b.load)}: expected a callable or None"
+    if not isinstance(b.summary, str):
+        return f"returned Builder {b.key} whose summary is {quote(b.summary)}: expected a string"
+    return None
 
 
 def _strict_from_env() -> bool:
@@ -51,13 +407,17 @@ def _strict_from_env() -> bool:
 
 
 def make_plugin_manager(strict: bool | None = None, entry_points: bool = True) -> PluginManager:
-    """A fresh manager with every "kvlayout" entry point loaded; tests use this directly."""
+    """A fresh manager with every "kvlayout" entry point loaded; tests use this directly.
+
+    A plugin that fails to load or register is skipped and recorded in
+    `failures`; with `strict` (default: KVLAYOUT_STRICT=1) the first one raises PluginError.
+    """
     strict = _strict_from_env() if strict is None else strict
     pm = PluginManager()
     if entry_points:
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             _load_entry_point(pm, ep, strict)
-    pm.check_pending()
+    pm.check_pending()  # every plugin was checked as it registered: this never raises
     return pm
 
 
@@ -67,22 +427,22 @@ def _load_entry_point(pm: PluginManager, ep: importlib.metadata.EntryPoint, stri
     name = f"{dist}:{ep.name}"
     if pm.has_plugin(name):  # the same distribution seen twice on sys.path
         return
+    pm.provenance[name] = (dist, version)
     try:
         plugin = ep.load()
         pm.register(plugin, name=name)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
+        del pm.provenance[name]
+        if isinstance(exc, PluginError):
+            failure = PluginFailure(ep.name, dist, version, exc.reason, exc.hook, exc.keys)
+        else:
+            failure = PluginFailure(ep.name, dist, version, one_line(f"{type(exc).__name__}: {exc}"))
         if strict:
-            raise KVLayoutError(
-                f"plugin {ep.name!r} from {dist} {version} failed to load: {type(exc).__name__}: {exc}"
+            raise PluginError(
+                f"{failure.describe()} failed to load: {failure.error}",
+                plugin=ep.name, distribution=dist, version=version, hook=failure.hook, reason=failure.error,
             ) from exc
-        failure = LoadFailure(ep.name, dist, version, f"{type(exc).__name__}: {exc}")
         pm.failures.append(failure)
-        print(
-            f"kvlayout: skipped plugin {ep.name!r} from {dist} {version}: {failure.error}",
-            file=sys.stderr,
-        )
-        return
-    pm.provenance[name] = (dist, version)
 
 
 @functools.cache
@@ -94,17 +454,21 @@ def plugin_manager() -> PluginManager:
 def available(pm: PluginManager | None = None) -> list[Builder]:
     """Every Builder of every loaded plugin, tagged with the distribution that gave it."""
     pm = plugin_manager() if pm is None else pm
-    builders: list[Builder] = []
-    for impl in pm.hook.kvlayout_builders.get_hookimpls():
-        dist, version = pm.provenance.get(impl.plugin_name, (impl.plugin_name, "?"))
-        for builder in impl.function() or ():
-            if not isinstance(builder, Builder):
-                raise KVLayoutError(
-                    f"plugin {impl.plugin_name!r} returned {builder!r} from kvlayout_builders: "
-                    "expected Builder records"
-                )
-            builders.append(attrs.evolve(builder, distribution=dist, version=version))
-    return sorted(builders, key=lambda b: (b.key, b.distribution or ""))
+    return pm.builders()
+
+
+def duplicates(builders: list[Builder]) -> dict[str, list[Builder]]:
+    """The keys more than one Builder claims, each with its claimants (resolving them fails)."""
+    by_key: dict[str, list[Builder]] = collections.defaultdict(list)
+    for b in builders:
+        by_key[b.key].append(b)
+    return {key: bs for key, bs in by_key.items() if len(bs) > 1}
+
+
+def notices(pm: PluginManager | None = None) -> list[str]:
+    """One line per plugin that was skipped: what a command tells its user before it runs."""
+    pm = plugin_manager() if pm is None else pm
+    return [f"skipped {f.describe()}: {f.error}" for f in pm.failures if f.hook in (None, "kvlayout_builders")]
 
 
 def _describe(builders: list[Builder]) -> str:
@@ -114,11 +478,13 @@ def _describe(builders: list[Builder]) -> str:
 def resolve(backend_id: str, kind: str, pm: PluginManager | None = None) -> Builder:
     """The one Builder for (backend_id, kind); LayoutNotFound or DuplicateLayout otherwise.
 
-    ConfigError for a backend_id or kind that is not a non-empty string.
+    ConfigError for a backend_id or kind that is not a non-empty string. A key
+    no loaded plugin provides says which plugins failed, and why.
     """
     for name, value in (("backend_id", backend_id), ("kind", kind)):
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{name}={value!r}: expected a non-empty string, e.g. resolve('mlx', 'cell')")
+    pm = plugin_manager() if pm is None else pm
     builders = available(pm)
     key = layout_key(backend_id, kind)
     matches = [b for b in builders if b.key == key]
@@ -129,11 +495,18 @@ def resolve(backend_id: str, kind: str, pm: PluginManager | None = None) -> Buil
         )
     if matches:
         return matches[0]
+    skipped = [f for f in pm.failures if f.hook in (None, "kvlayout_builders")]
+    for f in skipped:
+        if key in f.keys:
+            raise LayoutNotFound(f"layout {key} is not available: {f.describe()} was skipped: {f.error}")
     hint = ""
     close = difflib.get_close_matches(key, sorted({b.key for b in builders}), n=3, cutoff=0.5)
     if close:
         hint = f"; did you mean {' or '.join(close)}?"
-    raise LayoutNotFound(f"no layout {key}; available: {_describe(builders)}{hint}")
+    failed = ""
+    if skipped:
+        failed = "; skipped: " + "; ".join(f"{f.describe()} ({f.error})" for f in skipped)
+    raise LayoutNotFound(f"no layout {key}; available: {_describe(builders)}{hint}{failed}")
 
 
 def build(backend_id: str, kind: str, config: Any, pm: PluginManager | None = None) -> Any:

@@ -19,33 +19,84 @@ def wide(monkeypatch):
     monkeypatch.setenv("COLUMNS", "240")  # rich wraps at the terminal width
 
 
-def test_plugins_prints_a_table_of_layouts_and_the_failed_plugin(plugin_world, wide, capsys):
+WATCHER = """
+    from kvlayout import hookimpl
+
+    @hookimpl
+    def kvlayout_step_placed(step, window):
+        pass
+
+    @hookimpl(tryfirst=True)
+    def kvlayout_choose_cells(free, count):
+        return None
+"""
+
+
+@pytest.fixture
+def with_watcher(plugin_world):
+    """plugin_world plus a plugin with no layout: a placement policy and an observer."""
+    plugin_world.add("kvlayout-fake-watch", "0.3", {"watch": "kvl_fake_watch"}, {"kvl_fake_watch": WATCHER})
+    return plugin_world
+
+
+def test_plugins_prints_every_plugin_its_layouts_the_duplicates_and_the_failed(with_watcher, wide, capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    [good] = [line for line in out.splitlines() if "kvlayout-fake-good" in line]
-    for cell in ("fake", "good", "1.2.3", "a layout that works"):
-        assert cell in good
-    assert sum("kvlayout-fake-dup-" in line for line in out.splitlines()) == 2
-    [failed] = [line for line in out.splitlines() if "kvlayout-fake-broken" in line]
-    assert "failed" in failed and "broken" in failed and "0.0.1" in failed
-    assert "cannot find its native library" in failed
+    lines = out.splitlines()
+
+    def row(*cells):
+        [line] = [line for line in lines if all(f" {c} " in line for c in cells)]
+        return line
+
+    # The plugins table: every registered plugin with the hooks it implements, layout or not.
+    row("watch", "kvlayout-fake-watch", "0.3", "kvlayout_choose_cells, kvlayout_step_placed")
+    row("good", "kvlayout-fake-good", "1.2.3", "kvlayout_builders")
+    row("cell", "kvlayout-cell", "kvlayout_builders, kvlayout_choose_cells")
+    # The layouts table; the two claims of fake:dup marked, and a line saying what that means.
+    good = row("fake", "good", "kvlayout-fake-good", "1.2.3", "a layout that works")
+    assert "duplicate" not in good
+    assert "duplicate" in row("fake", "dup", "kvlayout-fake-dup-a", "1.0")
+    assert "duplicate" in row("fake", "dup", "kvlayout-fake-dup-b", "2.0")
+    [dup] = [line for line in lines if line.startswith("duplicate")]
+    assert dup == ("duplicate fake:dup is claimed by kvlayout-fake-dup-a 1.0 and kvlayout-fake-dup-b 2.0: "
+                   "using it fails until all but one are uninstalled")
+    [failed] = [line for line in lines if line.startswith("failed")]
+    assert failed == "failed broken from kvlayout-fake-broken 0.0.1: ImportError: kvl_fake_broken cannot find its native library"
 
 
-def test_plugins_json_lists_layouts_and_failures(plugin_world, capsys):
+def test_plugins_without_duplicates_has_no_note_column(fake_dists, wide, capsys):
+    from tests.conftest import GOOD_PLUGIN
+
+    fake_dists.add("kvlayout-fake-good", "1.2.3", {"good": "kvl_fake_good"}, {"kvl_fake_good": GOOD_PLUGIN})
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert " note " not in out and "duplicate" not in out and "failed" not in out
+
+
+def test_plugins_json_lists_plugins_layouts_and_failures(with_watcher, capsys):
     assert main(["plugins", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
+    assert set(payload) == {"plugins", "layouts", "failed"}
+    fake_plugins = [p for p in payload["plugins"] if p["distribution"].startswith("kvlayout-fake-")]
+    assert fake_plugins == [
+        {"name": "dup_a", "distribution": "kvlayout-fake-dup-a", "version": "1.0", "hooks": ["kvlayout_builders"]},
+        {"name": "dup_b", "distribution": "kvlayout-fake-dup-b", "version": "2.0", "hooks": ["kvlayout_builders"]},
+        {"name": "good", "distribution": "kvlayout-fake-good", "version": "1.2.3", "hooks": ["kvlayout_builders"]},
+        {"name": "watch", "distribution": "kvlayout-fake-watch", "version": "0.3",
+         "hooks": ["kvlayout_choose_cells", "kvlayout_step_placed"]},
+    ]
     layouts = [entry for entry in payload["layouts"] if entry["backend"] == "fake"]
     assert layouts == [
         {"backend": "fake", "kind": "dup", "distribution": "kvlayout-fake-dup-a", "version": "1.0",
-         "summary": "one of two claims"},
+         "summary": "one of two claims", "duplicate": True},
         {"backend": "fake", "kind": "dup", "distribution": "kvlayout-fake-dup-b", "version": "2.0",
-         "summary": "one of two claims"},
+         "summary": "one of two claims", "duplicate": True},
         {"backend": "fake", "kind": "good", "distribution": "kvlayout-fake-good", "version": "1.2.3",
-         "summary": "a layout that works"},
+         "summary": "a layout that works", "duplicate": False},
     ]
     [failed] = [f for f in payload["failed"] if f["distribution"] == "kvlayout-fake-broken"]
-    assert failed["entry_point"] == "broken" and failed["version"] == "0.0.1"
-    assert "ImportError" in failed["error"] and "cannot find its native library" in failed["error"]
+    assert failed == {"entry_point": "broken", "distribution": "kvlayout-fake-broken", "version": "0.0.1",
+                      "hook": None, "error": "ImportError: kvl_fake_broken cannot find its native library"}
 
 
 def kvlayout_command() -> str:
@@ -56,19 +107,21 @@ def kvlayout_command() -> str:
 
 
 def test_the_installed_command_prints_json(plugin_world):
-    env = dict(os.environ, PYTHONPATH=str(plugin_world.root))
+    # The fakes first, then whatever the suite runs with: the command must run the code under test,
+    # not whichever checkout the console script was installed from.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(plugin_world.root), os.environ.get("PYTHONPATH")])))
     env.pop("KVLAYOUT_STRICT", None)
     done = subprocess.run(
         [kvlayout_command(), "plugins", "--json"], capture_output=True, text=True, env=env, timeout=120
     )
     assert done.returncode == 0, done.stderr
     payload = json.loads(done.stdout)
-    assert set(payload) == {"layouts", "failed"}
+    assert set(payload) == {"plugins", "layouts", "failed"}
     assert ("fake", "good", "kvlayout-fake-good") in {
         (e["backend"], e["kind"], e["distribution"]) for e in payload["layouts"]
     }
     assert "kvlayout-fake-broken" in {f["distribution"] for f in payload["failed"]}
-    assert "kvlayout-fake-broken" in done.stderr  # also reported on stderr
+    assert done.stderr == ""  # the failure is in the output; said once, not again on stderr
 
 
 @pytest.mark.parametrize(

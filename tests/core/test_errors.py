@@ -12,6 +12,8 @@ EXPECTED_BASES = {
     "LayoutNotFound": (LookupError,),
     "DuplicateLayout": (),
     "StepError": (RuntimeError,),
+    "PluginError": (),
+    "PluginStepError": (errors.StepError, errors.PluginError, RuntimeError),
     "CapacityError": (),
     "SequenceError": (ValueError,),
     "StateError": (),
@@ -30,6 +32,18 @@ def test_every_error_derives_from_the_root_and_its_standard_base(name, bases):
 def test_the_root_is_an_exception_and_re_exported():
     assert issubclass(errors.KVLayoutError, Exception)
     assert kvlayout.KVLayoutError is errors.KVLayoutError
+
+
+def test_a_plugin_error_carries_the_plugin_and_hook_it_names():
+    err = errors.PluginStepError(
+        "plugin 'p' from kvlayout-x 1.0: kvlayout_choose_cells raised ValueError: no",
+        plugin="p", distribution="kvlayout-x", version="1.0", hook="kvlayout_choose_cells",
+        reason="kvlayout_choose_cells raised ValueError: no",
+    )
+    assert (err.plugin, err.distribution, err.version, err.hook) == ("p", "kvlayout-x", "1.0", "kvlayout_choose_cells")
+    assert err.reason == "kvlayout_choose_cells raised ValueError: no" and err.keys == ()
+    assert errors.PluginError("bare").reason == "bare"
+    assert not issubclass(errors.PluginError, errors.StepError)  # a failed build is not a step's fault
 
 
 def test_errors_that_are_not_value_errors_are_not_caught_as_such():

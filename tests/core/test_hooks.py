@@ -10,8 +10,8 @@ import numpy as np
 import pluggy
 import pytest
 
-from kvlayout import CellStep, hookimpl
-from kvlayout.registry import make_plugin_manager
+from kvlayout import Builder, CellStep, PluginStepError, StepError, hookimpl
+from kvlayout.registry import available, make_plugin_manager
 
 
 class LowestFree:
@@ -112,16 +112,144 @@ def test_an_implementation_may_take_fewer_arguments(pm):
 
 
 def test_kvlayout_builders_results_are_collected_from_every_plugin(pm):
+    def builder(kind):
+        return Builder("t", kind, lambda config: kind)
+
     class A:
         @hookimpl
         def kvlayout_builders(self):
-            return ["a"]
+            return [builder("a")]
 
     class B:
         @hookimpl
         def kvlayout_builders(self):
-            return ["b1", "b2"]
+            return (builder(k) for k in ("b1", "b2"))  # any iterable of records, as conda's hooks yield
 
     pm.register(A())
     pm.register(B())
-    assert sorted(pm.hook.kvlayout_builders()) == [["a"], ["b1", "b2"]]
+    assert sorted(b.key for b in available(pm)) == ["t:a", "t:b1", "t:b2"]
+    assert [b.build("cfg") for b in available(pm)] == ["a", "b1", "b2"]
+
+
+# -- the registry's guard: every implementation is called through it, named
+
+
+class Raises:
+    def __init__(self, exc):
+        self.exc = exc
+
+    @hookimpl
+    def kvlayout_choose_cells(self, free, count):
+        raise self.exc
+
+
+def test_a_policy_that_raises_is_named_with_its_hook_and_the_exception_chained(pm):
+    pm.register(LowestFree())
+    pm.register(Raises(ValueError("no room at the inn")), name="raiser")
+    with pytest.raises(PluginStepError) as info:
+        pm.hook.kvlayout_choose_cells(free=FREE, count=2)
+    assert str(info.value) == "plugin 'raiser': kvlayout_choose_cells raised ValueError: no room at the inn"
+    assert (info.value.plugin, info.value.hook) == ("raiser", "kvlayout_choose_cells")
+    assert isinstance(info.value.__cause__, ValueError)
+    assert isinstance(info.value, StepError)  # a refusal of the step, as the layout's own are
+
+
+def test_an_unnamed_plugin_instance_is_named_by_its_class(pm):
+    pm.register(Raises(KeyError(3)))
+    with pytest.raises(PluginStepError, match=r"^plugin 'Raises': kvlayout_choose_cells raised KeyError: 3$"):
+        pm.hook.kvlayout_choose_cells(free=FREE, count=1)
+
+
+@pytest.mark.parametrize(
+    "answer, why",
+    [
+        ([2, 2], "cell 2 more than once"),
+        ([2], "1 cell(s)"),
+        ([2, 3, 7], "3 cell(s)"),
+        ([2, 4], "cell 4 is not free"),
+        ([-3, 2], "cell -3 is not free"),
+        ([2.0, 3.0], "float64 values, not integers"),
+        ([True, False], "bool values, not integers"),
+        (np.array([[2, 3]]), "a 2-d array"),
+        (7, "a single int"),
+        ("cells", "a single str"),
+    ],
+)
+def test_a_bad_placement_answer_is_refused_quoting_it_as_a_list(pm, answer, why):
+    pm.register(Answer(answer), name="policy")
+    with pytest.raises(PluginStepError) as info:
+        pm.hook.kvlayout_choose_cells(free=FREE, count=2)
+    assert str(info.value) == (
+        f"plugin 'policy': kvlayout_choose_cells answered {answer_text(answer)}: "
+        f"expected 2 distinct cells from the free list ({why})"
+    )
+    assert "array(" not in str(info.value)
+
+
+def answer_text(answer):
+    return repr(np.asarray(answer).tolist()) if isinstance(answer, (list, np.ndarray)) else repr(answer)
+
+
+class Answer:
+    def __init__(self, answer):
+        self.answer = answer
+
+    @hookimpl
+    def kvlayout_choose_cells(self, free, count):
+        return self.answer
+
+
+def test_a_long_bad_answer_is_quoted_short():
+    from kvlayout.registry import quote
+
+    assert quote(np.arange(100)) == "[0, 1, 2, 3, 4, 5, 6, 7, ... 100 in all]"
+    assert len(quote("x" * 500)) == 120
+
+
+@pytest.mark.parametrize("answer", [[12, 3], np.array([9, 2], np.int32), (7, 9)])
+def test_a_good_answer_in_any_order_or_integer_type_passes_the_guard_unchanged(pm, answer):
+    pm.register(Answer(answer))
+    assert pm.hook.kvlayout_choose_cells(free=FREE, count=2) is answer
+
+
+class Heard:
+    def __init__(self, log, tag, fail=False):
+        self.log, self.tag, self.fail = log, tag, fail
+
+    @hookimpl
+    def kvlayout_step_placed(self, step, window):
+        self.log.append(self.tag)
+        if self.fail:
+            raise RuntimeError(f"{self.tag} broke")
+
+
+def test_an_observer_that_raises_does_not_stop_the_others_hearing_and_is_raised_after(pm):
+    log = []
+    pm.register(Heard(log, "first"), name="first")
+    pm.register(Heard(log, "broken", fail=True), name="broken")
+    pm.register(Heard(log, "also broken", fail=True), name="also")
+    pm.register(Heard(log, "last"), name="last")
+    with pytest.raises(PluginStepError) as info:
+        pm.hook.kvlayout_step_placed(step=None, window=0)
+    assert sorted(log) == ["also broken", "broken", "first", "last"]  # every observer heard
+    # pluggy calls the latest registered first: "also" failed first, and is the one raised.
+    assert str(info.value) == "plugin 'also': kvlayout_step_placed raised RuntimeError: also broken broke"
+    log.clear()
+    pm.unregister(name="also")
+    pm.unregister(name="broken")
+    assert pm.hook.kvlayout_step_placed(step=None, window=0) == [] and sorted(log) == ["first", "last"]
+
+
+def test_a_wrapper_is_not_guarded_and_still_wraps(pm):
+    seen = []
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def kvlayout_choose_cells(self, free, count):
+            answer = yield
+            seen.append(list(answer))
+            return answer
+
+    pm.register(LowestFree())
+    pm.register(Wrapper())
+    assert pm.hook.kvlayout_choose_cells(free=FREE, count=2).tolist() == [2, 3] and seen == [[2, 3]]

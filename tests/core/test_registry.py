@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import kvlayout
-from kvlayout import Builder, DuplicateLayout, KVLayoutError, LayoutNotFound, registry
+from kvlayout import Builder, DuplicateLayout, KVLayoutError, LayoutNotFound, PluginError, hookimpl, registry
 from kvlayout.registry import available, build, make_plugin_manager, resolve
 
 
@@ -37,15 +37,25 @@ def test_available_lists_every_fake_builder_with_its_provider(plugin_world):
     ]
 
 
-def test_a_broken_plugin_is_reported_on_stderr_and_skipped(plugin_world, capsys):
+def test_a_broken_plugin_is_recorded_and_skipped_and_said_once_by_whoever_runs(plugin_world, capsys):
     pm = make_plugin_manager()
-    err = capsys.readouterr().err
-    assert "'broken'" in err and "kvlayout-fake-broken" in err and "cannot find its native library" in err
+    assert capsys.readouterr().err == ""  # a library prints nothing; a command says it (registry.notices)
     [failure] = [f for f in pm.failures if f.distribution == "kvlayout-fake-broken"]
-    assert (failure.entry_point, failure.version) == ("broken", "0.0.1")
-    assert failure.error.startswith("ImportError")
+    assert (failure.entry_point, failure.version, failure.hook) == ("broken", "0.0.1", None)
+    assert failure.error == "ImportError: kvl_fake_broken cannot find its native library"
     assert not pm.has_plugin("kvlayout-fake-broken:broken")
     assert resolve("fake", "good", pm).distribution == "kvlayout-fake-good"  # the others still load
+    assert registry.notices(pm) == [
+        "skipped plugin 'broken' from kvlayout-fake-broken 0.0.1: ImportError: kvl_fake_broken cannot find its native library"
+    ]
+
+
+def test_a_missing_key_names_the_plugins_that_were_skipped(plugin_world):
+    with pytest.raises(LayoutNotFound) as info:
+        resolve("fake", "broken", make_plugin_manager())
+    assert str(info.value).endswith(
+        "; skipped: plugin 'broken' from kvlayout-fake-broken 0.0.1 (ImportError: kvl_fake_broken cannot find its native library)"
+    )
 
 
 @pytest.mark.parametrize("how", ["env", "argument"])
@@ -55,10 +65,11 @@ def test_strict_mode_raises_naming_the_broken_plugin(plugin_world, monkeypatch, 
         make = make_plugin_manager
     else:
         make = lambda: make_plugin_manager(strict=True)  # noqa: E731
-    with pytest.raises(KVLayoutError, match="'broken' from kvlayout-fake-broken 0.0.1") as info:
+    with pytest.raises(PluginError, match="'broken' from kvlayout-fake-broken 0.0.1 failed to load") as info:
         make()
     assert "cannot find its native library" in str(info.value)
     assert isinstance(info.value.__cause__, ImportError)
+    assert info.value.distribution == "kvlayout-fake-broken"
 
 
 def test_strict_false_overrides_the_environment(plugin_world, monkeypatch):
@@ -134,13 +145,96 @@ def test_a_fresh_manager_sees_a_plugin_installed_after_the_cached_one(fake_dists
     assert fakes(available(make_plugin_manager()))[0].key == "fake:good"
 
 
-def test_a_plugin_returning_something_else_than_builders_is_named(fake_dists):
+def test_a_plugin_returning_something_else_than_builders_is_skipped_and_named(fake_dists):
+    from tests.conftest import GOOD_PLUGIN
+
     fake_dists.add(
         "kvlayout-fake-odd", "3.0", {"odd": "kvl_fake_odd"},
         {"kvl_fake_odd": "from kvlayout import hookimpl\n\n@hookimpl\ndef kvlayout_builders():\n    return ['fake:odd']\n"},
     )
-    with pytest.raises(KVLayoutError, match="kvlayout-fake-odd:odd.*expected Builder"):
-        available(make_plugin_manager())
+    fake_dists.add("kvlayout-fake-good", "1.2.3", {"good": "kvl_fake_good"}, {"kvl_fake_good": GOOD_PLUGIN})
+    pm = make_plugin_manager()
+    [failure] = [f for f in pm.failures if f.distribution == "kvlayout-fake-odd"]
+    assert (failure.entry_point, failure.version, failure.hook) == ("odd", "3.0", "kvlayout_builders")
+    assert failure.error == "kvlayout_builders returned 'fake:odd' among its records: expected Builder records"
+    assert not pm.has_plugin("kvlayout-fake-odd:odd")
+    assert [b.key for b in fakes(available(pm))] == ["fake:good"]  # the others are untouched
+
+
+def test_a_plugin_registered_directly_with_a_misspelled_hook_is_refused_and_not_registered():
+    class Misspelled:
+        @hookimpl
+        def kvlayout_builder(self):
+            return []
+
+    pm = make_plugin_manager(entry_points=False)
+    with pytest.raises(PluginError, match=r"^plugin 'Misspelled': implements kvlayout_builder, which is not a "
+                                          r"kvlayout hook; did you mean kvlayout_builders\?$"):
+        pm.register(Misspelled())
+    assert pm.plugins() == []
+    pm.check_pending()  # nothing of it is left pending
+
+
+def test_a_hook_nothing_like_any_kvlayout_hook_lists_them_all():
+    class Alien:
+        @hookimpl
+        def pytest_configure(self):
+            pass
+
+    with pytest.raises(PluginError, match="kvlayout's hooks are kvlayout_builders, kvlayout_choose_cells, "
+                                          "kvlayout_step_aborted, kvlayout_step_placed"):
+        make_plugin_manager(entry_points=False).register(Alien(), name="alien")
+
+
+def test_a_builder_s_build_that_raises_or_returns_none_is_named_and_recorded():
+    class Bad:
+        @hookimpl
+        def kvlayout_builders(self):
+            return [Builder("t", "raises", lambda c: 1 / 0), Builder("t", "none", lambda c: None),
+                    Builder("t", "refuses", self.refuse)]
+
+        @staticmethod
+        def refuse(config):
+            raise kvlayout.ConfigError("capacity: expected more")
+
+    pm = make_plugin_manager(entry_points=False)
+    pm.register(Bad(), name="kvlayout-bad:bad")
+    pm.provenance["kvlayout-bad:bad"] = ("kvlayout-bad", "0.2")
+    with pytest.raises(PluginError) as info:
+        build("t", "raises", "cfg", pm)
+    assert str(info.value) == (
+        "plugin 'bad' from kvlayout-bad 0.2: layout t:raises: build() raised ZeroDivisionError: division by zero"
+    )
+    assert (info.value.distribution, info.value.hook) == ("kvlayout-bad", "Builder.build")
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    with pytest.raises(PluginError, match=r"layout t:none: build\(\) returned None: expected a cache"):
+        build("t", "none", "cfg", pm)
+    with pytest.raises(kvlayout.ConfigError, match="^capacity: expected more$"):  # the layout's own refusal
+        build("t", "refuses", "cfg", pm)
+    assert [(f.entry_point, f.distribution, f.hook, f.keys) for f in pm.failures] == [
+        ("bad", "kvlayout-bad", "Builder.build", ("t:raises",)),
+        ("bad", "kvlayout-bad", "Builder.build", ("t:none",)),
+    ]
+    assert registry.notices(pm) == []  # nothing was skipped: the layouts are there, and each failure said why
+
+
+def test_plugins_lists_every_registered_plugin_with_its_hooks(fake_dists):
+    fake_dists.add(
+        "kvlayout-fake-watch", "0.3", {"watch": "kvl_fake_watch"},
+        {"kvl_fake_watch": "from kvlayout import hookimpl\n\n@hookimpl\ndef kvlayout_step_placed(step, window):\n"
+                           "    pass\n\n@hookimpl\ndef kvlayout_step_aborted(window):\n    pass\n"},
+    )
+    pm = make_plugin_manager()
+    [watch] = [p for p in pm.plugins() if p.distribution == "kvlayout-fake-watch"]
+    assert (watch.name, watch.version, watch.hooks) == ("watch", "0.3", ("kvlayout_step_aborted", "kvlayout_step_placed"))
+    assert fakes(available(pm)) == []  # a plugin with no layout is still a plugin
+
+
+def test_duplicates_lists_each_key_claimed_twice_with_its_claimants(plugin_world):
+    dups = registry.duplicates(available(make_plugin_manager()))
+    assert {k: [b.distribution for b in bs] for k, bs in dups.items() if k.startswith("fake:")} == {
+        "fake:dup": ["kvlayout-fake-dup-a", "kvlayout-fake-dup-b"]
+    }
 
 
 def test_a_plugin_with_no_builders_contributes_nothing(fake_dists):

@@ -86,3 +86,28 @@ def test_the_live_view_shows_each_sample_s_text_so_far_and_which_ended():
     assert "It is ▌" in shown and "Because ⏎ it is. ▌" in shown
     assert "4/30 tokens" in shown
     assert max(cell_len(line) for line in shown.splitlines()) <= 80
+
+
+def test_no_failed_sample_no_failure_line():
+    from kvlayout.runner.report import failure_line
+
+    assert failure_line(result()) is None
+
+
+def test_the_failure_line_counts_the_failed_samples_and_gives_the_first_reason_in_one_line():
+    import attrs
+
+    from kvlayout.runner.report import failure_line
+
+    full = result()
+    policy = "plugin 'p' from kvlayout-x 1.0: kvlayout_choose_cells answered [0, 0]: expected 2 distinct cells"
+    outputs = [
+        [SampleResult([], "", "error", policy), SampleResult([6], "P", "stop")],
+        [SampleResult([], "", "error", "MemoryError: out of\nmemory")],
+    ]
+    line = failure_line(attrs.evolve(full, outputs=outputs))
+    assert line == f"2 of 3 samples failed: {policy} (and 1 other reason(s); --json has each sample's)"
+    same = [[SampleResult([], "", "error", policy)] * 2, [SampleResult([], "", "error", policy)]]
+    assert failure_line(attrs.evolve(full, outputs=same)) == f"3 of 3 samples failed: {policy}"
+    lone = [[SampleResult([], "", "error", "MemoryError: out of\nmemory"), SampleResult([6], "P", "stop")], []]
+    assert failure_line(attrs.evolve(full, outputs=lone)) == "1 of 2 samples failed: MemoryError: out of memory"

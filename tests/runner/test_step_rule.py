@@ -148,4 +148,6 @@ def test_a_layout_whose_face_lacks_a_member_is_refused_before_the_run_naming_it(
                       '[[requests]]\nprompt = "Q: a KV cache?"\nmax_tokens = 2\n')
     assert cli.main(["run", str(config)]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "kvlayout: error: layout test:old: its SequenceControl face lacks max_step"
+    assert err.strip() == (
+        "kvlayout: error: layout test:old (kvlayout-test-old 0.1.0): its SequenceControl face lacks max_step"
+    )

@@ -75,8 +75,9 @@ class CellEngine:
 
     A forward that raises is aborted in the cache (`abort_step`) and each
     sequence it carried is retried once, alone; one that fails again
-    finishes with finish_reason "error" and the others carry on (see
-    engines.recovery).
+    finishes with finish_reason "error" and the others carry on. A plugin's
+    fault (`ForwardFailed.retry` False) is not retried: every sequence the
+    step carried finishes with "error" (see engines.recovery).
 
     Implements the Engine interface (engines.interface): `running`, `queue`
     and the admission counter are what `state()` saves. `on_token` hears of
@@ -125,7 +126,12 @@ class CellEngine:
         try:
             self._forward(plan)
         except ForwardFailed as exc:
-            self._retry_alone(plan, exc)
+            if exc.retry:
+                self._retry_alone(plan, exc)
+            else:  # a plugin's fault: retrying would only meet it again
+                self.stats.failed_forwards += 1
+                for s, _ in plan:
+                    self._fail(s, exc)
         return True
 
     def run(self, stop: Stop | None = None) -> bool:

@@ -14,6 +14,13 @@ forward succeeds, is consistent with it. What the engines do next:
   whose retry fails too finishes with "error" (all its samples when it was a
   prompt still prefilling), its cells freed; the others carry on.
 
+A plugin's fault is not transient: when the forward failed with a
+`PluginError` (a placement policy's bad answer, an observer that raised,
+named by the registry's guard), `ForwardFailed.retry` is False and every
+sample the step carried finishes with "error" at once, the message naming
+the plugin and the hook. An observer of the abort itself that raises
+(`kvlayout_step_aborted`) is such a fault too; the abort still happened.
+
 A KeyboardInterrupt during a forward is aborted the same way and comes out
 as `Interrupted`, which tells the caller the engine's state is whole and may
 be saved (`kvlayout run --save-state`).
@@ -26,15 +33,23 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from kvlayout.errors import PluginError
 from kvlayout.faces import StepAbort
 
 
 class ForwardFailed(Exception):
-    """A forward raised and its step was aborted; `cause` is what it raised."""
+    """A forward raised and its step was aborted; `cause` is what it raised.
+
+    `retry`: whether the failure may be transient (False for a plugin's fault).
+    The message is the cause's: a PluginError's own (it names the plugin and
+    the hook), else prefixed with the exception's type.
+    """
 
     def __init__(self, cause: BaseException):
-        super().__init__(f"{type(cause).__name__}: {cause}")
+        plugin = isinstance(cause, PluginError)
+        super().__init__(str(cause) if plugin else f"{type(cause).__name__}: {cause}")
         self.cause = cause
+        self.retry = not plugin
 
 
 class Interrupted(KeyboardInterrupt):
@@ -54,7 +69,11 @@ def guarded_forward(model: Any, cache: Any, tokens: Sequence[int], positions: Se
     except BaseException as exc:
         if not isinstance(cache, StepAbort):
             raise
-        cache.abort_step()
+        try:
+            cache.abort_step()
+        except PluginError as late:  # aborted all the same; an observer of the abort raised
+            if isinstance(exc, Exception) and not isinstance(exc, PluginError):
+                exc = late  # the plugin's fault is the one to report
         if isinstance(exc, KeyboardInterrupt):
             raise Interrupted() from exc
         if isinstance(exc, Exception):

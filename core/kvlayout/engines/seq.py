@@ -44,7 +44,8 @@ class SeqEngine:
     face says one step may carry (`control.max_step`).
 
     A forward that raises is aborted in the cache (`abort_step`) and retried
-    once, at the next step; failing again, the sample finishes with
+    once, at the next step; failing again (or failing once by a plugin's
+    fault, `ForwardFailed.retry` False), the sample finishes with
     finish_reason "error" and the next one runs (see engines.recovery).
 
     Implements the Engine interface (engines.interface). `state()` names the
@@ -165,7 +166,7 @@ class SeqEngine:
         except ForwardFailed as exc:  # aborted: the cache is back at `cached`
             self._realign(cached)
             self.stats.failed_forwards += 1
-            if not g.retried:
+            if not g.retried and exc.retry:  # a plugin's fault is not retried
                 g.retried = True  # the next step retries it
                 return
             s.finish_reason, s.error = "error", str(exc)

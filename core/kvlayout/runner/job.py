@@ -222,6 +222,7 @@ def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     afresh; StateError when it was saved by a run with another config.
     """
     builder = registry.resolve(cfg.layout.backend, cfg.layout.kind)  # LayoutNotFound before loading
+    skipped = registry.notices()  # plugins that failed to load: said once the run's own layout resolved
     notices: list[str] = []
     if loaded is None:
         cfg, loaded, notices = load_with_fallback(cfg)
@@ -242,8 +243,8 @@ def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
         resumed, cache = resuming.load_run(resume, fp, cache_config(cfg, args, kv_dtype))
     else:
         resumed, cache = None, builder.build(cache_config(cfg, args, kv_dtype))
-    check_faces(builder.key, cache)
-    return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache, resumed, built, notices)
+    check_faces(f"{builder.key} ({builder.provider()})", cache)
+    return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache, resumed, built, skipped + notices)
 
 
 def check_faces(key: str, cache: Any) -> None:
@@ -253,7 +254,11 @@ def check_faces(key: str, cache: Any) -> None:
     without `max_step`, say) is refused here, naming what it lacks, not by an
     AttributeError in the middle of a run.
     """
-    for protocol, face in ((BatchControl, cache.as_batch_control()), (SequenceControl, cache.as_control())):
+    for protocol, method in ((BatchControl, "as_batch_control"), (SequenceControl, "as_control")):
+        try:
+            face = getattr(cache, method, lambda: None)()
+        except Exception as exc:  # a layout's bug, named rather than a traceback
+            raise KVLayoutError(f"layout {key}: its {method}() raised {type(exc).__name__}: {exc}") from exc
         if face is not None:
             missing = [m for m in contract(protocol) if not hasattr(face, m)]
             if missing:

@@ -161,5 +161,21 @@ def print_report(result: RunResult, console: Console | None = None) -> None:
         console.print(line, highlight=False)
 
 
+def failure_line(result: RunResult) -> str | None:
+    """One line saying how many samples failed and why (the first reason; how many others), or None.
+
+    `kvlayout run` prints it once on stderr, whatever else it shows, and
+    exits 1: a plugin's fault fails every sample its steps carried, and its
+    reason (the plugin and the hook) must not be left to `--json` alone.
+    """
+    failed = [s for samples in result.outputs for s in samples if s.finish_reason == "error"]
+    if not failed:
+        return None
+    total = sum(len(samples) for samples in result.outputs)
+    reasons = list(dict.fromkeys(" ".join((s.error or "no reason given").split()) for s in failed))
+    more = f" (and {len(reasons) - 1} other reason(s); --json has each sample's)" if len(reasons) > 1 else ""
+    return f"{len(failed)} of {total} samples failed: {reasons[0]}{more}"
+
+
 def print_json(result: RunResult) -> None:
     print(json.dumps(result.to_json(), indent=2))

@@ -27,6 +27,7 @@ module.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import attrs
@@ -192,7 +193,9 @@ class Stepper:
         StepError (nothing changed; a standing declaration stays for a
         corrected retry) for a layer out of range or already served, a step
         with no declaration, a token count differing from it, a position not
-        newer than its sequence holds, or a bad `kvlayout_choose_cells` answer.
+        newer than its sequence holds, a bad `kvlayout_choose_cells` answer, or
+        a `kvlayout_step_placed` observer that raises (the observers that heard
+        of the refused window hear it taken back through `kvlayout_step_aborted`).
         """
         layer = self._layer(layer)
         pos = int_array("positions", positions, StepError)
@@ -209,7 +212,11 @@ class Stepper:
                     f"{placed.positions.tolist()!r:.80}, placed by an earlier layer"
                 )
             placed.served.add(layer)
-            return self._step(placed, self._windows[layer])
+            try:
+                return self._step(placed, self._windows[layer])
+            except BaseException:
+                placed.served.discard(layer)  # an observer refused it: the layer is not served
+                raise
         declared = self._declared if self._declared is not None and self._declared.epoch == self.table.epoch else None
         if declared is None:
             why = " (a verb since the last declaration ended that step)" if self._declared or self._placed else ""
@@ -220,8 +227,15 @@ class Stepper:
                 f"{declared.seq_ids.size} token(s)"
             )
         placed = self._place(declared.seq_ids, pos, {layer})
+        try:
+            step = self._step(placed, self._windows[layer])
+        except BaseException:  # an observer refused the placement: undone, the declaration stands
+            with contextlib.suppress(Exception):
+                self.abort_step()
+            self._declared = _Declared(declared.seq_ids, self.table.epoch)
+            raise
         self._declared = None
-        return self._step(placed, self._windows[layer])
+        return step
 
     def abort_step(self) -> bool:
         """Undo the open step, as if it had never been placed; False when none is open.
@@ -241,7 +255,8 @@ class Stepper:
         wrote K/V into the released cells, which are free again, so their
         content is dead, overwritten before any mask lets it be read.
         Every window announced through `kvlayout_step_placed` is then
-        announced through `kvlayout_step_aborted`.
+        announced through `kvlayout_step_aborted`; an observer that raises is
+        raised once every window was announced, the step aborted all the same.
         """
         placed = self._open_step()
         if placed is None:
@@ -249,8 +264,14 @@ class Stepper:
         self._keep_masks()
         self._placed = self._declared = None
         self.table.release(placed.cells, placed.seq_ids, placed.before)
+        failed = []
         for window, step in placed.steps.items():  # those announced by kvlayout_step_placed
-            self._pm.hook.kvlayout_step_aborted(step=step, window=window)
+            try:
+                self._pm.hook.kvlayout_step_aborted(step=step, window=window)
+            except Exception as exc:  # the step is aborted all the same; every window is announced
+                failed.append(exc)
+        if failed:
+            raise failed[0]
         return True
 
     def place_sequence(self, positions: Sequence[int]) -> tuple[int, np.ndarray] | None:
@@ -261,9 +282,9 @@ class Stepper:
         announced through `kvlayout_step_placed`), and the step is closed at
         once, so there is nothing to abort and no layer to serve. None,
         nothing changed, when the free cells or ids are too few; StepError,
-        nothing changed, for bad positions, a bad hook answer or a step
-        half served. The caller writes the K/V into `cells` (token i's into
-        cells[i]).
+        nothing changed, for bad positions, a bad hook answer, an observer that
+        raises or a step half served. The caller writes the K/V into `cells`
+        (token i's into cells[i]).
         """
         self._refuse_mid_forward("place_sequence")
         pos = int_array("positions", positions, StepError)
@@ -276,8 +297,14 @@ class Stepper:
         seq_id = self.table.seq_new()
         if pos.size:
             placed = self._claim(np.full(pos.size, seq_id, dtype=np.int64), pos, cells, set(range(self.n_layers)))
-            for window in sorted(set(self._windows)):
-                self._step(placed, window)
+            try:
+                for window in sorted(set(self._windows)):
+                    self._step(placed, window)
+            except BaseException:  # an observer refused it: no cell, no id left behind
+                with contextlib.suppress(Exception):
+                    self.abort_step()
+                self.table.seq_rm(seq_id)
+                raise
             self._keep_masks()  # closed: a late reader of an announced mask gets it as placed
         self._placed = self._declared = None
         return seq_id, cells
@@ -381,7 +408,14 @@ class Stepper:
             cells.flags.writeable = False
             step = CellStep(length=placed.cells.size, read_len=placed.read_len, cells=cells, mask=mask)
             placed.steps[window] = step
-            self._pm.hook.kvlayout_step_placed(step=step, window=window)
+            try:
+                self._pm.hook.kvlayout_step_placed(step=step, window=window)
+            except BaseException:  # refused: the observers that heard of this window hear it taken back
+                del placed.steps[window]
+                placed.built.discard(window)
+                with contextlib.suppress(Exception):
+                    self._pm.hook.kvlayout_step_aborted(step=step, window=window)
+                raise
         return step
 
 
