@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
+from pathlib import Path
 
+import attrs
 import pytest
 
-from kvlayout import StateError
+from kvlayout import StateError, persist
 from kvlayout.cli import main
 from kvlayout.runner import job, resume
+from kvlayout.runner.config import ModelSection
 from kvlayout.runner.interrupt import StopOnCtrlC
 from kvlayout.engines.recovery import Interrupted
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
@@ -101,12 +105,48 @@ def test_a_finished_run_saved_at_the_end_resumes_to_the_same_outputs(tmp_path, t
     assert again.stats.steps == done.stats.steps  # nothing left to run
 
 
-def test_resuming_with_another_config_is_refused(tmp_path, tiny_dir, tiny_loaded):
-    job.prepare(config(tiny_dir, "mlx:cell"), loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
-    with pytest.raises(StateError, match=r"another config \(differs in: requests\)"):
-        job.prepare(config(tiny_dir, "mlx:cell", max_tokens=9), loaded=tiny_loaded, resume=tmp_path)
-    with pytest.raises(StateError, match=r"differs in: .*layout"):
-        job.prepare(config(tiny_dir, "mlx:seq"), loaded=tiny_loaded, resume=tmp_path)
+def variant(tiny_dir, layout="mlx:cell", model=None, request=None, **sections):
+    """The config of `config(tiny_dir, "mlx:cell")` with one thing changed."""
+    reqs = [{**r, **(request or {})} for r in requests()]
+    base = {"sampling": {"temperature": 0.0, "top_p": 0.9, "seed": 3}, "engine": {"prefill_chunk": 16}}
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    cfg = make_config(tiny_dir, layout, requests=reqs, **base)
+    return cfg if model is None else attrs.evolve(cfg, model=ModelSection(**model))
+
+
+# Each a run config that differs from the saved one in one way, and what the refusal names.
+CHANGED = {
+    "max_tokens": (dict(request={"max_tokens": 9}), "requests[0].max_tokens (saved 8, now 9)"),
+    "n": (dict(request={"n": 3}), "requests[0].n (saved 2, now 3)"),
+    "a prompt": (dict(request={"prompt": "another prompt"}), "requests[0].prompt_ids"),
+    "stop strings": (dict(request={"stop": ["\n"]}), "requests[0].stop"),
+    "temperature": (dict(sampling={"temperature": 0.5}), "sampling.temperature (saved 0.0, now 0.5)"),
+    "top_p": (dict(sampling={"top_p": 0.5}), "sampling.top_p"),
+    "sampling seed": (dict(sampling={"seed": 4}), "sampling.seed (saved 3, now 4)"),
+    "prefill_chunk": (dict(engine={"prefill_chunk": 8}), "engine.prefill_chunk"),
+    "capacity": (dict(cache={"capacity": 2048}), "cache.capacity (saved 1024, now 2048)"),
+    "max_seqs": (dict(cache={"max_seqs": 8}), "cache.max_seqs"),
+    "kv_dtype": (dict(cache={"kv_dtype": "float16"}), 'kv_dtype (saved "float32", now "float16")'),
+    "layout": (dict(layout="mlx:seq"), 'layout (saved "mlx:cell", now "mlx:seq")'),
+    "model dtype": (dict(model={"path": "TINY", "dtype": "float16"}), 'model.dtype (saved "auto", now "float16")'),
+    "a preset for the directory": (dict(model={"preset": "tiny"}), "model.path"),
+}
+
+
+@pytest.mark.parametrize("change, needle", CHANGED.values(), ids=CHANGED.keys())
+def test_resuming_with_another_config_layout_or_dtype_is_refused_naming_what_differs(
+    tmp_path, tiny_dir, tiny_loaded, change, needle
+):
+    state = tmp_path / "state"
+    job.prepare(variant(tiny_dir), loaded=tiny_loaded).generate(stop=stop_after(3), save_state=state)
+    if "model" in change and change["model"].get("path") == "TINY":
+        change = {**change, "model": {**change["model"], "path": str(tiny_dir)}}
+    before = {p.name: p.read_bytes() for p in state.iterdir()}
+    with pytest.raises(StateError, match=re.escape(needle)) as info:
+        job.prepare(variant(tiny_dir, **change), loaded=tiny_loaded, resume=state)
+    assert "saved by a run with another config" in str(info.value)
+    assert {p.name: p.read_bytes() for p in state.iterdir()} == before
 
 
 def test_a_damaged_or_missing_state_is_refused(tmp_path, tiny_dir, tiny_loaded):
@@ -192,27 +232,11 @@ def test_the_cli_refuses_a_save_state_it_cannot_write_before_running(tmp_path, t
     assert err.count("\n") == 1
 
 
-@pytest.mark.parametrize("damage", [
-    lambda d: d["engine"].pop("running"),
-    lambda d: d["engine"].update(queue=[{"request": 99, "samples": [0], "tokens": [1]}]),
-    lambda d: d["samples"][0][0].pop("rng"),
-    lambda d: d.update(stats={"nonsense": 1}),
-])
-def test_a_run_json_damaged_by_hand_is_refused_in_one_line(tmp_path, tiny_dir, tiny_loaded, damage):
-    cfg = config(tiny_dir, "mlx:cell")
-    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
-    data = json.loads((tmp_path / "run.json").read_text())
-    damage(data)
-    (tmp_path / "run.json").write_text(json.dumps(data))
-    with pytest.raises(StateError, match=rf"--resume {tmp_path}: run.json is damaged"):
-        job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
-
-
 class SignalsAt:
-    """A model that sends this process a real SIGINT during forward `n` (as a user's Ctrl-C)."""
+    """A model that sends this process `count` real SIGINTs during forward `n` (as a user's Ctrl-C)."""
 
-    def __init__(self, model, n: int):
-        self.model, self.n, self.forwards = model, n, 0
+    def __init__(self, model, n: int, count: int = 1):
+        self.model, self.n, self.count, self.forwards = model, n, count, 0
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -220,7 +244,8 @@ class SignalsAt:
     def __call__(self, *args, **kw):
         self.forwards += 1
         if self.forwards == self.n:
-            signal.raise_signal(signal.SIGINT)
+            for _ in range(self.count):
+                signal.raise_signal(signal.SIGINT)
         return self.model(*args, **kw)
 
 

@@ -123,6 +123,15 @@ class Job:
     resumed: Any = None  # a resume.RunState when prepared with resume=DIR
     built: list[Prompt] = attrs.field(factory=list)  # each request's prompt: ids, text, messages
     notices: list[str] = attrs.field(factory=list)
+    _fingerprint: dict | None = attrs.field(default=None, init=False, repr=False)
+
+    def fingerprint(self) -> dict:
+        """What a resumed run must share with this one (`resume.fingerprint`)."""
+        if self._fingerprint is None:
+            from kvlayout.runner import resume
+
+            self._fingerprint = resume.fingerprint(self.cfg, self.prompts, self.kv_dtype)
+        return self._fingerprint
 
     @property
     def planned_tokens(self) -> int:
@@ -143,6 +152,21 @@ class Job:
         control = cache.as_control()  # the engine keeps its steps within control.max_step
         return SeqEngine(self.model, cache, control, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token)
 
+    def new_requests(self) -> list:
+        """The run's requests, fresh: no sample started."""
+        cfg = self.cfg
+        return make_requests(
+            self.prompts, [r.max_tokens for r in cfg.requests], [r.n for r in cfg.requests], cfg.sampling.seed
+        )
+
+    def check_resume(self) -> None:
+        """Take the saved state up on a throwaway engine over fresh requests (nothing runs, the
+        cache is only read), then check run.json's seal: StateError naming what disagrees."""
+        requests = self.new_requests()
+        self.resumed.apply_samples(requests, Stats)
+        self.resumed.restore_engine(self.make_engine(Stats(), lambda n: None), requests)
+        self.resumed.check_seal()
+
     def generate(
         self, progress: OnProgress | None = None, stop=None, save_state=None, on_text: OnText | None = None
     ) -> RunResult:
@@ -161,9 +185,7 @@ class Job:
         from kvlayout.runner import resume
 
         cfg, tok, cache = self.cfg, self.tokenizer, self.cache
-        requests = make_requests(
-            self.prompts, [r.max_tokens for r in cfg.requests], [r.n for r in cfg.requests], cfg.sampling.seed
-        )
+        requests = self.new_requests()
         stats = Stats(layout=self.builder.key, kv_dtype=self.kv_dtype, model=self.model_name)
         progress = progress or (lambda n: None)
         if self.resumed is not None:
@@ -235,15 +257,19 @@ def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     prompts = [p.ids for p in built]
     check_capacity(cfg, prompts)
     kv_dtype = default_kv_dtype(model.dtype) if cfg.cache.kv_dtype == "auto" else cfg.cache.kv_dtype
+    job = Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, None, None, built, notices)
     if resume is not None:
         from kvlayout.runner import resume as resuming
 
-        fp = resuming.fingerprint(cfg, prompts, kv_dtype)
-        resumed, cache = resuming.load_run(resume, fp, cache_config(cfg, args, kv_dtype))
+        job.resumed, job.cache = resuming.load_run(
+            resume, job.fingerprint(), cache_config(cfg, args, kv_dtype), args.vocab_size, tok.eos_ids, name
+        )
     else:
-        resumed, cache = None, builder.build(cache_config(cfg, args, kv_dtype))
-    check_faces(builder.key, cache)
-    return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache, resumed, built, notices)
+        job.cache = builder.build(cache_config(cfg, args, kv_dtype))
+    check_faces(builder.key, job.cache)
+    if job.resumed is not None:
+        job.check_resume()  # the engine's state against the cache, and the seal: still before anything runs
+    return job
 
 
 def check_faces(key: str, cache: Any) -> None:
