@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from kvlayout import StateError, persist
 from kvlayout.cli import main
+from kvlayout.models import presets
 from kvlayout.runner import job, resume
 from kvlayout.runner.config import ModelSection
 from kvlayout.runner.interrupt import StopOnCtrlC
@@ -147,6 +149,79 @@ def test_resuming_with_another_config_layout_or_dtype_is_refused_naming_what_dif
         job.prepare(variant(tiny_dir, **change), loaded=tiny_loaded, resume=state)
     assert "saved by a run with another config" in str(info.value)
     assert {p.name: p.read_bytes() for p in state.iterdir()} == before
+
+
+def rewrite_tiny(d, **kw):
+    from kvlayout.models.presets import write_preset
+
+    write_preset(d, "tiny", force=True, **kw)
+
+
+# Each changes the model directory in place (the path the config names stays the same).
+MODEL_CHANGES = {
+    "init-model rewrote it with another seed": (lambda d: rewrite_tiny(d, seed=1), "model.safetensors differs"),
+    "config.json edited": (
+        lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace("{", '{"note": 1, ', 1)),
+        "config.json differs"),
+    "a tokenizer.json added": (lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer.json differs"),
+    "generation_config.json added": (
+        lambda d: (d / "generation_config.json").write_text('{"eos_token_id": 10}'), "generation_config.json differs"),
+    "a chat template added": (lambda d: (d / "chat_template.jinja").write_text("{{ messages }}"), "chat_template.jinja"),
+    "a second weights shard": (
+        lambda d: shutil.copy(d / "model.safetensors", d / "model-2.safetensors"), "model-2.safetensors differs"),
+    "the weights removed and put back renamed": (
+        lambda d: (d / "model.safetensors").rename(d / "weights.safetensors"), "model.safetensors, weights.safetensors differ"),
+}
+
+
+@pytest.mark.parametrize("change, needle", MODEL_CHANGES.values(), ids=MODEL_CHANGES.keys())
+def test_resuming_after_the_model_changed_at_the_same_path_is_refused_naming_the_file(
+    tmp_path, tiny_dir, tiny_loaded, change, needle
+):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    cfg = variant(model)
+    state = tmp_path / "state"
+    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=state)
+    change(model)
+    with pytest.raises(StateError, match=re.escape(f"the model in {model} changed since the state was saved")) as info:
+        job.prepare(cfg, loaded=tiny_loaded, resume=state)
+    assert needle in str(info.value)
+
+
+def test_the_same_model_files_written_again_still_resume(tmp_path, tiny_dir, tiny_loaded):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    cfg = variant(model)
+    state = tmp_path / "state"
+    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(5), save_state=state)
+    rewrite_tiny(model)  # the same seed: the same bytes, a new mtime
+    resumed = job.prepare(cfg, loaded=tiny_loaded, resume=state).generate()
+    assert token_ids(resumed) == token_ids(job.run(cfg, loaded=tiny_loaded))
+
+
+def test_a_preset_is_known_by_its_name_and_seed(tmp_path, tiny_loaded):
+    from kvlayout.models.presets import build_preset
+
+    cfg = lambda seed: variant(Path("unused"), model={"preset": "tiny", "seed": seed})  # noqa: E731
+    loaded = (*build_preset("tiny", seed=0), "preset:tiny")
+    state = tmp_path / "state"
+    job.prepare(cfg(0), loaded=loaded).generate(stop=stop_after(3), save_state=state)
+    assert json.loads((state / "run.json").read_text())["fingerprint"]["model"]["files"] is None
+    with pytest.raises(StateError, match=re.escape("model.seed (saved 0, now 1)")):
+        job.prepare(cfg(1), loaded=loaded, resume=state)
+
+
+def test_the_smollm2_preset_is_known_by_its_files(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
+    fetched = tmp_path / "smollm2"  # stands in for the converted SmolLM2 directory
+    shutil.copytree(tiny_dir, fetched)
+    monkeypatch.setitem(presets.FETCHED, "smollm2", lambda: fetched)
+    cfg = variant(Path("unused"), model={"preset": "smollm2"})
+    state = tmp_path / "state"
+    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=state)
+    rewrite_tiny(fetched, seed=2)
+    with pytest.raises(StateError, match=re.escape("the model of preset 'smollm2' changed since the state was saved (model.safetensors differs)")):
+        job.prepare(cfg, loaded=tiny_loaded, resume=state)
 
 
 def test_a_damaged_or_missing_state_is_refused(tmp_path, tiny_dir, tiny_loaded):

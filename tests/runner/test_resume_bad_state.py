@@ -450,6 +450,20 @@ def test_the_command_refuses_a_damaged_state_in_one_line(tmp_path, tiny_dir, sav
     assert files(d) == before
 
 
+def test_the_command_refuses_a_model_rewritten_at_the_same_path(tmp_path, tiny_dir, saved_states):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    toml = write_toml(tmp_path / "run.toml", model, "mlx:cell")
+    state = tmp_path / "state"
+    # Saved by the real command, stopped by its engine's end (a state saved whole is resumable too).
+    assert kvlayout("run", toml, "--json", "--save-state", state).returncode == 0
+    assert kvlayout("init-model", model, "--seed", "1", "--force").returncode == 0  # same files, other weights
+    before = files(state)
+    proc = kvlayout("run", toml, "--resume", state)
+    one_line_error(proc, f"the model in {model} changed since the state was saved (model.safetensors differs)")
+    assert files(state) == before
+
+
 def directory_rows(tmp_path, tiny_dir, saved_states):
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")

@@ -126,11 +126,14 @@ class Job:
     _fingerprint: dict | None = attrs.field(default=None, init=False, repr=False)
 
     def fingerprint(self) -> dict:
-        """What a resumed run must share with this one (`resume.fingerprint`)."""
+        """What a resumed run must share with this one (`resume.fingerprint`), the model's files
+        hashed once, the first time it is asked (before the run, when it saves or resumes)."""
         if self._fingerprint is None:
             from kvlayout.runner import resume
 
-            self._fingerprint = resume.fingerprint(self.cfg, self.prompts, self.kv_dtype)
+            source = model_source(self.cfg)
+            files = None if source is None else resume.model_files(source)
+            self._fingerprint = resume.fingerprint(self.cfg, self.prompts, self.kv_dtype, files)
         return self._fingerprint
 
     @property
@@ -230,6 +233,16 @@ class Job:
         prompts = [p.text for p in self.built] or [tok.decode(p) for p in self.prompts]
         messages = [p.messages for p in self.built]
         return RunResult(requests, outputs, stats, prompts, complete, messages)
+
+
+def model_source(cfg: RunConfig):
+    """The directory the config's model is loaded from (its identity: `resume.model_files`):
+    a real preset's cached one, or the config's; None for a seeded preset, built in memory."""
+    from kvlayout.models.presets import FETCHED
+
+    if cfg.model.preset in FETCHED:
+        return FETCHED[cfg.model.preset]()
+    return cfg.model_dir()
 
 
 def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
