@@ -106,6 +106,46 @@ def _run_config(args: argparse.Namespace):
     return cfg
 
 
+# The `kvlayout run` flags a stopped run's "continue with" command repeats: every one that shapes
+# the config (a resumed run must rebuild the same one), and --json. The rest are its own
+# (--resume, --save-state); tests/runner/test_resume_hint.py fails on a flag in neither list.
+REPLAYED_FLAGS = ("layout", "model", "prompt", "raw", "max_tokens", "temperature", "json")
+
+
+def _shell_word(word: str) -> str:
+    """`word` quoted for a shell; one with a newline or another control character as bash's
+    $'...' (so the command stays on one line)."""
+    import shlex
+
+    if word.isprintable():
+        return shlex.quote(word)
+    escaped = "".join(
+        {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c)
+        or (c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\U{ord(c):08x}")
+        for c in word
+    )
+    return f"$'{escaped}'"
+
+
+def continue_command(args: argparse.Namespace, cfg, save: str) -> str:
+    """The command that continues this run from `save`, ready to paste on one line: `kvlayout run`,
+    the config, the flags it was given (`--prompt -` as the text it read), --resume and --save-state."""
+    words = ["kvlayout", "run", *([args.config] if args.config else [])]
+    for dest in REPLAYED_FLAGS:
+        value = getattr(args, dest)
+        if value is None or value is False:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if value is True:
+            words.append(flag)
+            continue
+        if dest == "prompt" and value == "-":  # what came on standard input, which a resume cannot read again
+            spec = cfg.requests[0]
+            value = spec.prompt if spec.prompt is not None else spec.messages[-1].content
+        words += [flag, str(value)]
+    return " ".join(_shell_word(w) for w in [*words, "--resume", save, "--save-state", save])
+
+
 def _run(args: argparse.Namespace) -> int:
     # Imported here so `kvlayout plugins` never pays for loading the model code.
     from kvlayout.runner import report
@@ -124,10 +164,7 @@ def _run(args: argparse.Namespace) -> int:
         resume.writable_dir(save)  # before the run, which a bad directory would otherwise lose
     # With --save-state, a first Ctrl-C stops the run after its current step and saves it.
     stop = StopOnCtrlC() if save else None
-    if args.prompt is None:
-        again = f"continue with: kvlayout run {args.config or ''} --resume {save}".replace("  ", " ")
-    else:
-        again = f"continue with the same command and --resume {save}"
+    again = continue_command(args, cfg, save) if save else None
     console = Console()
     if console.is_terminal and not args.json:
         labels = [report.prompt_label(p.text, p.messages) for p in job.built]
@@ -140,14 +177,22 @@ def _run(args: argparse.Namespace) -> int:
         with stop or contextlib.nullcontext(), watching as watch:
             result = job.generate(progress=watch.progress, stop=stop, save_state=save, on_text=watch.on_text)
     except Interrupted:  # Ctrl-C inside a forward (the step was aborted first)
-        print(f"kvlayout: interrupted; state saved to {save}; {again}" if save else "kvlayout: interrupted", file=sys.stderr)
+        said = f"interrupted; state saved to {save}; continue with: {again}" if save else "interrupted"
+        print(f"kvlayout: {said}", file=sys.stderr)
         return 130
     if args.json:
-        report.print_json(result)
+        extra = {}
+        if not result.complete:
+            extra["stopped"] = "Ctrl-C: the run stopped after its current step; samples left unfinished are 'pending'"
+        if save:
+            extra["saved_to"] = save
+            if not result.complete:
+                extra["continue_with"] = again
+        report.print_json(result, extra)
     else:
         report.print_report(result, console)
     if not result.complete:
-        print(f"kvlayout: stopped early; state saved to {save}; {again}", file=sys.stderr)
+        print(f"kvlayout: stopped early; state saved to {save}; continue with: {again}", file=sys.stderr)
         return 130
     return 0
 

@@ -279,7 +279,10 @@ def test_the_cli_stopped_by_ctrl_c_saves_and_resume_finishes_the_run(tmp_path, t
     state = tmp_path / "state"
     assert main(["run", str(toml), "--json", "--save-state", str(state)]) == 130
     err = capsys.readouterr().err
-    assert f"stopped early; state saved to {state}; continue with: kvlayout run {toml} --resume {state}" in err
+    assert err.endswith(
+        f"kvlayout: stopped early; state saved to {state}; continue with: "
+        f"kvlayout run {toml} --json --resume {state} --save-state {state}\n"
+    )
     monkeypatch.undo()
 
     assert main(["run", str(toml), "--json", "--resume", str(state)]) == 0

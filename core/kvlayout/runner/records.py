@@ -63,6 +63,7 @@ class RunResult:
 
     def to_json(self) -> dict:
         return {
+            "complete": self.complete,
             "layout": self.stats.layout,
             "kv_dtype": self.stats.kv_dtype,
             "model": self.stats.model,

@@ -161,5 +161,6 @@ def print_report(result: RunResult, console: Console | None = None) -> None:
         console.print(line, highlight=False)
 
 
-def print_json(result: RunResult) -> None:
-    print(json.dumps(result.to_json(), indent=2))
+def print_json(result: RunResult, extra: dict | None = None) -> None:
+    """The result as JSON on stdout; `extra` keys (how a stopped run was saved) after its own."""
+    print(json.dumps({**result.to_json(), **(extra or {})}, indent=2))
