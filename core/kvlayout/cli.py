@@ -150,21 +150,21 @@ def _run(args: argparse.Namespace) -> int:
     # Imported here so `kvlayout plugins` never pays for loading the model code.
     from kvlayout.runner import report
 
-    from kvlayout.engines.recovery import Interrupted
     from kvlayout.runner import resume
     from kvlayout.runner.interrupt import StopOnCtrlC
-    from kvlayout.runner.job import prepare
+    from kvlayout.runner.job import RunInterrupted, prepare
 
     cfg = _run_config(args)
     job = prepare(cfg, resume=args.resume)  # every user error surfaces here, before anything is drawn
     for notice in job.notices:
         print(f"kvlayout: {notice}", file=sys.stderr)
     save = args.save_state
-    if save:
-        resume.writable_dir(save)  # before the run, which a bad directory would otherwise lose
+    if save is not None:
+        # Before the run, which a bad directory (or a layout that cannot save) would otherwise lose.
+        resume.ready_to_save(save, job)
     # With --save-state, a first Ctrl-C stops the run after its current step and saves it.
-    stop = StopOnCtrlC() if save else None
-    again = continue_command(args, cfg, save) if save else None
+    stop = StopOnCtrlC() if save is not None else None
+    again = continue_command(args, cfg, save) if save is not None else None
     console = Console()
     if console.is_terminal and not args.json:
         labels = [report.prompt_label(p.text, p.messages) for p in job.built]
@@ -176,25 +176,38 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with stop or contextlib.nullcontext(), watching as watch:
             result = job.generate(progress=watch.progress, stop=stop, save_state=save, on_text=watch.on_text)
-    except Interrupted:  # Ctrl-C inside a forward (the step was aborted first)
-        said = f"interrupted; state saved to {save}; continue with: {again}" if save else "interrupted"
-        print(f"kvlayout: {said}", file=sys.stderr)
-        return 130
+    except RunInterrupted as exc:  # Ctrl-C inside a forward (the step was aborted first)
+        if save is None:
+            print("kvlayout: interrupted", file=sys.stderr)
+            return 130
+        return _save_outcome(exc.save_failed, f"interrupted; state saved to {save}; continue with: {again}", 130)
     if args.json:
         extra = {}
         if not result.complete:
             extra["stopped"] = "Ctrl-C: the run stopped after its current step; samples left unfinished are 'pending'"
-        if save:
-            extra["saved_to"] = save
-            if not result.complete:
+        if save is not None:
+            extra["saved_to"] = None if result.save_failed else save
+            if result.save_failed:
+                extra["save_error"] = str(result.save_failed)
+            elif not result.complete:
                 extra["continue_with"] = again
         report.print_json(result, extra)
     else:
         report.print_report(result, console)
-    if not result.complete:
-        print(f"kvlayout: stopped early; state saved to {save}; continue with: {again}", file=sys.stderr)
-        return 130
-    return 0
+    if result.complete:
+        return _save_outcome(result.save_failed, None, 0)
+    return _save_outcome(result.save_failed, f"stopped early; state saved to {save}; continue with: {again}", 130)
+
+
+def _save_outcome(failed: Exception | None, done: str | None, code: int) -> int:
+    """Say how the save went (one line on stderr) and give the exit status: `code` when saved
+    (saying `done`), 2 when it failed."""
+    if failed is None:
+        if done:
+            print(f"kvlayout: {done}", file=sys.stderr)
+        return code
+    print(f"kvlayout: error: {failed}", file=sys.stderr)
+    return 2
 
 
 def _init_model(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
@@ -20,6 +21,7 @@ from kvlayout.runner.interrupt import StopOnCtrlC
 from kvlayout.engines.recovery import Interrupted
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
 from tests.runner.flaky import FlakyModel, with_model
+from tests.runner.test_step_rule import three_installed  # noqa: F401 - a fixture
 
 LAYOUTS = ["mlx:cell", "mlx:seq"]
 
@@ -237,21 +239,46 @@ def test_a_damaged_or_missing_state_is_refused(tmp_path, tiny_dir, tiny_loaded):
         job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path)
 
 
-def test_a_crash_while_saving_keeps_the_previous_state_usable(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
+def test_a_save_that_fails_keeps_the_previous_state_and_the_run_s_outputs(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
     cfg = config(tiny_dir, "mlx:seq")
     job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(4), save_state=tmp_path)
-    before = (tmp_path / "run.json").read_text()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
 
-    def crash(path, chunks):
-        raise OSError("disk full")
+    def disk_full(f, chunk):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(resume, "write_atomic", crash)  # the new cache file is written, run.json is not
-    with pytest.raises(OSError):
-        job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate(stop=stop_after(6), save_state=tmp_path)
+    monkeypatch.setattr(persist, "_write_chunk", disk_full)  # every file the save writes
+    result = job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate(save_state=tmp_path)
     monkeypatch.undo()
-    assert (tmp_path / "run.json").read_text() == before
+    assert result.complete  # the run itself is whole, and returned
+    full = uninterrupted(tiny_dir, tiny_loaded, "mlx:seq", 0.0)
+    assert token_ids(result) == token_ids(full)
+    assert isinstance(result.save_failed, resume.SaveFailed)
+    assert str(result.save_failed) == (
+        f"--save-state {tmp_path}: the state was not saved: No space left on device; "
+        f"{tmp_path} keeps the state saved before"
+    )
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no stray file either
     resumed = job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
-    assert token_ids(resumed) == token_ids(uninterrupted(tiny_dir, tiny_loaded, "mlx:seq", 0.0))
+    assert token_ids(resumed) == token_ids(full)
+
+
+def test_a_save_that_fails_with_no_state_before_says_nothing_is_saved(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
+    cfg = config(tiny_dir, "mlx:cell")
+    prepared = job.prepare(cfg, loaded=tiny_loaded)
+    state = tmp_path / "state"
+    resume.ready_to_save(state, prepared)
+
+    def run_json_fails(path, chunks):  # the cache file is written (by persist), run.json is not
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(resume, "write_atomic", run_json_fails)
+    result = prepared.generate(stop=stop_after(4), save_state=state)
+    assert not result.complete and result.outputs  # the outputs so far are all there
+    assert str(result.save_failed) == (
+        f"--save-state {state}: the state was not saved: Input/output error; nothing is saved in {state}"
+    )
+    assert list(state.iterdir()) == []  # the cache file written first is gone with it
 
 
 # -- the command line -------------------------------------------------------------------
@@ -347,3 +374,48 @@ def test_a_real_ctrl_c_stops_the_cli_after_the_step_and_the_state_resumes(
     assert main(["run", str(toml), "--json", "--resume", str(state)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["samples"] for r in out["requests"]] == [r["samples"] for r in full["requests"]]
+
+
+def test_a_save_state_that_stops_being_a_directory_mid_run_keeps_the_report(
+    tmp_path, tiny_dir, tiny_loaded, capsys, monkeypatch
+):
+    toml = write_toml(tmp_path, tiny_dir, "mlx:cell")
+    assert main(["run", str(toml), "--json"]) == 0
+    outputs = [r["samples"] for r in json.loads(capsys.readouterr().out)["requests"]]
+    state = tmp_path / "state"
+
+    class DirectoryGoesAway:
+        """At forward 4 the save directory becomes a file (as if replaced under the run)."""
+
+        def __init__(self, model):
+            self.model, self.forwards = model, 0
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def __call__(self, *a, **kw):
+            self.forwards += 1
+            if self.forwards == 4:
+                shutil.rmtree(state)
+                state.write_text("in the way")
+            return self.model(*a, **kw)
+
+    monkeypatch.setattr(job, "load_model_for", lambda cfg: with_model(tiny_loaded, DirectoryGoesAway(tiny_loaded[0])))
+    assert main(["run", str(toml), "--json", "--save-state", str(state)]) == 2
+    out, err = capsys.readouterr()
+    result = json.loads(out)  # the whole report, printed before the error
+    assert result["complete"] is True and [r["samples"] for r in result["requests"]] == outputs
+    assert result["saved_to"] is None and "the state was not saved" in result["save_error"]
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"kvlayout: error: --save-state {state}: the state was not saved: ")
+    assert line.endswith(f"; nothing is saved in {state}")
+
+
+def test_save_state_with_a_layout_that_cannot_save_is_refused_before_running(
+    tmp_path, tiny_dir, three_installed, capsys
+):
+    toml = write_toml(tmp_path, tiny_dir, "mlx:cell")
+    assert main(["run", str(toml), "--layout", "test:three", "--save-state", str(tmp_path / "state")]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing ran
+    assert err == "kvlayout: error: layout test:three cannot save its cache; --save-state needs one that can\n"

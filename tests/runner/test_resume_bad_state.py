@@ -469,15 +469,29 @@ def directory_rows(tmp_path, tiny_dir, saved_states):
     a_file.write_text("not a directory")
     no_run = tmp_path / "empty"
     no_run.mkdir()
+    run_dir = tmp_path / "run-json-a-dir"
+    (run_dir / "run.json").mkdir(parents=True)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    # Root writes through permissions: /proc is a directory no one can create a file in.
+    unwritable = "/proc" if os.geteuid() == 0 else locked
     return [
         (["--resume", tmp_path / "absent"], "--resume", "no such directory"),
         (["--resume", a_file], "--resume", "not a directory"),
         (["--resume", no_run], "--resume", "no run.json there"),
         (["--resume", ""], "--resume", "expected a directory"),
+        (["--save-state", a_file], "--save-state", "exists and is not a directory"),
+        (["--save-state", a_file / "state"], "--save-state", "cannot create the directory"),
+        (["--save-state", ""], "--save-state", "expected a directory"),
+        (["--save-state", unwritable], "--save-state", "the directory is not writable"),
+        (["--save-state", "/proc/kvlayout-state"], "--save-state", "cannot create the directory"),
+        (["--save-state", run_dir], "--save-state", "run.json exists and is not a file"),
     ]
 
 
-ROW_IDS = ["resume-absent", "resume-a-file", "resume-no-run-json", "resume-empty-name"]
+ROW_IDS = ["resume-absent", "resume-a-file", "resume-no-run-json", "resume-empty-name", "save-a-file",
+           "save-under-a-file", "save-empty-name", "save-unwritable", "save-cannot-create", "save-run-json-a-dir"]
 
 
 @pytest.mark.parametrize("row", range(len(ROW_IDS)), ids=ROW_IDS)

@@ -33,7 +33,7 @@ from kvlayout.runner.prompts import Prompt, build_prompts
 from kvlayout.runner.records import OnText, RunResult, SampleResult, TextEvent
 from kvlayout.runner.text import SampleText
 
-__all__ = ["Job", "RunResult", "load_model_for", "prepare", "run"]
+__all__ = ["Job", "RunInterrupted", "RunResult", "load_model_for", "prepare", "run"]
 
 
 def check_capacity(cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
@@ -182,8 +182,10 @@ class Job:
         steps (`RunResult.complete` False). `save_state` (a directory) gets
         the cache and the run's state when the run ends, early or not, and
         when a Ctrl-C interrupts a forward (the step is aborted first, then
-        `engines.Interrupted` propagates); `prepare(cfg, resume=DIR)`
-        continues from it.
+        `RunInterrupted`, an `engines.Interrupted`, propagates);
+        `prepare(cfg, resume=DIR)` continues from it. A save that fails
+        loses nothing of the run: the result (or the RunInterrupted) carries
+        `save_failed`, which says why and what the directory holds now.
         """
         from kvlayout.runner import resume
 
@@ -212,14 +214,14 @@ class Job:
             else:
                 engine.add(requests)
             complete = engine.run(stop)
-        except Interrupted:
+        except Interrupted as exc:
+            failed = None
             if save_state is not None:
                 stats.wall_s += time.perf_counter() - t0
-                resume.save_run(save_state, self, requests, engine, stats, complete=False)
-            raise
+                failed = self._save(save_state, requests, engine, stats, False)
+            raise RunInterrupted(failed) from exc
         stats.wall_s += time.perf_counter() - t0
-        if save_state is not None:
-            resume.save_run(save_state, self, requests, engine, stats, complete)
+        failed = self._save(save_state, requests, engine, stats, complete) if save_state is not None else None
 
         def text_of(r, s) -> str:
             st = texts[r.index, s.index]
@@ -232,7 +234,26 @@ class Job:
         ]
         prompts = [p.text for p in self.built] or [tok.decode(p) for p in self.prompts]
         messages = [p.messages for p in self.built]
-        return RunResult(requests, outputs, stats, prompts, complete, messages)
+        return RunResult(requests, outputs, stats, prompts, complete, messages, failed)
+
+    def _save(self, directory, requests, engine, stats, complete: bool):
+        """Save the run's state (`resume.save_run`); None, or the SaveFailed saying why it was not."""
+        from kvlayout.runner import resume
+
+        try:
+            resume.save_run(directory, self, requests, engine, stats, complete)
+        except resume.SaveFailed as exc:
+            return exc
+        return None
+
+
+class RunInterrupted(Interrupted):
+    """Ctrl-C inside a forward; the step was aborted. `save_failed`: None when the state was saved
+    (or none was asked for), else the `resume.SaveFailed` saying why not."""
+
+    def __init__(self, save_failed: Exception | None = None):
+        super().__init__()
+        self.save_failed = save_failed
 
 
 def model_source(cfg: RunConfig):

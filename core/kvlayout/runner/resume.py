@@ -13,7 +13,8 @@ DIR holds two files, each written atomically (`kvlayout.persist.write_atomic`):
 
 The cache file is written first, then `run.json` pointing at it, then older
 cache files are removed: a crash at any point leaves a `run.json` whose cache
-file is whole.
+file is whole. A save that fails says so: SaveFailed, naming what DIR holds
+now (its previous state, untouched, or nothing).
 
 `--resume` reads everything before anything is applied: the format; every
 field of `run.json`, each refusal a StateError naming it by its path
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Iterable
@@ -104,52 +105,101 @@ def _seal(data: dict) -> str:
 # -- saving --------------------------------------------------------------------------------
 
 
+class SaveFailed(StateError):
+    """The state was not saved; the message says why and what the directory holds now."""
+
+
 def writable_dir(directory: str | Path) -> Path:
-    """`directory`, created if needed; StateError (one line) when it cannot be. The CLI asks
-    before a run starts, so a bad --save-state never costs the run it was meant to keep."""
+    """`directory`, created if needed, once a file could be written in it; StateError (one line)
+    when it cannot. The CLI asks before a run starts, so a bad --save-state never costs the run
+    it was meant to keep."""
+    if not str(directory):
+        raise StateError("--save-state: expected a directory, got an empty name")
     d = Path(directory)
     try:
         d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise StateError(f"--save-state {d}: exists and is not a directory") from None
     except OSError as exc:
         raise StateError(f"--save-state {d}: cannot create the directory ({exc.strerror or exc})") from None
-    if not os.access(d, os.W_OK):
-        raise StateError(f"--save-state {d}: the directory is not writable")
+    try:  # the real test: permissions, a read-only file system, root or not
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".kvlayout-probe-"):
+            pass
+    except OSError as exc:
+        raise StateError(f"--save-state {d}: the directory is not writable ({exc.strerror or exc})") from None
+    if (d / RUN_FILE).exists() and not (d / RUN_FILE).is_file():
+        raise StateError(f"--save-state {d}: {d / RUN_FILE} exists and is not a file")
     return d
 
 
-def save_run(directory: str | Path, job: Any, requests: list, engine: Any, stats: Any, complete: bool) -> Path:
-    """Write the cache and `run.json` into `directory` (created if needed); its path."""
+def ready_to_save(directory: str | Path, job: Any) -> Path:
+    """Everything a save needs that can be had before the first step: the directory (writable_dir),
+    a layout that can save its cache, and the model's identity (hashed now, from the files the run
+    loaded, not from whatever is there when it ends)."""
     d = writable_dir(directory)
     if not isinstance(job.cache, Persistent):
         raise KVLayoutError(f"layout {job.builder.key} cannot save its cache; --save-state needs one that can")
+    job.fingerprint()
+    return d
+
+
+def holds(directory: Path) -> str:
+    """What `directory` holds for --resume, in words (after a save that did not happen)."""
+    if (directory / RUN_FILE).is_file():
+        return f"{directory} keeps the state saved before"
+    return f"nothing is saved in {directory}"
+
+
+def save_run(directory: str | Path, job: Any, requests: list, engine: Any, stats: Any, complete: bool) -> Path:
+    """Write the cache and `run.json` into `directory` (created if needed); the run.json path.
+
+    SaveFailed when it cannot be written: the reason, then what `directory` holds (its previous
+    state, untouched, or nothing).
+    """
+    d = Path(directory)
     name = f"cache-{uuid.uuid4().hex[:12]}.safetensors"
-    job.cache.save(d / name)
-    data = {
-        "format": RUN_FORMAT,
-        "complete": complete,
-        "cache_file": name,
-        "cache_sha256": _sha256(d / name),
-        "fingerprint": job.fingerprint(),
-        "samples": [
-            [
-                {
-                    "generated": list(s.generated),
-                    "finish_reason": s.finish_reason,
-                    "error": s.error,
-                    "rng": s.rng.bit_generator.state,
-                }
-                for s in r.samples
-            ]
-            for r in requests
-        ],
-        "stats": attrs.asdict(stats),
-        "engine": engine.state(),
-    }
-    data["sha256"] = _seal(data)
-    path = write_atomic(d / RUN_FILE, [json.dumps(data, indent=1).encode()])
+    try:
+        if not isinstance(job.cache, Persistent):
+            raise KVLayoutError(f"layout {job.builder.key} cannot save its cache")
+        d.mkdir(parents=True, exist_ok=True)
+        job.cache.save(d / name)
+        data = {
+            "format": RUN_FORMAT,
+            "complete": complete,
+            "cache_file": name,
+            "cache_sha256": _sha256(d / name),
+            "fingerprint": job.fingerprint(),
+            "samples": [
+                [
+                    {
+                        "generated": list(s.generated),
+                        "finish_reason": s.finish_reason,
+                        "error": s.error,
+                        "rng": s.rng.bit_generator.state,
+                    }
+                    for s in r.samples
+                ]
+                for r in requests
+            ],
+            "stats": attrs.asdict(stats),
+            "engine": engine.state(),
+        }
+        data["sha256"] = _seal(data)
+        path = write_atomic(d / RUN_FILE, [json.dumps(data, indent=1).encode()])
+    except (OSError, KVLayoutError) as exc:
+        try:
+            (d / name).unlink(missing_ok=True)  # a cache file no run.json names
+        except OSError:
+            pass
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+        raise SaveFailed(f"--save-state {d}: the state was not saved: {why}{where}; {holds(d)}") from None
     for old in d.glob("cache-*.safetensors"):
         if old.name != name:
-            old.unlink(missing_ok=True)
+            try:
+                old.unlink(missing_ok=True)
+            except OSError:  # left for the next save to remove
+                pass
     return path
 
 
