@@ -181,6 +181,12 @@ def _run(args: argparse.Namespace) -> int:
             print("kvlayout: interrupted", file=sys.stderr)
             return 130
         return _save_outcome(exc.save_failed, f"interrupted; state saved to {save}; continue with: {again}", 130)
+    except KeyboardInterrupt:  # between forwards: a third Ctrl-C, or any without --save-state
+        if save is None:
+            print("kvlayout: interrupted", file=sys.stderr)
+        else:  # the step it landed in is not whole: nothing of this run is saved
+            print(f"kvlayout: interrupted; this run's state was not saved; {resume.holds(Path(save))}", file=sys.stderr)
+        return 130
     if args.json:
         extra = {}
         if not result.complete:
@@ -201,11 +207,14 @@ def _run(args: argparse.Namespace) -> int:
 
 def _save_outcome(failed: Exception | None, done: str | None, code: int) -> int:
     """Say how the save went (one line on stderr) and give the exit status: `code` when saved
-    (saying `done`), 2 when it failed."""
+    (saying `done`), 130 when a Ctrl-C abandoned it, 2 when it failed."""
     if failed is None:
         if done:
             print(f"kvlayout: {done}", file=sys.stderr)
         return code
+    if getattr(failed, "interrupted", False):
+        print(f"kvlayout: interrupted; {failed}", file=sys.stderr)
+        return 130
     print(f"kvlayout: error: {failed}", file=sys.stderr)
     return 2
 
@@ -318,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         # A user's mistake gets one line and exit 2, never a traceback.
         print(f"kvlayout: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a run started (or outside one): nothing was saved
+        print("kvlayout: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader went away (`| head`): nothing is wrong, and nothing more can be shown. Point
         # stdout at devnull so the interpreter's final flush does not raise again.

@@ -13,8 +13,10 @@ DIR holds two files, each written atomically (`kvlayout.persist.write_atomic`):
 
 The cache file is written first, then `run.json` pointing at it, then older
 cache files are removed: a crash at any point leaves a `run.json` whose cache
-file is whole. A save that fails says so: SaveFailed, naming what DIR holds
-now (its previous state, untouched, or nothing).
+file is whole. A Ctrl-C while saving is held (`interrupt.held_while_saving`);
+a second one abandons the save, which then leaves the previous `run.json` as
+it was. Either way `save_run` says which: it returns, or raises SaveFailed
+naming what DIR holds now.
 
 `--resume` reads everything before anything is applied: the format; every
 field of `run.json`, each refusal a StateError naming it by its path
@@ -43,6 +45,7 @@ from kvlayout.errors import KVLayoutError, StateError
 from kvlayout.faces import Persistent
 from kvlayout.persist import load as load_cache
 from kvlayout.persist import write_atomic
+from kvlayout.runner.interrupt import held_while_saving
 
 RUN_FILE = "run.json"
 RUN_FORMAT = 2  # 2: the model's files in the fingerprint, fields checked, the seal
@@ -106,7 +109,12 @@ def _seal(data: dict) -> str:
 
 
 class SaveFailed(StateError):
-    """The state was not saved; the message says why and what the directory holds now."""
+    """The state was not saved; the message says why and what the directory holds now.
+    `interrupted`: a second Ctrl-C abandoned it."""
+
+    def __init__(self, message: str, interrupted: bool = False):
+        super().__init__(message)
+        self.interrupted = interrupted
 
 
 def writable_dir(directory: str | Path) -> Path:
@@ -150,50 +158,64 @@ def holds(directory: Path) -> str:
     return f"nothing is saved in {directory}"
 
 
+def _names(directory: Path, cache_name: str) -> bool:
+    """Does `directory`'s run.json name `cache_name` (was a save done, interrupted or not)?"""
+    try:
+        return json.loads((directory / RUN_FILE).read_text()).get("cache_file") == cache_name
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def save_run(directory: str | Path, job: Any, requests: list, engine: Any, stats: Any, complete: bool) -> Path:
     """Write the cache and `run.json` into `directory` (created if needed); the run.json path.
 
-    SaveFailed when it cannot be written: the reason, then what `directory` holds (its previous
-    state, untouched, or nothing).
+    SaveFailed when it cannot be written (the reason, then what `directory` holds: its previous
+    state, untouched, or nothing), or when a second Ctrl-C abandons it (the first is held:
+    `interrupt.held_while_saving`).
     """
     d = Path(directory)
     name = f"cache-{uuid.uuid4().hex[:12]}.safetensors"
     try:
-        if not isinstance(job.cache, Persistent):
-            raise KVLayoutError(f"layout {job.builder.key} cannot save its cache")
-        d.mkdir(parents=True, exist_ok=True)
-        job.cache.save(d / name)
-        data = {
-            "format": RUN_FORMAT,
-            "complete": complete,
-            "cache_file": name,
-            "cache_sha256": _sha256(d / name),
-            "fingerprint": job.fingerprint(),
-            "samples": [
-                [
-                    {
-                        "generated": list(s.generated),
-                        "finish_reason": s.finish_reason,
-                        "error": s.error,
-                        "rng": s.rng.bit_generator.state,
-                    }
-                    for s in r.samples
-                ]
-                for r in requests
-            ],
-            "stats": attrs.asdict(stats),
-            "engine": engine.state(),
-        }
-        data["sha256"] = _seal(data)
-        path = write_atomic(d / RUN_FILE, [json.dumps(data, indent=1).encode()])
-    except (OSError, KVLayoutError) as exc:
-        try:
-            (d / name).unlink(missing_ok=True)  # a cache file no run.json names
-        except OSError:
-            pass
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
-        raise SaveFailed(f"--save-state {d}: the state was not saved: {why}{where}; {holds(d)}") from None
+        with held_while_saving(f"kvlayout: saving the state to {d}; Ctrl-C again abandons it ({holds(d)})"):
+            if not isinstance(job.cache, Persistent):
+                raise KVLayoutError(f"layout {job.builder.key} cannot save its cache")
+            d.mkdir(parents=True, exist_ok=True)
+            job.cache.save(d / name)
+            data = {
+                "format": RUN_FORMAT,
+                "complete": complete,
+                "cache_file": name,
+                "cache_sha256": _sha256(d / name),
+                "fingerprint": job.fingerprint(),
+                "samples": [
+                    [
+                        {
+                            "generated": list(s.generated),
+                            "finish_reason": s.finish_reason,
+                            "error": s.error,
+                            "rng": s.rng.bit_generator.state,
+                        }
+                        for s in r.samples
+                    ]
+                    for r in requests
+                ],
+                "stats": attrs.asdict(stats),
+                "engine": engine.state(),
+            }
+            data["sha256"] = _seal(data)
+            path = write_atomic(d / RUN_FILE, [json.dumps(data, indent=1).encode()])
+    except (OSError, KVLayoutError, KeyboardInterrupt) as exc:
+        if not _names(d, name):  # else it was saved, and the Ctrl-C came as it finished
+            try:
+                (d / name).unlink(missing_ok=True)  # a cache file no run.json names
+            except OSError:
+                pass
+            if isinstance(exc, KeyboardInterrupt):
+                raise SaveFailed(f"--save-state {d}: saving was abandoned (Ctrl-C); {holds(d)}", True) from None
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+            raise SaveFailed(f"--save-state {d}: the state was not saved: {why}{where}; {holds(d)}") from None
+        path = d / RUN_FILE
     for old in d.glob("cache-*.safetensors"):
         if old.name != name:
             try:
