@@ -1,4 +1,5 @@
-"""Shared test builders: a tiny attention stack and its cache-free oracle.
+"""Shared test builders: a tiny attention stack and its cache-free oracle; the `kvlayout`
+command run in a subprocess on this tree's code (`kvlayout`, `cli_env`).
 
 The stack has no rotary embedding on purpose: keys depend only on content, so
 any mistake in which keys a query sees changes the output. Each layer is
@@ -9,6 +10,10 @@ error into every later one.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
@@ -92,3 +97,30 @@ def refused_in_one_line(capsys, *argv: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("kvlayout: error: "), err
     assert "Traceback" not in err
     return lines[0]
+
+
+# -- the `kvlayout` command in a subprocess, running this tree's code ---------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_PATH = os.pathsep.join(str(ROOT / p) for p in ("core", "plugins/seq_layout", "plugins/cell_layout"))
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for a `kvlayout` subprocess: this tree on PYTHONPATH, KVLAYOUT_STRICT unset."""
+    env = {**os.environ, "PYTHONPATH": CLI_PATH, "COLUMNS": "100", **extra}
+    if "KVLAYOUT_STRICT" not in extra:
+        env.pop("KVLAYOUT_STRICT", None)
+    return env
+
+
+def kvlayout(*argv: str | bytes, stdin: bytes | None = b"", redirect: str = "", env: dict | None = None,
+             cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python -m kvlayout.cli ARGV` (text out, bytes in); `redirect` is a shell redirection of its
+    standard input (`<&-` closes it, `< /` makes it a directory)."""
+    cmd = [sys.executable, "-m", "kvlayout.cli", *argv]
+    if redirect:
+        cmd = ["sh", "-c", f'exec "$@" {redirect}', "sh", *cmd]
+        stdin = None
+    done = subprocess.run(cmd, input=stdin, capture_output=True, env=env or cli_env(), cwd=cwd, timeout=timeout)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(errors="replace"),
+                                       done.stderr.decode(errors="replace"))

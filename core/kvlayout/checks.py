@@ -1,4 +1,5 @@
-"""The argument checks every part shares: integers, and tables of known keys (numpy only, no MLX).
+"""The argument checks every part shares: integers, tables of known keys, yes/no environment
+variables (numpy only, no MLX).
 
 A position, an id, a capacity is an integer. Lists, numpy arrays and anything
 numpy can read (an MLX array included) are accepted where an array is; floats,
@@ -10,6 +11,7 @@ file's `refuse`), so each caller keeps its own error class.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -91,3 +93,21 @@ def reject_unknown(
         names = ", ".join(repr(f"{prefix}.{k}" if prefix else k) for k in missing)
         raise ConfigError(f"{where}: missing required key{'s' if len(missing) > 1 else ''} {names}")
     return data
+
+
+YES = ("1", "true", "yes", "on")
+NO = ("0", "false", "no", "off", "")
+
+
+def env_flag(name: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """The yes/no environment variable `name`: one of YES or NO (any case; unset is no).
+    ConfigError for any other value, which would otherwise be taken as one or the other without a word."""
+    value = environ.get(name, "")
+    word = value.strip().lower()
+    if word in YES:
+        return True
+    if word in NO:
+        return False
+    raise ConfigError(
+        f"{name}={value!r}: expected one of {', '.join(YES)} (on) or {', '.join(NO[:-1])} (off), or unset"
+    )

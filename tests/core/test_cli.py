@@ -71,13 +71,57 @@ def test_the_installed_command_prints_json(plugin_world):
     assert "kvlayout-fake-broken" in done.stderr  # also reported on stderr
 
 
-def test_a_reader_that_goes_away_ends_the_command_quietly_not_with_a_traceback():
-    import subprocess
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--model", "{tiny}", "--prompt", "hi", "--raw", "--max-tokens", "3"],  # the table, through rich
+        ["run", "--model", "{tiny}", "--prompt", "hi", "--raw", "--max-tokens", "3", "--json"],
+        ["plugins"],
+        ["plugins", "--json"],
+        ["init-model", "{tmp}/m"],
+        ["--help"],
+        ["run", "--help"],
+        ["--version"],
+        ["run", "--print-config"],
+    ],
+    ids=" ".join,
+)
+def test_a_reader_that_goes_away_ends_every_command_with_141_quietly(tiny_dir, tmp_path, argv):
+    from tests.helpers import cli_env
 
+    argv = [a.replace("{tiny}", str(tiny_dir)).replace("{tmp}", str(tmp_path)) for a in argv]
     # The reader closes before the command writes (as `| head -1` does once it has its line).
-    proc = subprocess.Popen([sys.executable, "-m", "kvlayout.cli", "plugins", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "kvlayout.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=cli_env())
     proc.stdout.close()
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=60) == 141
-    assert "Traceback" not in err and "BrokenPipeError" not in err
+    assert proc.wait(timeout=60) == 141, err  # as a shell reports a writer killed by SIGPIPE
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err
+
+
+@pytest.mark.parametrize("value, strict", [("1", True), ("true", True), ("Yes", True), ("on", True),
+                                           ("0", False), ("false", False), ("No", False), ("off", False), ("", False)])
+def test_kvlayout_strict_reads_yes_and_no_words(plugin_world, monkeypatch, capsys, value, strict):
+    monkeypatch.setenv("KVLAYOUT_STRICT", value)
+    if strict:  # the broken plugin stops the command
+        assert main(["plugins", "--json"]) == 2
+        assert "failed to load" in capsys.readouterr().err
+    else:  # it is listed and skipped
+        assert main(["plugins", "--json"]) == 0
+        assert "kvlayout-fake-broken" in {f["distribution"] for f in json.loads(capsys.readouterr().out)["failed"]}
+
+
+def test_version_names_kvlayout_mlx_python_and_each_installed_layout(plugin_world, capsys):
+    import importlib.metadata
+    import platform
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    first, layouts = capsys.readouterr().out.splitlines()
+    assert first == (f"kvlayout {importlib.metadata.version('kvlayout')} "
+                     f"(mlx {importlib.metadata.version('mlx')}, Python {platform.python_version()})")
+    assert layouts.startswith("layouts: ")
+    for entry in ("fake:good (kvlayout-fake-good 1.2.3)", "fake:dup (kvlayout-fake-dup-a 1.0)",
+                  "fake:dup (kvlayout-fake-dup-b 2.0)", "mlx:seq (kvlayout-seq ", "mlx:cell (kvlayout-cell "):
+        assert entry in layouts

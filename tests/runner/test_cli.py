@@ -10,9 +10,12 @@ import sys
 
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rich.cells import cell_len
 
 from kvlayout.cli import main
+from kvlayout.runner.config import load_config, prompt_config
 from tests.runner.test_report import CONTROL
 
 
@@ -271,3 +274,175 @@ def test_with_a_cache_that_is_a_file_the_default_run_falls_back_saying_why(tmp_p
     (line,) = err.strip().splitlines()
     assert line.startswith("kvlayout: model preset 'smollm2' cannot be had: cannot fetch SmolLM2 into the kvlayout cache")
     assert "running the 'tiny' preset instead" in line and "Traceback" not in err
+
+
+# -- Python 3.10: no tomllib; the same parser comes as the tomli package ---------------------------
+
+AS_ON_PYTHON_3_10 = (
+    "import sys; sys.modules['tomllib'] = None  # `import tomllib` raises, as on Python 3.10\n"
+    "from kvlayout.runner import config\n"
+    "assert config.tomllib.__name__ == 'tomli', config.tomllib\n"
+    "from kvlayout.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_without_tomllib_a_run_reads_its_config_with_tomli(tiny_dir, tmp_path):
+    good = _write(tmp_path, f'[model]\npath = "{tiny_dir}"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n')
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cache\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    ran = subprocess.run([sys.executable, "-c", AS_ON_PYTHON_3_10, "run", good, "--json"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout)["requests"][0]["prompt"] == "hi"
+    # tomli's decode error is the one caught: one line, not a traceback.
+    refused = subprocess.run([sys.executable, "-c", AS_ON_PYTHON_3_10, "run", str(bad)],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.startswith(f"kvlayout: error: {bad}: invalid TOML (")
+
+
+def test_pyproject_installs_tomli_only_where_tomllib_is_missing():
+    from pathlib import Path
+
+    from kvlayout.runner.config import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    [tomli] = [d for d in pyproject["project"]["dependencies"] if d.startswith("tomli")]
+    assert tomli.replace('"', "'").endswith("; python_version < '3.11'")
+    assert pyproject["project"]["requires-python"] == ">=3.10"
+
+
+def test_a_config_with_a_byte_order_mark_runs(tiny_dir, tmp_path, capsys):
+    path = tmp_path / "bom.toml"
+    config = f'[model]\npath = "{tiny_dir}"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n'
+    path.write_bytes(b"\xef\xbb\xbf" + config.encode())
+    assert _json_run(capsys, str(path))["requests"][0]["prompt"] == "hi"
+
+
+def test_a_config_can_come_through_a_pipe_its_paths_from_the_working_directory(tiny_dir):
+    from tests.helpers import kvlayout
+
+    config = f'[model]\npath = "{tiny_dir.name}"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n'
+    # A pipe, as `kvlayout run <(...)` gives; the model's relative path is taken from the working directory.
+    done = kvlayout("run", "/dev/stdin", "--json", stdin=config.encode(), cwd=tiny_dir.parent)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["model"] == str(tiny_dir.resolve())
+
+
+# -- --print-config: the run's config as TOML, which `kvlayout run FILE` runs -----------------------
+
+EVERY_KEY = """\
+[layout]
+backend = "mlx"
+kind = "seq"
+[cache]
+capacity = 300
+kv_dtype = "float32"
+initial_capacity = 16
+max_seqs = 3
+max_write = 8
+[model]
+path = "{tiny}"
+dtype = "float32"
+seed = 3
+[sampling]
+temperature = 0.5
+top_p = 0.75
+seed = 9
+[engine]
+prefill_chunk = 5
+[[requests]]
+prompt = "say \\"hi\\"\\n\\tand go\\u0007 é ☃"
+stop = ["\\n\\n", "\\\\end"]
+max_tokens = 4
+n = 2
+[[requests]]
+prompt_ids = [1, 2, 3]
+max_tokens = 3
+[[requests]]
+messages = [{ role = "system", content = "Be brief." }, { role = "user", content = "Hi" }]
+max_tokens = 2
+"""
+
+
+def _printed(capsys, *argv) -> str:
+    assert main(["run", *argv, "--print-config"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    return captured.out
+
+
+def _body(printed: str) -> str:
+    return "".join(line for line in printed.splitlines(keepends=True) if not line.startswith("#"))
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        ([], lambda d: load_config(None)),
+        (["--layout", "mlx:seq"], lambda d: load_config(None).with_layout("mlx:seq")),
+        (["--prompt", "hi"], lambda d: prompt_config("hi")),
+        (["--prompt", 'a "quoted"\n\tline é', "--raw", "--max-tokens", "7", "--temperature", "0.5",
+          "--model", "{tiny}"],
+         lambda d: prompt_config('a "quoted"\n\tline é', str(d["tiny"]), 7, 0.5, raw=True)),
+        (["{every}", "--model", "{tiny}"], lambda d: load_config(d["every"]).with_model_path(str(d["tiny"]))),
+        (["{every}", "--layout", "mlx:cell"], lambda d: load_config(d["every"]).with_layout("mlx:cell")),
+    ],
+    ids=["default", "default --layout", "--prompt", "--prompt every flag", "file --model", "file --layout"],
+)
+def test_print_config_loads_back_to_the_config_the_run_would_use(tiny_dir, tmp_path, capsys, argv, expected):
+    every = tmp_path / "every.toml"
+    every.write_text(EVERY_KEY.replace("{tiny}", str(tiny_dir)))
+    paths = {"tiny": tiny_dir, "every": every}
+    printed = _printed(capsys, *[a.replace("{tiny}", str(tiny_dir)).replace("{every}", str(every)) for a in argv])
+    saved = tmp_path / "printed.toml"
+    saved.write_text(printed)
+    assert load_config(saved) == expected(paths)
+    assert _body(_printed(capsys, str(saved))) == _body(printed)  # printing it again changes nothing
+
+
+def test_print_config_loads_no_model_and_runs_nothing(tiny_dir, monkeypatch, capsys):
+    from kvlayout.runner import job
+
+    monkeypatch.setattr(job, "prepare", lambda *a, **k: pytest.fail("--print-config prepared a run"))
+    assert "[[requests]]" in _printed(capsys, "--model", str(tiny_dir), "--prompt", "hi")
+
+
+def test_print_config_writes_a_relative_model_path_absolute(tiny_dir, tmp_path, capsys):
+    here = tiny_dir.parent / "relative.toml"
+    here.write_text(f'[model]\npath = "{tiny_dir.name}"\n[[requests]]\nprompt = "hi"\n')
+    elsewhere = tmp_path / "moved.toml"
+    elsewhere.write_text(_printed(capsys, str(here)))
+    assert load_config(elsewhere).model_dir() == load_config(here).model_dir() == tiny_dir.resolve()
+
+
+def test_a_printed_config_runs_what_the_flags_ran(tiny_dir, tmp_path, capsys):
+    flags = ["--model", str(tiny_dir), "--prompt", "hello", "--raw", "--max-tokens", "5", "--layout", "mlx:seq"]
+    direct = _json_run(capsys, *flags)
+    saved = tmp_path / "printed.toml"
+    saved.write_text(_printed(capsys, *flags))
+    again = _json_run(capsys, str(saved))
+    for key in ("layout", "model", "requests"):
+        assert again[key] == direct[key]
+
+
+@settings(max_examples=100)
+@given(
+    prompt=st.text(min_size=1, max_size=30),
+    stop=st.lists(st.text(min_size=1, max_size=8), max_size=3),
+    content=st.text(max_size=30),
+    temperature=st.floats(0, 1e300, allow_nan=False, allow_infinity=False),
+    top_p=st.floats(1e-300, 1, allow_nan=False, exclude_min=False),
+    ids=st.lists(st.integers(0, 2**70), min_size=1, max_size=4),
+)
+def test_dump_config_reads_back_to_an_equal_config_whatever_the_text(prompt, stop, content, temperature, top_p, ids):
+    from kvlayout.runner.config import RunConfig, dump_config, tomllib
+
+    cfg = RunConfig.from_mapping({
+        "sampling": {"temperature": temperature, "top_p": top_p},
+        "requests": [{"prompt": prompt, "stop": stop}, {"prompt_ids": ids},
+                     {"messages": [{"role": "user", "content": content}]}],
+    })
+    assert RunConfig.from_mapping(tomllib.loads(dump_config(cfg))) == cfg

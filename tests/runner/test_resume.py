@@ -254,10 +254,10 @@ def test_a_save_that_fails_keeps_the_previous_state_and_the_run_s_outputs(tmp_pa
     full = uninterrupted(tiny_dir, tiny_loaded, "mlx:seq", 0.0)
     assert token_ids(result) == token_ids(full)
     assert isinstance(result.save_failed, resume.SaveFailed)
-    assert str(result.save_failed) == (
-        f"--save-state {tmp_path}: the state was not saved: No space left on device; "
-        f"{tmp_path} keeps the state saved before"
-    )
+    message = str(result.save_failed)
+    assert message.startswith(f"--save-state {tmp_path}: the state was not saved: ")
+    assert "No space left on device" in message
+    assert message.endswith(f"; {tmp_path} keeps the state saved before")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no stray file either
     resumed = job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
     assert token_ids(resumed) == token_ids(full)

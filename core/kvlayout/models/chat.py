@@ -26,7 +26,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvlayout.errors import ConfigError
-from kvlayout.models.files import read_json_object
+from kvlayout.models.files import read_json_object, read_text
 
 ROLES = ("system", "user", "assistant")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -123,7 +123,7 @@ def read_chat_template(model_dir: Path) -> ChatTemplate | None:
     specials = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
     jinja_file = model_dir / TEMPLATE_FILE
     if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(), specials, str(jinja_file))
+        return ChatTemplate(read_text(jinja_file), specials, str(jinja_file))
     origin = str(model_dir / TOKENIZER_CONFIG)
     source = config.get("chat_template")
     if source is None:

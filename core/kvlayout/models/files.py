@@ -17,12 +17,7 @@ from kvlayout.errors import ConfigError
 def read_json_object(path: Path) -> dict[str, Any]:
     """The JSON object in the file at `path`; ConfigError naming the file otherwise."""
     path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); a JSON file is UTF-8") from None
+    text = read_text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -36,3 +31,14 @@ def _json_kind(value: Any) -> str:
     kinds = {list: "array", str: "string", bool: "boolean", type(None): "null", int: "number", float: "number"}
     return kinds.get(type(value), type(value).__name__)
 
+
+def read_text(path: Path) -> str:
+    """The UTF-8 text of `path`; ConfigError naming the file when it cannot be read or is not UTF-8."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:  # missing, a directory, unreadable
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None

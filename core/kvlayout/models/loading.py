@@ -29,12 +29,13 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     """The directory's config.json as a dict; ConfigError when the directory or the file is not one."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
+        problem = "is not a directory" if model_dir.exists() else "does not exist"
         raise ConfigError(
-            f"model directory {str(model_dir)!r} does not exist; set [model] path to a Hugging Face "
+            f"model directory {str(model_dir)!r} {problem}; set [model] path to a Hugging Face "
             "model directory, or create one with `kvlayout init-model DIR --preset tiny`"
         )
     path = model_dir / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{path}: missing; a model directory needs config.json and *.safetensors")
     return read_json_object(path)
 

@@ -16,7 +16,7 @@ from typing import Sequence
 from kvlayout.errors import ConfigError
 from kvlayout.models.chat import ChatTemplate, read_chat_template
 from kvlayout.models.config_values import token_ids
-from kvlayout.models.files import read_json_object
+from kvlayout.models.files import read_json_object, read_text
 
 BYTE_VOCAB = 258  # 256 bytes, then BOS and EOS
 BYTE_BOS, BYTE_EOS = 256, 257
@@ -45,6 +45,7 @@ class HFTokenizer:
     def __init__(self, path: Path, eos_ids: Sequence[int], chat_template: ChatTemplate | None = None):
         from tokenizers import Tokenizer
 
+        read_text(path)  # bytes that are not UTF-8 are named as in every other file of the directory
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # `tokenizers` raises a bare Exception for any file it cannot read

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,6 +20,11 @@ from kvlayout.checks import int_scalar, reject_unknown
 from kvlayout.config import KV_DTYPES
 from kvlayout.errors import ConfigError
 from kvlayout.models.chat import ROLES
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package (pyproject: tomli; python_version < '3.11')
+    import tomli as tomllib
 
 DEFAULT_TOML = """\
 # The embedded default: SmolLM2-135M-Instruct (downloaded once, then cached) answering
@@ -347,17 +351,103 @@ def prompt_config(
     return attrs.evolve(cfg, plain_chat=True)
 
 
+def dump_config(cfg: RunConfig) -> str:
+    """`cfg` as TOML that `load_config` reads back to an equal config (`kvlayout run --print-config`).
+
+    Every key is written, defaults included, so the text shows all the run uses.
+    A model.path is written absolute (taken from the config's directory), so the
+    text means the same wherever it is saved.
+    """
+    lines: list[str] = []
+    for name in ("layout", "cache", "model", "sampling", "engine"):
+        section = getattr(cfg, name)
+        lines.append(f"[{name}]")
+        for field in attrs.fields(type(section)):
+            value = getattr(section, field.name)
+            if (name, field.name) == ("model", "path") and value is not None:
+                value = str(cfg.model_dir())
+            if value is not None:
+                lines.append(f"{field.name} = {_toml_value(value)}")
+        lines.append("")
+    for request in cfg.requests:
+        lines.append("[[requests]]")
+        for field in attrs.fields(RequestSpec):
+            value = getattr(request, field.name)
+            if field.name == "where" or value is None:
+                continue
+            if field.name == "messages":  # one inline table a line
+                lines.append("messages = [")
+                lines += [f"  {{ role = {_toml_str(m.role)}, content = {_toml_str(m.content)} }}," for m in value]
+                lines.append("]")
+            else:
+                lines.append(f"{field.name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# What a TOML basic string must escape; other control characters are written \uXXXX.
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_str(text: str) -> str:
+    escaped = (
+        _TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if c < " " or c == "\x7f" else c) for c in text
+    )
+    return '"' + "".join(escaped) + '"'
+
+
+def _toml_value(value: Any) -> str:
+    """A config value as TOML: a string, an integer, a (finite) float, or a list of them."""
+    if isinstance(value, str):
+        return _toml_str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # a float's repr is a TOML float (the config refuses nan and inf)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
 def load_config(path: str | Path | None = None) -> RunConfig:
-    """The config at `path`, or the embedded default when None."""
+    """The config at `path`, or the embedded default when None.
+
+    `path` may be any file that reads as UTF-8 TOML, a pipe included
+    (`kvlayout run <(...)`); a relative model.path is taken from the directory
+    of a regular file, from the working directory otherwise. ConfigError, naming
+    the file, when it cannot be read: missing, a directory, not UTF-8, not TOML.
+    """
     if path is None:
         return RunConfig.from_mapping(tomllib.loads(DEFAULT_TOML), source="<embedded default>")
-    if not isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ConfigError(f"path={path!r}: expected a TOML file path (str or Path), or None for the default")
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file or no argument for the default")
+    data = read_toml(path)
+    base_dir = path.resolve().parent if path.is_file() else Path.cwd()
+    return RunConfig.from_mapping(data, source=str(path), base_dir=base_dir)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The table in the TOML file `path`; ConfigError naming the file for each way it can fail to be one."""
     try:
-        data = tomllib.loads(path.read_text())
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist; pass a TOML file or no argument for the default"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"config file {str(path)!r} is a directory; pass a TOML file or no argument for the default"
+        ) from None
+    except OSError as exc:  # unreadable, a path through a file, ...
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); a TOML file is UTF-8"
+        ) from None
+    try:
+        return tomllib.loads(text.removeprefix("\ufeff"))  # the byte-order mark some editors write
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc})") from None
-    return RunConfig.from_mapping(data, source=str(path), base_dir=path.resolve().parent)

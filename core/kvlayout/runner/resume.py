@@ -95,8 +95,11 @@ def fingerprint(cfg: Any, prompts: list[list[int]], kv_dtype: str, files: dict[s
 
 
 def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:  # in 1 MiB reads: hashlib.file_digest is Python 3.11's
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _seal(data: dict) -> str:
