@@ -146,6 +146,48 @@ def _run_config(args: argparse.Namespace):
     return cfg
 
 
+# The `kvlayout run` flags a stopped run's "continue with" command repeats: every one that shapes
+# the config (a resumed run must rebuild the same one), and --json. The others: --resume and
+# --save-state are its own, --print-config runs nothing. tests/runner/test_resume_hint.py fails
+# on a flag in neither list.
+REPLAYED_FLAGS = ("layout", "model", "prompt", "raw", "max_tokens", "temperature", "json")
+NOT_REPLAYED_FLAGS = ("resume", "save_state", "print_config")
+
+
+def _shell_word(word: str) -> str:
+    """`word` quoted for a shell; one with a newline or another control character as bash's
+    $'...' (so the command stays on one line)."""
+    import shlex
+
+    if word.isprintable():
+        return shlex.quote(word)
+    escaped = "".join(
+        {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c)
+        or (c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\U{ord(c):08x}")
+        for c in word
+    )
+    return f"$'{escaped}'"
+
+
+def continue_command(args: argparse.Namespace, cfg, save: str) -> str:
+    """The command that continues this run from `save`, ready to paste on one line: `kvlayout run`,
+    the config, the flags it was given (`--prompt -` as the text it read), --resume and --save-state."""
+    words = ["kvlayout", "run", *([args.config] if args.config else [])]
+    for dest in REPLAYED_FLAGS:
+        value = getattr(args, dest)
+        if value is None or value is False:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if value is True:
+            words.append(flag)
+            continue
+        if dest == "prompt" and value == "-":  # what came on standard input, which a resume cannot read again
+            spec = cfg.requests[0]
+            value = spec.prompt if spec.prompt is not None else spec.messages[-1].content
+        words += [flag, str(value)]
+    return " ".join(_shell_word(w) for w in [*words, "--resume", save, "--save-state", save])
+
+
 def _read_stdin() -> str:
     """Standard input, all of it (`--prompt -`); ConfigError when it is closed or cannot be read as text."""
     if sys.stdin is None:  # the command was started with it closed (`<&-`)
@@ -176,24 +218,21 @@ def _run(args: argparse.Namespace) -> int:
     # Imported here so `kvlayout plugins` never pays for loading the model code.
     from kvlayout.runner import report
 
-    from kvlayout.engines.recovery import Interrupted
     from kvlayout.runner import resume
     from kvlayout.runner.interrupt import StopOnCtrlC
-    from kvlayout.runner.job import prepare
+    from kvlayout.runner.job import RunInterrupted, prepare
 
     cfg = _run_config(args)
     job = prepare(cfg, resume=args.resume)  # every user error surfaces here, before anything is drawn
     for notice in job.notices:
         print(f"kvlayout: {notice}", file=sys.stderr)
     save = args.save_state
-    if save:
-        resume.writable_dir(save)  # before the run, which a bad directory would otherwise lose
+    if save is not None:
+        # Before the run, which a bad directory (or a layout that cannot save) would otherwise lose.
+        resume.ready_to_save(save, job)
     # With --save-state, a first Ctrl-C stops the run after its current step and saves it.
-    stop = StopOnCtrlC() if save else None
-    if args.prompt is None:
-        again = f"continue with: kvlayout run {args.config or ''} --resume {save}".replace("  ", " ")
-    else:
-        again = f"continue with the same command and --resume {save}"
+    stop = StopOnCtrlC() if save is not None else None
+    again = continue_command(args, cfg, save) if save is not None else None
     console = Console()
     if console.is_terminal and not args.json:
         labels = [report.prompt_label(p.text, p.messages) for p in job.built]
@@ -205,20 +244,52 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with stop or contextlib.nullcontext(), watching as watch:
             result = job.generate(progress=watch.progress, stop=stop, save_state=save, on_text=watch.on_text)
-    except Interrupted:  # Ctrl-C inside a forward (the step was aborted first)
-        print(f"kvlayout: interrupted; state saved to {save}; {again}" if save else "kvlayout: interrupted", file=sys.stderr)
+    except RunInterrupted as exc:  # Ctrl-C inside a forward (the step was aborted first)
+        if save is None:
+            print("kvlayout: interrupted", file=sys.stderr)
+            return 130
+        return _save_outcome(exc.save_failed, f"interrupted; state saved to {save}; continue with: {again}", 130)
+    except KeyboardInterrupt:  # between forwards: a third Ctrl-C, or any without --save-state
+        if save is None:
+            print("kvlayout: interrupted", file=sys.stderr)
+        else:  # the step it landed in is not whole: nothing of this run is saved
+            print(f"kvlayout: interrupted; this run's state was not saved; {resume.holds(Path(save))}", file=sys.stderr)
         return 130
     if args.json:
-        report.print_json(result)
+        extra = {}
+        if not result.complete:
+            extra["stopped"] = "Ctrl-C: the run stopped after its current step; samples left unfinished are 'pending'"
+        if save is not None:
+            extra["saved_to"] = None if result.save_failed else save
+            if result.save_failed:
+                extra["save_error"] = str(result.save_failed)
+            elif not result.complete:
+                extra["continue_with"] = again
+        report.print_json(result, extra)
     else:
         report.print_report(result, console)
     failed = report.failure_line(result)  # a sample that failed is said once, and the exit is 1
     if failed:
         print(f"kvlayout: error: {failed}", file=sys.stderr)
-    if not result.complete:
-        print(f"kvlayout: stopped early; state saved to {save}; {again}", file=sys.stderr)
+    if result.complete:
+        code = _save_outcome(result.save_failed, None, 0)
+    else:
+        code = _save_outcome(result.save_failed, f"stopped early; state saved to {save}; continue with: {again}", 130)
+    return 1 if failed and code == 0 else code
+
+
+def _save_outcome(failed: Exception | None, done: str | None, code: int) -> int:
+    """Say how the save went (one line on stderr) and give the exit status: `code` when saved
+    (saying `done`), 130 when a Ctrl-C abandoned it, 2 when it failed."""
+    if failed is None:
+        if done:
+            print(f"kvlayout: {done}", file=sys.stderr)
+        return code
+    if getattr(failed, "interrupted", False):
+        print(f"kvlayout: interrupted; {failed}", file=sys.stderr)
         return 130
-    return 1 if failed else 0
+    print(f"kvlayout: error: {failed}", file=sys.stderr)
+    return 2
 
 
 def _print_config(args: argparse.Namespace) -> int:
@@ -443,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         # A user's mistake gets one line and exit 2, never a traceback.
         print(f"kvlayout: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a run started (or outside one): nothing was saved
+        print("kvlayout: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader went away (`| head`): nothing is wrong, and nothing more can be shown. Point
         # stdout at devnull so the interpreter's final flush does not raise again.

@@ -369,23 +369,26 @@ def config_differences(a: CacheConfig, b: CacheConfig) -> list[str]:
     return [f"{k}: {ma.get(k)!r} vs {mb.get(k)!r}" for k in sorted(set(ma) | set(mb)) if ma.get(k) != mb.get(k)]
 
 
-def load(path: str | os.PathLike, config: CacheConfig | None = None, pm: Any = None) -> Any:
+def load(path: str | os.PathLike, config: CacheConfig | None = None, pm: Any = None, layout: str | None = None) -> Any:
     """The cache saved at `path` (by `cache.save`), rebuilt by the layout that wrote it.
 
     The layout is found by the file's key through the registry, and must come
     from the distribution that wrote the file (its version may differ: the
     layout checks its own state version). With `config`, the file's config
-    (a CacheConfig or a mapping of one) must equal it. Refused (StateError,
-    nothing built) when `path` names no file, or the file is truncated,
-    corrupted, of another format version, holds one sequence rather than a
-    cache, names a layout not installed (or one that cannot load), or does
-    not match `config`.
+    (a CacheConfig or a mapping of one) must equal it; with `layout` (a key),
+    the file must be that layout's. Refused (StateError, nothing built) when
+    `path` names no file, or the file is truncated, corrupted, of another
+    format version, holds one sequence rather than a cache, names a layout
+    not installed (or one that cannot load, or not `layout`), or does not
+    match `config`.
     """
     from kvlayout import registry
 
     if config is not None:
         config = CacheConfig.coerce(config)  # ConfigError naming config for anything but a config
     f = read_state(path)
+    if layout is not None and f.layout != layout:
+        raise f.refuse(f"saved by layout {f.layout}, not {layout}")
     if f.content != "cache":
         raise f.refuse(f"holds one sequence of {f.layout}, not a cache; load it with load_seq on such a cache")
     try:

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import re
+import shutil
 import signal
+from pathlib import Path
 
+import attrs
 import pytest
 
-from kvlayout import StateError
+from kvlayout import StateError, persist
 from kvlayout.cli import main
+from kvlayout.models import presets
 from kvlayout.runner import job, resume
+from kvlayout.runner.config import ModelSection
 from kvlayout.runner.interrupt import StopOnCtrlC
 from kvlayout.engines.recovery import Interrupted
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
 from tests.runner.flaky import FlakyModel, with_model
+from tests.runner.test_step_rule import three_installed  # noqa: F401 - a fixture
 
 LAYOUTS = ["mlx:cell", "mlx:seq"]
 
@@ -101,12 +109,121 @@ def test_a_finished_run_saved_at_the_end_resumes_to_the_same_outputs(tmp_path, t
     assert again.stats.steps == done.stats.steps  # nothing left to run
 
 
-def test_resuming_with_another_config_is_refused(tmp_path, tiny_dir, tiny_loaded):
-    job.prepare(config(tiny_dir, "mlx:cell"), loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
-    with pytest.raises(StateError, match=r"another config \(differs in: requests\)"):
-        job.prepare(config(tiny_dir, "mlx:cell", max_tokens=9), loaded=tiny_loaded, resume=tmp_path)
-    with pytest.raises(StateError, match=r"differs in: .*layout"):
-        job.prepare(config(tiny_dir, "mlx:seq"), loaded=tiny_loaded, resume=tmp_path)
+def variant(tiny_dir, layout="mlx:cell", model=None, request=None, **sections):
+    """The config of `config(tiny_dir, "mlx:cell")` with one thing changed."""
+    reqs = [{**r, **(request or {})} for r in requests()]
+    base = {"sampling": {"temperature": 0.0, "top_p": 0.9, "seed": 3}, "engine": {"prefill_chunk": 16}}
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    cfg = make_config(tiny_dir, layout, requests=reqs, **base)
+    return cfg if model is None else attrs.evolve(cfg, model=ModelSection(**model))
+
+
+# Each a run config that differs from the saved one in one way, and what the refusal names.
+CHANGED = {
+    "max_tokens": (dict(request={"max_tokens": 9}), "requests[0].max_tokens (saved 8, now 9)"),
+    "n": (dict(request={"n": 3}), "requests[0].n (saved 2, now 3)"),
+    "a prompt": (dict(request={"prompt": "another prompt"}), "requests[0].prompt_ids"),
+    "stop strings": (dict(request={"stop": ["\n"]}), "requests[0].stop"),
+    "temperature": (dict(sampling={"temperature": 0.5}), "sampling.temperature (saved 0.0, now 0.5)"),
+    "top_p": (dict(sampling={"top_p": 0.5}), "sampling.top_p"),
+    "sampling seed": (dict(sampling={"seed": 4}), "sampling.seed (saved 3, now 4)"),
+    "prefill_chunk": (dict(engine={"prefill_chunk": 8}), "engine.prefill_chunk"),
+    "capacity": (dict(cache={"capacity": 2048}), "cache.capacity (saved 1024, now 2048)"),
+    "max_seqs": (dict(cache={"max_seqs": 8}), "cache.max_seqs"),
+    "kv_dtype": (dict(cache={"kv_dtype": "float16"}), 'kv_dtype (saved "float32", now "float16")'),
+    "layout": (dict(layout="mlx:seq"), 'layout (saved "mlx:cell", now "mlx:seq")'),
+    "model dtype": (dict(model={"path": "TINY", "dtype": "float16"}), 'model.dtype (saved "auto", now "float16")'),
+    "a preset for the directory": (dict(model={"preset": "tiny"}), "model.path"),
+}
+
+
+@pytest.mark.parametrize("change, needle", CHANGED.values(), ids=CHANGED.keys())
+def test_resuming_with_another_config_layout_or_dtype_is_refused_naming_what_differs(
+    tmp_path, tiny_dir, tiny_loaded, change, needle
+):
+    state = tmp_path / "state"
+    job.prepare(variant(tiny_dir), loaded=tiny_loaded).generate(stop=stop_after(3), save_state=state)
+    if "model" in change and change["model"].get("path") == "TINY":
+        change = {**change, "model": {**change["model"], "path": str(tiny_dir)}}
+    before = {p.name: p.read_bytes() for p in state.iterdir()}
+    with pytest.raises(StateError, match=re.escape(needle)) as info:
+        job.prepare(variant(tiny_dir, **change), loaded=tiny_loaded, resume=state)
+    assert "saved by a run with another config" in str(info.value)
+    assert {p.name: p.read_bytes() for p in state.iterdir()} == before
+
+
+def rewrite_tiny(d, **kw):
+    from kvlayout.models.presets import write_preset
+
+    write_preset(d, "tiny", force=True, **kw)
+
+
+# Each changes the model directory in place (the path the config names stays the same).
+MODEL_CHANGES = {
+    "init-model rewrote it with another seed": (lambda d: rewrite_tiny(d, seed=1), "model.safetensors differs"),
+    "config.json edited": (
+        lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace("{", '{"note": 1, ', 1)),
+        "config.json differs"),
+    "a tokenizer.json added": (lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer.json differs"),
+    "generation_config.json added": (
+        lambda d: (d / "generation_config.json").write_text('{"eos_token_id": 10}'), "generation_config.json differs"),
+    "a chat template added": (lambda d: (d / "chat_template.jinja").write_text("{{ messages }}"), "chat_template.jinja"),
+    "a second weights shard": (
+        lambda d: shutil.copy(d / "model.safetensors", d / "model-2.safetensors"), "model-2.safetensors differs"),
+    "the weights removed and put back renamed": (
+        lambda d: (d / "model.safetensors").rename(d / "weights.safetensors"), "model.safetensors, weights.safetensors differ"),
+}
+
+
+@pytest.mark.parametrize("change, needle", MODEL_CHANGES.values(), ids=MODEL_CHANGES.keys())
+def test_resuming_after_the_model_changed_at_the_same_path_is_refused_naming_the_file(
+    tmp_path, tiny_dir, tiny_loaded, change, needle
+):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    cfg = variant(model)
+    state = tmp_path / "state"
+    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=state)
+    change(model)
+    with pytest.raises(StateError, match=re.escape(f"the model in {model} changed since the state was saved")) as info:
+        job.prepare(cfg, loaded=tiny_loaded, resume=state)
+    assert needle in str(info.value)
+
+
+def test_the_same_model_files_written_again_still_resume(tmp_path, tiny_dir, tiny_loaded):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    cfg = variant(model)
+    state = tmp_path / "state"
+    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(5), save_state=state)
+    rewrite_tiny(model)  # the same seed: the same bytes, a new mtime
+    resumed = job.prepare(cfg, loaded=tiny_loaded, resume=state).generate()
+    assert token_ids(resumed) == token_ids(job.run(cfg, loaded=tiny_loaded))
+
+
+def test_a_preset_is_known_by_its_name_and_seed(tmp_path, tiny_loaded):
+    from kvlayout.models.presets import build_preset
+
+    cfg = lambda seed: variant(Path("unused"), model={"preset": "tiny", "seed": seed})  # noqa: E731
+    loaded = (*build_preset("tiny", seed=0), "preset:tiny")
+    state = tmp_path / "state"
+    job.prepare(cfg(0), loaded=loaded).generate(stop=stop_after(3), save_state=state)
+    assert json.loads((state / "run.json").read_text())["fingerprint"]["model"]["files"] is None
+    with pytest.raises(StateError, match=re.escape("model.seed (saved 0, now 1)")):
+        job.prepare(cfg(1), loaded=loaded, resume=state)
+
+
+def test_the_smollm2_preset_is_known_by_its_files(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
+    fetched = tmp_path / "smollm2"  # stands in for the converted SmolLM2 directory
+    shutil.copytree(tiny_dir, fetched)
+    monkeypatch.setitem(presets.FETCHED, "smollm2", lambda: fetched)
+    cfg = variant(Path("unused"), model={"preset": "smollm2"})
+    state = tmp_path / "state"
+    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=state)
+    rewrite_tiny(fetched, seed=2)
+    with pytest.raises(StateError, match=re.escape("the model of preset 'smollm2' changed since the state was saved (model.safetensors differs)")):
+        job.prepare(cfg, loaded=tiny_loaded, resume=state)
 
 
 def test_a_damaged_or_missing_state_is_refused(tmp_path, tiny_dir, tiny_loaded):
@@ -122,21 +239,46 @@ def test_a_damaged_or_missing_state_is_refused(tmp_path, tiny_dir, tiny_loaded):
         job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path)
 
 
-def test_a_crash_while_saving_keeps_the_previous_state_usable(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
+def test_a_save_that_fails_keeps_the_previous_state_and_the_run_s_outputs(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
     cfg = config(tiny_dir, "mlx:seq")
     job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(4), save_state=tmp_path)
-    before = (tmp_path / "run.json").read_text()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
 
-    def crash(path, chunks):
-        raise OSError("disk full")
+    def disk_full(f, chunk):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(resume, "write_atomic", crash)  # the new cache file is written, run.json is not
-    with pytest.raises(OSError):
-        job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate(stop=stop_after(6), save_state=tmp_path)
+    monkeypatch.setattr(persist, "_write_chunk", disk_full)  # every file the save writes
+    result = job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate(save_state=tmp_path)
     monkeypatch.undo()
-    assert (tmp_path / "run.json").read_text() == before
+    assert result.complete  # the run itself is whole, and returned
+    full = uninterrupted(tiny_dir, tiny_loaded, "mlx:seq", 0.0)
+    assert token_ids(result) == token_ids(full)
+    assert isinstance(result.save_failed, resume.SaveFailed)
+    message = str(result.save_failed)
+    assert message.startswith(f"--save-state {tmp_path}: the state was not saved: ")
+    assert "No space left on device" in message
+    assert message.endswith(f"; {tmp_path} keeps the state saved before")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no stray file either
     resumed = job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
-    assert token_ids(resumed) == token_ids(uninterrupted(tiny_dir, tiny_loaded, "mlx:seq", 0.0))
+    assert token_ids(resumed) == token_ids(full)
+
+
+def test_a_save_that_fails_with_no_state_before_says_nothing_is_saved(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
+    cfg = config(tiny_dir, "mlx:cell")
+    prepared = job.prepare(cfg, loaded=tiny_loaded)
+    state = tmp_path / "state"
+    resume.ready_to_save(state, prepared)
+
+    def run_json_fails(path, chunks):  # the cache file is written (by persist), run.json is not
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(resume, "write_atomic", run_json_fails)
+    result = prepared.generate(stop=stop_after(4), save_state=state)
+    assert not result.complete and result.outputs  # the outputs so far are all there
+    assert str(result.save_failed) == (
+        f"--save-state {state}: the state was not saved: Input/output error; nothing is saved in {state}"
+    )
+    assert list(state.iterdir()) == []  # the cache file written first is gone with it
 
 
 # -- the command line -------------------------------------------------------------------
@@ -164,7 +306,10 @@ def test_the_cli_stopped_by_ctrl_c_saves_and_resume_finishes_the_run(tmp_path, t
     state = tmp_path / "state"
     assert main(["run", str(toml), "--json", "--save-state", str(state)]) == 130
     err = capsys.readouterr().err
-    assert f"stopped early; state saved to {state}; continue with: kvlayout run {toml} --resume {state}" in err
+    assert err.endswith(
+        f"kvlayout: stopped early; state saved to {state}; continue with: "
+        f"kvlayout run {toml} --json --resume {state} --save-state {state}\n"
+    )
     monkeypatch.undo()
 
     assert main(["run", str(toml), "--json", "--resume", str(state)]) == 0
@@ -192,27 +337,11 @@ def test_the_cli_refuses_a_save_state_it_cannot_write_before_running(tmp_path, t
     assert err.count("\n") == 1
 
 
-@pytest.mark.parametrize("damage", [
-    lambda d: d["engine"].pop("running"),
-    lambda d: d["engine"].update(queue=[{"request": 99, "samples": [0], "tokens": [1]}]),
-    lambda d: d["samples"][0][0].pop("rng"),
-    lambda d: d.update(stats={"nonsense": 1}),
-])
-def test_a_run_json_damaged_by_hand_is_refused_in_one_line(tmp_path, tiny_dir, tiny_loaded, damage):
-    cfg = config(tiny_dir, "mlx:cell")
-    job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=tmp_path)
-    data = json.loads((tmp_path / "run.json").read_text())
-    damage(data)
-    (tmp_path / "run.json").write_text(json.dumps(data))
-    with pytest.raises(StateError, match=rf"--resume {tmp_path}: run.json is damaged"):
-        job.prepare(cfg, loaded=tiny_loaded, resume=tmp_path).generate()
-
-
 class SignalsAt:
-    """A model that sends this process a real SIGINT during forward `n` (as a user's Ctrl-C)."""
+    """A model that sends this process `count` real SIGINTs during forward `n` (as a user's Ctrl-C)."""
 
-    def __init__(self, model, n: int):
-        self.model, self.n, self.forwards = model, n, 0
+    def __init__(self, model, n: int, count: int = 1):
+        self.model, self.n, self.count, self.forwards = model, n, count, 0
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -220,7 +349,8 @@ class SignalsAt:
     def __call__(self, *args, **kw):
         self.forwards += 1
         if self.forwards == self.n:
-            signal.raise_signal(signal.SIGINT)
+            for _ in range(self.count):
+                signal.raise_signal(signal.SIGINT)
         return self.model(*args, **kw)
 
 
@@ -244,3 +374,48 @@ def test_a_real_ctrl_c_stops_the_cli_after_the_step_and_the_state_resumes(
     assert main(["run", str(toml), "--json", "--resume", str(state)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["samples"] for r in out["requests"]] == [r["samples"] for r in full["requests"]]
+
+
+def test_a_save_state_that_stops_being_a_directory_mid_run_keeps_the_report(
+    tmp_path, tiny_dir, tiny_loaded, capsys, monkeypatch
+):
+    toml = write_toml(tmp_path, tiny_dir, "mlx:cell")
+    assert main(["run", str(toml), "--json"]) == 0
+    outputs = [r["samples"] for r in json.loads(capsys.readouterr().out)["requests"]]
+    state = tmp_path / "state"
+
+    class DirectoryGoesAway:
+        """At forward 4 the save directory becomes a file (as if replaced under the run)."""
+
+        def __init__(self, model):
+            self.model, self.forwards = model, 0
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def __call__(self, *a, **kw):
+            self.forwards += 1
+            if self.forwards == 4:
+                shutil.rmtree(state)
+                state.write_text("in the way")
+            return self.model(*a, **kw)
+
+    monkeypatch.setattr(job, "load_model_for", lambda cfg: with_model(tiny_loaded, DirectoryGoesAway(tiny_loaded[0])))
+    assert main(["run", str(toml), "--json", "--save-state", str(state)]) == 2
+    out, err = capsys.readouterr()
+    result = json.loads(out)  # the whole report, printed before the error
+    assert result["complete"] is True and [r["samples"] for r in result["requests"]] == outputs
+    assert result["saved_to"] is None and "the state was not saved" in result["save_error"]
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"kvlayout: error: --save-state {state}: the state was not saved: ")
+    assert line.endswith(f"; nothing is saved in {state}")
+
+
+def test_save_state_with_a_layout_that_cannot_save_is_refused_before_running(
+    tmp_path, tiny_dir, three_installed, capsys
+):
+    toml = write_toml(tmp_path, tiny_dir, "mlx:cell")
+    assert main(["run", str(toml), "--layout", "test:three", "--save-state", str(tmp_path / "state")]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing ran
+    assert err == "kvlayout: error: layout test:three cannot save its cache; --save-state needs one that can\n"

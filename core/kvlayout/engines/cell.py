@@ -28,7 +28,8 @@ from kvlayout.engines.records import (
     unplanned,
 )
 from kvlayout.engines.recovery import ForwardFailed, guarded_forward
-from kvlayout.errors import CapacityError, StateError
+from kvlayout.engines import saved
+from kvlayout.errors import CapacityError, KVLayoutError
 
 
 @attrs.define(eq=False)
@@ -160,26 +161,71 @@ class CellEngine:
         }
 
     def restore(self, state: dict, requests: Sequence[Request]) -> None:
-        """StateError when `state` is not a cell engine's, or a running sequence holds another
-        number of positions in the cache than `state` says."""
-        if state.get("kind") != "cell":
-            raise StateError(f"saved by the {state.get('kind')} engine, resumed by another")
-        running = []
-        for d in state["running"]:
-            r = requests[d["request"]]
-            s = Running(d["seq_id"], r, [r.samples[j] for j in d["samples"]], list(d["tokens"]), d["admitted"], d["cached"])
-            if self.bc.next_pos(s.seq_id) != s.cached:
-                raise StateError(
-                    f"sequence {s.seq_id} holds {self.bc.next_pos(s.seq_id)} position(s) in the cache, "
-                    f"the run says {s.cached}"
+        """Take up `state` over `requests` (their samples already restored). StateError, naming
+        the field by its path in `state` and changing nothing, when it is not what `state()`
+        gives for them: another engine's, a value of the wrong kind or out of range, a
+        sequence's tokens other than its request's prompt and sample's tokens, an unfinished
+        sample held nowhere or twice, a running sequence holding another number of positions
+        in the cache than it says."""
+        if isinstance(state, dict) and state.get("kind", "cell") != "cell":
+            raise saved.refuse("kind", f"saved by the {saved.name(state['kind'])} engine, resumed by another")
+        state = saved.table(state, "", ("kind", "admissions", "running", "queue"))
+        admissions = saved.integer(state["admissions"], "admissions", 0)
+        held: dict[tuple[int, int], str] = {}  # (request, sample) -> where the state holds it
+        running, ids = [], set()
+        for i, d in enumerate(saved.array(state["running"], "running")):
+            where = f"running[{i}]"
+            d = saved.table(d, where, ("seq_id", "request", "samples", "tokens", "admitted", "cached"))
+            r, samples, tokens = self._unit(d, where, requests, held)
+            seq_id = saved.integer(d["seq_id"], f"{where}.seq_id", 0)
+            if seq_id in ids:
+                raise saved.refuse(f"{where}.seq_id", f"sequence {seq_id} is running twice")
+            ids.add(seq_id)
+            admitted = saved.integer(d["admitted"], f"{where}.admitted", 0, admissions - 1)
+            cached = saved.integer(d["cached"], f"{where}.cached", 0, len(tokens) - 1)
+            try:
+                in_cache = self.bc.next_pos(seq_id)
+            except KVLayoutError:
+                raise saved.refuse(f"{where}.seq_id", f"the cache holds no sequence {seq_id}") from None
+            if in_cache != cached:
+                raise saved.refuse(
+                    f"{where}.cached", f"sequence {seq_id} holds {in_cache} position(s) in the cache, the run says {cached}"
                 )
-            running.append(s)
-        waiting = [
-            Waiting(requests[d["request"]], [requests[d["request"]].samples[j] for j in d["samples"]], list(d["tokens"]))
-            for d in state["queue"]
-        ]
+            running.append(Running(seq_id, r, samples, tokens, admitted, cached))
+        waiting = []
+        for i, d in enumerate(saved.array(state["queue"], "queue")):
+            where = f"queue[{i}]"
+            d = saved.table(d, where, ("request", "samples", "tokens"))
+            waiting.append(Waiting(*self._unit(d, where, requests, held)))
+        for r in requests:
+            for s in r.samples:
+                if s.finish_reason is None and (r.index, s.index) not in held:
+                    raise saved.refuse("queue", f"request {r.index}'s sample {s.index} is unfinished but neither running nor queued")
         self.running, self.queue = running, collections.deque(waiting)
-        self._admissions = state["admissions"]
+        self._admissions = admissions
+
+    @staticmethod
+    def _unit(d: dict, where: str, requests: Sequence[Request], held: dict) -> tuple[Request, list[Sample], list[int]]:
+        """A saved sequence's request, samples and tokens, checked; its samples noted in `held`."""
+        r = requests[saved.integer(d["request"], f"{where}.request", 0, len(requests) - 1)]
+        indices = saved.array(d["samples"], f"{where}.samples", minimum=1)
+        samples = []
+        for k, j in enumerate(indices):
+            path = f"{where}.samples[{k}]"
+            s = r.samples[saved.integer(j, path, 0, len(r.samples) - 1)]
+            if s.finish_reason is not None:
+                raise saved.refuse(path, f"request {r.index}'s sample {j} is finished ({s.finish_reason}); nothing of it runs")
+            if (r.index, j) in held:
+                raise saved.refuse(path, f"request {r.index}'s sample {j} is also at {held[r.index, j]}")
+            held[r.index, j] = where
+            samples.append(s)
+        # One sample: its prompt and what it generated; several (a prompt being prefilled): the prompt.
+        expected = list(r.prompt) + (list(samples[0].generated) if len(samples) == 1 else [])
+        if len(samples) > 1 and any(s.generated for s in samples):
+            raise saved.refuse(f"{where}.samples", "a prompt still prefilling for several samples, one of which generated")
+        if d["tokens"] != expected or any(type(t) is not int for t in d["tokens"]):
+            raise saved.refuse(f"{where}.tokens", f"not request {r.index}'s prompt and its sample's tokens so far")
+        return r, samples, expected
 
     # -- recovery
 

@@ -53,7 +53,9 @@ class Engine(Protocol):
 
         Replaces any queued work: `run()` or `step()` then carries on where the
         saved run stopped. StateError, changing nothing, when `state` is another
-        engine's or disagrees with the cache.
+        engine's, is not what `state()` gives for these requests, or disagrees
+        with the cache; its message starts with the field's path in `state`
+        (`running[0].cached`), read with `engines.saved`.
         """
         ...
 

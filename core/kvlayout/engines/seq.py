@@ -21,7 +21,8 @@ from kvlayout.engines.records import (
     unplanned,
 )
 from kvlayout.engines.recovery import ForwardFailed, Interrupted, guarded_forward
-from kvlayout.errors import CapacityError, StateError
+from kvlayout.engines import saved
+from kvlayout.errors import CapacityError
 
 
 @attrs.define(eq=False)
@@ -111,17 +112,28 @@ class SeqEngine:
 
     def restore(self, state: dict, requests: Sequence[Request]) -> None:
         """The queue becomes the unfinished samples of `requests`; the first of them continues
-        from the cache when it is the one `state` names. StateError when `state` is not a seq
-        engine's, or the cache holds another number of that unfinished sample's tokens."""
-        if state.get("kind") != "seq":
-            raise StateError(f"saved by the {state.get('kind')} engine, resumed by another")
+        from the cache when it is the one `state` names. StateError, naming the field by its
+        path in `state` and changing nothing, when `state` is not what `state()` gives for
+        them: another engine's, a value of the wrong kind or out of range, a sample named that
+        is finished or not the next to run, or a cache holding another number of its tokens."""
+        if isinstance(state, dict) and state.get("kind", "seq") != "seq":
+            raise saved.refuse("kind", f"saved by the {saved.name(state['kind'])} engine, resumed by another")
+        state = saved.table(state, "", ("kind", "current", "cached"))
         resume = None
-        if state["current"] is not None:
-            r, j = state["current"]
-            if requests[r].samples[j].finish_reason is None:  # a finished one needs nothing of the cache
-                if self.control.length != state["cached"]:
-                    raise StateError(f"the cache holds {self.control.length} token(s), the run says {state['cached']}")
-                resume = (r, j, state["cached"])
+        if state["current"] is None:
+            saved.integer(state["cached"], "cached", 0, 0)
+        else:
+            current = saved.array(state["current"], "current", length=2)
+            r = requests[saved.integer(current[0], "current[0]", 0, len(requests) - 1)]
+            s = r.samples[saved.integer(current[1], "current[1]", 0, len(r.samples) - 1)]
+            # The samples run in order: the one in the cache is the first unfinished one.
+            first = next(((q, x) for q in requests for x in q.samples if x.finish_reason is None), None)
+            if first is None or (first[0].index, first[1].index) != (r.index, s.index):
+                raise saved.refuse("current", f"request {r.index}'s sample {s.index} is not the next unfinished sample")
+            cached = saved.integer(state["cached"], "cached", 0, len(r.prompt) + len(s.generated) - 1)
+            if self.control.length != cached:
+                raise saved.refuse("cached", f"the cache holds {self.control.length} token(s), the run says {cached}")
+            resume = (r.index, s.index, cached)
         self._resume = resume
         self.generating = None
         self.queue.clear()

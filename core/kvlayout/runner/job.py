@@ -33,7 +33,7 @@ from kvlayout.runner.prompts import Prompt, build_prompts
 from kvlayout.runner.records import OnText, RunResult, SampleResult, TextEvent
 from kvlayout.runner.text import SampleText
 
-__all__ = ["Job", "RunResult", "load_model_for", "prepare", "run"]
+__all__ = ["Job", "RunInterrupted", "RunResult", "load_model_for", "prepare", "run"]
 
 
 def check_capacity(cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
@@ -123,6 +123,18 @@ class Job:
     resumed: Any = None  # a resume.RunState when prepared with resume=DIR
     built: list[Prompt] = attrs.field(factory=list)  # each request's prompt: ids, text, messages
     notices: list[str] = attrs.field(factory=list)
+    _fingerprint: dict | None = attrs.field(default=None, init=False, repr=False)
+
+    def fingerprint(self) -> dict:
+        """What a resumed run must share with this one (`resume.fingerprint`), the model's files
+        hashed once, the first time it is asked (before the run, when it saves or resumes)."""
+        if self._fingerprint is None:
+            from kvlayout.runner import resume
+
+            source = model_source(self.cfg)
+            files = None if source is None else resume.model_files(source)
+            self._fingerprint = resume.fingerprint(self.cfg, self.prompts, self.kv_dtype, files)
+        return self._fingerprint
 
     @property
     def planned_tokens(self) -> int:
@@ -143,6 +155,21 @@ class Job:
         control = cache.as_control()  # the engine keeps its steps within control.max_step
         return SeqEngine(self.model, cache, control, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token)
 
+    def new_requests(self) -> list:
+        """The run's requests, fresh: no sample started."""
+        cfg = self.cfg
+        return make_requests(
+            self.prompts, [r.max_tokens for r in cfg.requests], [r.n for r in cfg.requests], cfg.sampling.seed
+        )
+
+    def check_resume(self) -> None:
+        """Take the saved state up on a throwaway engine over fresh requests (nothing runs, the
+        cache is only read), then check run.json's seal: StateError naming what disagrees."""
+        requests = self.new_requests()
+        self.resumed.apply_samples(requests, Stats)
+        self.resumed.restore_engine(self.make_engine(Stats(), lambda n: None), requests)
+        self.resumed.check_seal()
+
     def generate(
         self, progress: OnProgress | None = None, stop=None, save_state=None, on_text: OnText | None = None
     ) -> RunResult:
@@ -155,15 +182,15 @@ class Job:
         steps (`RunResult.complete` False). `save_state` (a directory) gets
         the cache and the run's state when the run ends, early or not, and
         when a Ctrl-C interrupts a forward (the step is aborted first, then
-        `engines.Interrupted` propagates); `prepare(cfg, resume=DIR)`
-        continues from it.
+        `RunInterrupted`, an `engines.Interrupted`, propagates);
+        `prepare(cfg, resume=DIR)` continues from it. A save that fails
+        loses nothing of the run: the result (or the RunInterrupted) carries
+        `save_failed`, which says why and what the directory holds now.
         """
         from kvlayout.runner import resume
 
         cfg, tok, cache = self.cfg, self.tokenizer, self.cache
-        requests = make_requests(
-            self.prompts, [r.max_tokens for r in cfg.requests], [r.n for r in cfg.requests], cfg.sampling.seed
-        )
+        requests = self.new_requests()
         stats = Stats(layout=self.builder.key, kv_dtype=self.kv_dtype, model=self.model_name)
         progress = progress or (lambda n: None)
         if self.resumed is not None:
@@ -187,14 +214,14 @@ class Job:
             else:
                 engine.add(requests)
             complete = engine.run(stop)
-        except Interrupted:
+        except Interrupted as exc:
+            failed = None
             if save_state is not None:
                 stats.wall_s += time.perf_counter() - t0
-                resume.save_run(save_state, self, requests, engine, stats, complete=False)
-            raise
+                failed = self._save(save_state, requests, engine, stats, False)
+            raise RunInterrupted(failed) from exc
         stats.wall_s += time.perf_counter() - t0
-        if save_state is not None:
-            resume.save_run(save_state, self, requests, engine, stats, complete)
+        failed = self._save(save_state, requests, engine, stats, complete) if save_state is not None else None
 
         def text_of(r, s) -> str:
             st = texts[r.index, s.index]
@@ -207,7 +234,36 @@ class Job:
         ]
         prompts = [p.text for p in self.built] or [tok.decode(p) for p in self.prompts]
         messages = [p.messages for p in self.built]
-        return RunResult(requests, outputs, stats, prompts, complete, messages)
+        return RunResult(requests, outputs, stats, prompts, complete, messages, failed)
+
+    def _save(self, directory, requests, engine, stats, complete: bool):
+        """Save the run's state (`resume.save_run`); None, or the SaveFailed saying why it was not."""
+        from kvlayout.runner import resume
+
+        try:
+            resume.save_run(directory, self, requests, engine, stats, complete)
+        except resume.SaveFailed as exc:
+            return exc
+        return None
+
+
+class RunInterrupted(Interrupted):
+    """Ctrl-C inside a forward; the step was aborted. `save_failed`: None when the state was saved
+    (or none was asked for), else the `resume.SaveFailed` saying why not."""
+
+    def __init__(self, save_failed: Exception | None = None):
+        super().__init__()
+        self.save_failed = save_failed
+
+
+def model_source(cfg: RunConfig):
+    """The directory the config's model is loaded from (its identity: `resume.model_files`):
+    a real preset's cached one, or the config's; None for a seeded preset, built in memory."""
+    from kvlayout.models.presets import FETCHED
+
+    if cfg.model.preset in FETCHED:
+        return FETCHED[cfg.model.preset]()
+    return cfg.model_dir()
 
 
 def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
@@ -236,15 +292,19 @@ def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     prompts = [p.ids for p in built]
     check_capacity(cfg, prompts)
     kv_dtype = default_kv_dtype(model.dtype) if cfg.cache.kv_dtype == "auto" else cfg.cache.kv_dtype
+    job = Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, None, None, built, skipped + notices)
     if resume is not None:
         from kvlayout.runner import resume as resuming
 
-        fp = resuming.fingerprint(cfg, prompts, kv_dtype)
-        resumed, cache = resuming.load_run(resume, fp, cache_config(cfg, args, kv_dtype))
+        job.resumed, job.cache = resuming.load_run(
+            resume, job.fingerprint(), cache_config(cfg, args, kv_dtype), args.vocab_size, tok.eos_ids, name
+        )
     else:
-        resumed, cache = None, builder.build(cache_config(cfg, args, kv_dtype))
-    check_faces(f"{builder.key} ({builder.provider()})", cache)
-    return Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, cache, resumed, built, skipped + notices)
+        job.cache = builder.build(cache_config(cfg, args, kv_dtype))
+    check_faces(f"{builder.key} ({builder.provider()})", job.cache)
+    if job.resumed is not None:
+        job.check_resume()  # the engine's state against the cache, and the seal: still before anything runs
+    return job
 
 
 def check_faces(key: str, cache: Any) -> None:

@@ -60,9 +60,13 @@ class RunResult:
     prompts: list[str]  # the prompt text each request ran (a chat as its template rendered it)
     complete: bool = True  # False: stopped early (Ctrl-C with --save-state); samples left unfinished
     messages: list[list[dict] | None] = attrs.field(factory=list)  # a chat request's messages, else None
+    # With a save_state: None when the state was saved, else the error saying why not and what
+    # the directory holds now (resume.SaveFailed); the run's outputs are here all the same.
+    save_failed: Exception | None = None
 
     def to_json(self) -> dict:
         return {
+            "complete": self.complete,
             "layout": self.stats.layout,
             "kv_dtype": self.stats.kv_dtype,
             "model": self.stats.model,

@@ -177,5 +177,6 @@ def failure_line(result: RunResult) -> str | None:
     return f"{len(failed)} of {total} samples failed: {reasons[0]}{more}"
 
 
-def print_json(result: RunResult) -> None:
-    print(json.dumps(result.to_json(), indent=2))
+def print_json(result: RunResult, extra: dict | None = None) -> None:
+    """The result as JSON on stdout; `extra` keys (how a stopped run was saved) after its own."""
+    print(json.dumps({**result.to_json(), **(extra or {})}, indent=2))
