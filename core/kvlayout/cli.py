@@ -404,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         # A user's mistake gets one line and exit 2, never a traceback.
         print(f"kvlayout: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C where no command catches it (reading a prompt, loading a model or the plugins, a bench
+        # row): the user asked to stop, which is no error to trace. (`run` has its own, saving state.)
+        print("kvlayout: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader went away (`| head`): nothing is wrong, and nothing more can be shown. Point
         # stdout at devnull so the interpreter's final flush does not raise again.
