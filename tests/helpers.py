@@ -87,6 +87,18 @@ class TinyStack:
         return x
 
 
+def refused_in_one_line(capsys, *argv: str) -> str:
+    """Run `kvlayout ARGV` in-process: exit 2, one `kvlayout: error:` line on stderr, no traceback; that line."""
+    from kvlayout.cli import main
+
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvlayout: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
 # -- the `kvlayout` command in a subprocess, running this tree's code ---------------------------
 
 ROOT = Path(__file__).resolve().parents[1]

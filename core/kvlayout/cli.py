@@ -214,13 +214,17 @@ def _run_command(args: argparse.Namespace) -> int:
 def _init_model(args: argparse.Namespace) -> int:
     from kvlayout.models import presets
 
+    if args.seed < 0:
+        raise ConfigError(f"--seed {args.seed}: expected an integer >= 0")
     if args.from_gguf:
         from kvlayout.models.gguf import convert_gguf
+        from kvlayout.models.store import write_model_dir
 
-        path = convert_gguf(Path(args.from_gguf), Path(args.dir))
+        gguf = Path(args.from_gguf)
+        path = write_model_dir(Path(args.dir), lambda tmp: convert_gguf(gguf, tmp), force=args.force)
         what = f"the model of {args.from_gguf}"
     else:
-        path = presets.write_preset(args.dir, args.preset, seed=args.seed)
+        path = presets.write_preset(Path(args.dir), args.preset, seed=args.seed, force=args.force)
         what = f"preset {args.preset!r}"
     print(f"wrote {what} to {path}/ ({', '.join(sorted(p.name for p in Path(path).iterdir()))})")
     return 0
@@ -358,7 +362,8 @@ def make_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run_command)
     init = sub.add_parser("init-model", help="write a built-in or converted model in the Hugging Face layout")
     init.add_argument(
-        "dir", type=given, help="directory to write config.json, model.safetensors (and the tokenizer) into"
+        "dir", type=given,
+        help="a new or empty directory to write config.json, model.safetensors (and the tokenizer) into",
     )
     source = init.add_mutually_exclusive_group()
     source.add_argument(
@@ -371,6 +376,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--from-gguf", type=given, metavar="FILE", help="convert a llama-architecture GGUF file instead"
     )
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights (tiny)")
+    init.add_argument("--force", action="store_true", help="replace DIR whole when it is not empty")
     init.set_defaults(func=_init_model)
     bench = sub.add_parser(
         "bench", help="kvlayout beside mlx-lm on the same work (needs the bench extra: pip install 'kvlayout[bench]')"

@@ -2,10 +2,15 @@
 
 Every invalid value raises ConfigError naming the field, the value and what is
 allowed, so a TOML typo is caught before any pool is allocated.
+
+A valid config may still ask for more than the machine has (capacity = 10**12
+cells); each layout knows what it allocates up front and refuses that at build
+through `check_up_front`, stating the bytes, before allocating anything.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 import attrs
@@ -169,3 +174,42 @@ class CacheConfig:
         if self.max_write is not None:  # TOML has no null
             out["max_write"] = self.max_write
         return out
+
+
+# -- what a cache allocates, against what the machine has --------------------------------
+
+
+def machine_memory() -> int | None:
+    """Bytes of physical memory on this machine (`os.sysconf`); None where the OS cannot say."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
+    return total if total > 0 else None
+
+
+def show_bytes(n: int) -> str:
+    """`n` bytes for a person: "7.28 TiB", "455 PiB", "512 B"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            break
+        n /= 1024
+    if unit == "B":
+        return f"{int(n)} B"
+    return f"{n:.3g} {unit}" if n < 1e6 else f"{n:.3e} {unit}"
+
+
+def check_up_front(what: str, parts: Mapping[str, int], fix: str) -> None:
+    """ConfigError when the bytes a cache allocates up front (`parts`, by what holds them) exceed
+    this machine's physical memory: such a request can never be met, and numpy or MLX would
+    refuse it only part way (MemoryError, OverflowError). `what` names the request's fields and
+    values, `fix` what to lower. Nothing is checked where the machine's memory is unknown."""
+    total = sum(parts.values())
+    have = machine_memory()
+    if have is None or total <= have:
+        return
+    detail = "; ".join(f"{name}: {show_bytes(n)}" for name, n in parts.items())
+    raise ConfigError(
+        f"{what}: allocates {show_bytes(total)} ({total} bytes) up front ({detail}), more than this "
+        f"machine's {show_bytes(have)} of memory; {fix}"
+    )

@@ -30,5 +30,7 @@ class SequenceError(KVLayoutError, ValueError):
 
 
 class StateError(KVLayoutError):
-    """A saved state file is truncated, corrupted, of another format version, or does
-    not match the installed layout or the expected config; nothing was loaded."""
+    """A state file cannot be where asked (a path that is no file path, a directory, a
+    directory that does not exist, a write the OS refused: nothing was written), or a
+    saved one is truncated, corrupted, of another format version, or does not match the
+    installed layout or the expected config: nothing was loaded."""

@@ -68,7 +68,8 @@ class CacheControl(Protocol):
         ...
 
     def clear(self) -> None:
-        """Forget everything held; the cache is as built."""
+        """Forget everything held; the cache is as built. Always allowed, in the middle of a
+        forward too (the step in progress is dropped with the rest)."""
         ...
 
 
@@ -89,7 +90,9 @@ class SequenceControl(CacheControl, Protocol):
 
     def rewind(self, new_len: int) -> bool:
         """Shorten to `new_len` tokens; False (nothing changed) where the layout cannot (a ring
-        that already reused the slots below its floor). `rewind(0)` always succeeds."""
+        that already reused the slots below its floor). `rewind(0)` always succeeds. In the
+        middle of a forward, StepError (nothing changed) for a `new_len` that would keep part of
+        the step some layers have not written yet."""
         ...
 
 
@@ -99,6 +102,17 @@ class BatchControl(CacheControl, Protocol):
 
     One forward is one step: `declare_step` names each token's sequence
     first (the admission gate), then the layers place and read the step.
+    In between its first layer and its last, every verb but `clear` (which
+    drops the step with the rest) is refused with StepError, nothing
+    changed: it would leave cells some layers never wrote.
+
+    Ids: the queries (`seq_len`, `next_pos`) answer for any id in
+    `[0, max_seqs)`, 0 for one not live: it holds nothing, as a live empty
+    id does (an id dies when a `seq_rm` leaves it owning nothing, so a
+    runtime asking after one it just trimmed gets a count, not an error).
+    The verbs that act on a sequence (`declare_step`, `seq_clone`'s `src`,
+    `seq_rm`) need it live: SequenceError naming the id, nothing changed.
+    An id out of range is a SequenceError everywhere.
     """
 
     @property
@@ -136,11 +150,13 @@ class BatchControl(CacheControl, Protocol):
         ...
 
     def seq_len(self, seq_id: int) -> int:
-        """Cells `seq_id` owns (0 for an id not live)."""
+        """Cells `seq_id` owns: 0 for an id not live (see the class); SequenceError for an id out of
+        range."""
         ...
 
     def next_pos(self, seq_id: int) -> int:
-        """One past the newest position `seq_id` holds (0 when it holds none)."""
+        """One past the newest position `seq_id` holds: 0 when it holds none, an id not live
+        included (see the class); SequenceError for an id out of range."""
         ...
 
 

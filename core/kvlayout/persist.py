@@ -30,8 +30,12 @@ point leaves the previous file whole.
 key and hands the file to the Builder's `load` callable (a layout opts in by
 filling that field). Everything it refuses (a truncated, corrupted,
 other-version, other-layout or mismatched file) raises StateError and loads
-nothing. This module is tensor-agnostic (bytes and numpy); the MLX
-conversions live in `kvlayout.mlx.tensors`.
+nothing. A `path` that cannot name a state file (not a str or os.PathLike,
+empty, a directory, in a directory that does not exist) is a StateError
+naming it, raised before anything is read or written (`state_path`); so is
+an OSError while writing (the previous file stays whole). This module is
+tensor-agnostic (bytes and numpy); the MLX conversions live in
+`kvlayout.mlx.tensors`.
 """
 
 from __future__ import annotations
@@ -137,6 +141,29 @@ class StateFile:
         return StateError(f"{self.path}: {what}")
 
 
+# -- paths ---------------------------------------------------------------------
+
+
+def state_path(path: Any, writing: bool) -> Path:
+    """`path` as the Path of a state file to read or (`writing`) write; StateError naming it when it
+    cannot be one: not a str or os.PathLike of str, empty, an existing directory, or (writing) in a
+    directory that does not exist. Checked before a layout gathers anything to save."""
+    ok = isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes)
+    try:
+        p = Path(path) if ok else None
+    except TypeError:  # an os.PathLike of bytes
+        p = None
+    if p is None or str(path) == "":
+        raise StateError(
+            f"path={path!r:.80}: expected a file path (a non-empty str or os.PathLike), got {type(path).__name__}"
+        )
+    if p.is_dir():
+        raise StateError(f"path={str(p)!r}: is a directory; expected the path of a state file")
+    if writing and not (p.parent if str(p.parent) else Path(".")).is_dir():
+        raise StateError(f"path={str(p)!r}: its directory {str(p.parent)!r} does not exist")
+    return p
+
+
 # -- writing -------------------------------------------------------------------
 
 
@@ -239,7 +266,9 @@ def save_state(
     tensors: Mapping[str, RawTensor],
     pm: Any = None,
 ) -> Path:
-    """Write one state file atomically; the provider is looked up by `layout` in the registry."""
+    """Write one state file atomically; the provider is looked up by `layout` in the registry.
+    StateError for a `path` that is no file path (`state_path`) or that the OS refuses to write."""
+    path = state_path(path, writing=True)
     if content not in CONTENTS:
         raise KVLayoutError(f"content={content!r}: expected one of {', '.join(CONTENTS)}")
     distribution, version = _provider(layout, pm)
@@ -251,7 +280,10 @@ def save_state(
         "config": config.to_mapping(),
         "state": dict(state),
     }
-    return write_atomic(path, encode(meta, tensors))
+    try:
+        return write_atomic(path, encode(meta, tensors))
+    except OSError as exc:  # write_atomic removed its temporary file; the previous file is whole
+        raise StateError(f"path={str(path)!r}: cannot write the state file ({exc.strerror or exc})") from exc
 
 
 # -- reading -------------------------------------------------------------------
@@ -269,7 +301,7 @@ def read_state(path: str | os.PathLike) -> StateFile:
     read by a second open of `path`; were the file replaced in between, the
     byte-for-byte check refuses the mix.
     """
-    path = Path(path)
+    path = state_path(path, writing=False)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -343,13 +375,16 @@ def load(path: str | os.PathLike, config: CacheConfig | None = None, pm: Any = N
     The layout is found by the file's key through the registry, and must come
     from the distribution that wrote the file (its version may differ: the
     layout checks its own state version). With `config`, the file's config
-    must equal it. Refused (StateError, nothing built) when the file is
-    truncated, corrupted, of another format version, holds one sequence
-    rather than a cache, names a layout not installed (or one that cannot
-    load), or does not match `config`.
+    (a CacheConfig or a mapping of one) must equal it. Refused (StateError,
+    nothing built) when `path` names no file, or the file is truncated,
+    corrupted, of another format version, holds one sequence rather than a
+    cache, names a layout not installed (or one that cannot load), or does
+    not match `config`.
     """
     from kvlayout import registry
 
+    if config is not None:
+        config = CacheConfig.coerce(config)  # ConfigError naming config for anything but a config
     f = read_state(path)
     if f.content != "cache":
         raise f.refuse(f"holds one sequence of {f.layout}, not a cache; load it with load_seq on such a cache")

@@ -97,6 +97,11 @@ class AttendSpec:
     `mask` may be given as a function of no argument that computes it: a
     layout whose `groups` carry the work builds the dense mask only for a
     consumer that reads it (on first access, then kept).
+
+    `queries` (optional): T, the tokens of the step, so the queries attending
+    must number T; `attend()` refuses a q of another length (MLX would
+    broadcast a one-row mask, or none, over it and answer silently). Both
+    shipped layouts set it.
     """
 
     keys: Any
@@ -104,6 +109,7 @@ class AttendSpec:
     mask_kind: MaskKind
     _mask: Any = attrs.field(default=None, alias="mask", repr=False)
     groups: AttendGroups | None = None
+    queries: int | None = None
 
     @property
     def mask(self) -> Any:

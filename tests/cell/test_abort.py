@@ -216,3 +216,26 @@ def test_sequences_continue_exactly_as_without_the_failed_step(fail_layer, windo
         outs[name] = steps
     for got, want in zip(outs["failed"], outs["clean"], strict=True):
         np.testing.assert_array_equal(got, want)  # bit for bit
+
+
+def test_a_verb_between_layers_leaves_no_half_written_step_for_the_next_step_to_read(tmp_path):
+    # Was: seq_new() between layers ended the step, layer 1 was refused, abort_step() said False,
+    # save() wrote the cache, and every later step read zeros for position 0 at layer 1.
+    cache = cell_cache((0, 0))
+    rng = np.random.default_rng(0)
+    k = [mx.array(rng.normal(size=(1, 2, 1, 8)).astype(np.float32)) for _ in range(4)]
+    a = cache.seq_new()
+    assert cache.declare_step([a])
+    cache.update_and_fetch(0, [0], k[0], k[0])
+    with pytest.raises(StepError, match=r"seq_new during a forward: layer\(s\) \[1\]"):
+        cache.seq_new()
+    with pytest.raises(StepError, match=r"save during a forward: layer\(s\) \[1\]"):
+        cache.save(tmp_path / "cache.kv")
+    assert cache.stepper.unserved_layers() == [1]  # still open: abort_step() would take it back
+    cache.update_and_fetch(1, [0], k[1], k[1])  # the forward goes on
+    assert cache.seq_new() == 1
+    cache.save(tmp_path / "cache.kv")
+    assert cache.declare_step([a])
+    cache.update_and_fetch(0, [1], k[2], k[2])
+    spec = cache.update_and_fetch(1, [1], k[3], k[3])
+    np.testing.assert_array_equal(np.array(spec.keys), np.concatenate([np.array(k[1]), np.array(k[3])], axis=2))

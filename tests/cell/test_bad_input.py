@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 
 from kvlayout import CacheConfig, LayerConfig, LayerPolicy
-from kvlayout.errors import KVLayoutError, SequenceError, StepError
+from kvlayout.errors import ConfigError, KVLayoutError, SequenceError, StateError, StepError
+from kvlayout.hookspecs import hookimpl
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
+from kvlayout_cell.table import CellTable
 
 H, D = 2, 4
 WINDOWS = (0, 2, 0)  # flat, ring of 2, flat
@@ -32,7 +34,7 @@ def kv(T, seed=0, dtype=mx.float32, heads=H, dim=D):
     return mx.array(rng.normal(size=(1, heads, T, dim)).astype(np.float32)).astype(dtype)
 
 
-def make(phase: str) -> CellCache:
+def make(phase: str, pm=None) -> CellCache:
     """ids 0 (positions 0..3), 1 (shares 0..1, owns 2..3), 2 (live, empty); 3 not live.
 
     phase "declared": a step for ids [0, 1] is declared; "placed": layer 0 has
@@ -41,7 +43,7 @@ def make(phase: str) -> CellCache:
     layers = [LayerConfig(H, D, LayerPolicy("ring", w) if w else LayerPolicy()) for w in WINDOWS]
     c = CellCache(
         CacheConfig(capacity=16, n_layers=3, layers=layers, kv_dtype="float32", initial_capacity=4, max_seqs=MAX_SEQS),
-        make_plugin_manager(),
+        make_plugin_manager() if pm is None else pm,
     )
     s0 = c.seq_new()
     assert c.declare_step([s0] * 4)
@@ -223,6 +225,148 @@ def test_a_bad_argument_is_refused_by_name_and_changes_nothing(phase, verb, args
     finish(c, phase)
 
 
+# -- verbs in the middle of a forward -----------------------------------------------------------
+
+# Layer 0 has served the step, layers 1 and 2 not yet. Each verb, with good arguments, would end
+# the step with K/V that layers 1 and 2 never wrote in its cells (read as zeros ever after), so it
+# is refused; the forward then goes on. clear() is the one verb that goes ahead (it aborts first).
+MID_FORWARD = {
+    "seq_new": lambda c, d: c.seq_new(),
+    "seq_clone": lambda c, d: c.seq_clone(0),
+    "seq_clone upto": lambda c, d: c.seq_clone(1, 2),
+    "seq_rm of another sequence": lambda c, d: c.seq_rm(2),
+    "seq_rm of the step's own positions": lambda c, d: c.seq_rm(0, 4),
+    "declare_step": lambda c, d: c.declare_step([0, 1]),
+    "declare_step past the free cells": lambda c, d: c.declare_step([2] * 16),
+    "declare_step with a bad id": lambda c, d: c.declare_step([3]),
+    "the BatchControl face's seq_rm": lambda c, d: c.as_batch_control().seq_rm(1),
+    "load_seq": lambda c, d: c.load_seq(d / "one.kv"),
+    "the stepper's place_sequence (what load_seq does)": lambda c, d: c.stepper.place_sequence([0, 1]),
+    "the stepper's restore (what kvlayout.load does)": lambda c, d: c.stepper.restore(
+        *c.stepper.table.occupied(), c.stepper.table.live_ids(), StateError),
+    "save": lambda c, d: c.save(d / "all.kv"),
+    "save_seq": lambda c, d: c.save_seq(0, d / "seq.kv"),
+}
+
+
+@pytest.mark.parametrize("call", MID_FORWARD.values(), ids=MID_FORWARD.keys())
+def test_a_verb_in_the_middle_of_a_forward_is_refused_and_changes_nothing(tmp_path, call):
+    make("none").save_seq(0, tmp_path / "one.kv")
+    c = make("placed")
+    before = state(c)
+    with pytest.raises(StepError, match=r"during a forward: layer\(s\) \[1, 2\]"):
+        call(c, tmp_path)
+    assert_same(state(c), before)
+    assert [p.name for p in tmp_path.iterdir()] == ["one.kv"]  # nothing written
+    finish(c, "placed")
+
+
+class Seen:
+    """Records the steps announced placed and aborted."""
+
+    def __init__(self):
+        self.placed, self.aborted = [], []
+
+    @hookimpl
+    def kvlayout_step_placed(self, step, window):
+        self.placed.append(step)
+
+    @hookimpl
+    def kvlayout_step_aborted(self, step, window):
+        self.aborted.append(step)
+
+
+@pytest.mark.parametrize("phase", ["placed", "declared", "none"])
+def test_clear_in_the_middle_of_a_forward_aborts_the_step_then_clears(phase):
+    pm = make_plugin_manager()
+    seen = Seen()
+    pm.register(seen)
+    c = make(phase, pm)
+    placed = list(seen.placed)
+    c.clear()
+    fresh = make("none")
+    fresh.clear()
+    assert {k: v for k, v in state(c).items() if k != "pools"} == {k: v for k, v in state(fresh).items() if k != "pools"}
+    # Only a half-served step is taken back, and its observers hear it; a complete one is not.
+    assert seen.aborted == (placed[-1:] if phase == "placed" else [])
+    assert c.abort_step() is False and c.stepper.unserved_layers() == []
+    s = c.seq_new()
+    assert c.declare_step([s])
+    for layer in range(c.n_layers):
+        c.update_and_fetch(layer, [0], kv(1), kv(1))
+    assert (c.free_cells, c.used_end) == (15, 1)
+
+
+# -- the cache's views of the open step, its settings, its plugin manager -----------------------
+
+
+def served(c):
+    return c.stepper.served_step(0)  # layer 0's CellStep: the "placed" phase served layer 0 only
+
+
+STEP_VIEWS = {  # (call on a "placed" cache, what the message names)
+    "layer None": (lambda c, view: view(None, served(c)), "layer=None"),
+    "layer a string": (lambda c, view: view("0", served(c)), "layer='0'"),
+    "layer negative": (lambda c, view: view(-1, served(c)), "layer=-1"),
+    "layer past n_layers": (lambda c, view: view(3, served(c)), "layer=3"),
+    "layer 2**70": (lambda c, view: view(HUGE, served(c)), f"layer={HUGE}"),
+    "step None": (lambda c, view: view(0, None), "step=None"),
+    "step a string": (lambda c, view: view(0, "step"), "step='step'"),
+    "a layer the step has not served": (lambda c, view: view(1, served(c)), "step=.*layer 1"),
+}
+
+
+@pytest.mark.parametrize("view", ["step_groups", "step_mask"])
+@pytest.mark.parametrize("call, message", STEP_VIEWS.values(), ids=STEP_VIEWS.keys())
+def test_a_bad_step_view_is_refused_by_name_and_changes_nothing(view, call, message):
+    c = make("placed")
+    before = state(c)
+    with pytest.raises(StepError, match=message):
+        call(c, getattr(c, view))
+    assert_same(state(c), before)
+    getattr(c, view)(0, served(c))  # the right step: its grouping (None: dense) or its mask
+    finish(c, "placed")
+
+
+@pytest.mark.parametrize("view", ["step_groups", "step_mask"])
+def test_a_step_view_of_an_earlier_forward_is_refused(view):
+    # step_groups planned the open step's tokens under the stale step's read_len: a wrong grouping.
+    c = make("placed")
+    earlier = served(c)
+    finish(c, "placed")
+    assert c.declare_step([0, 1])
+    c.update_and_fetch(0, [5, 5], kv(2, 7), kv(2, 8))
+    with pytest.raises(StepError, match="step=.*another step"):
+        getattr(c, view)(0, earlier)
+
+
+@pytest.mark.parametrize("path", ["bogus", "DENSE", "", None, 3, ["dense"]])
+def test_an_unknown_attention_path_is_refused_where_it_is_assigned(path):
+    # Was: accepted, and the next update_and_fetch raised only after placing and writing the step.
+    c = make("declared")
+    c.attention_path = "grouped"
+    before = state(c)
+    with pytest.raises(ConfigError, match=rf"attention_path={re.escape(repr(path))}: expected one of auto, dense, grouped, paged"):
+        c.attention_path = path
+    assert c.attention_path == "grouped"
+    assert_same(state(c), before)
+    finish(c, "declared")
+
+
+@pytest.mark.parametrize("pm", ["pm", 3, object(), CellCache], ids=["a string", "an int", "an object", "a class"])
+def test_a_plugin_manager_that_is_not_one_is_refused_at_build_naming_pm(pm):
+    # Was: built, then an AttributeError at the first step.
+    config = CacheConfig(capacity=8, n_layers=1, layers=[LayerConfig(H, D)], kv_dtype="float32")
+    with pytest.raises(ConfigError, match=r"pm=.*kvlayout_choose_cells"):
+        CellCache(config, pm)
+
+
+@pytest.mark.parametrize("layer", [None, "0", -1, 3, HUGE, 1.0])
+def test_the_stepper_s_window_of_a_bad_layer_is_refused_by_name(layer):
+    with pytest.raises(StepError, match=f"layer={re.escape(repr(layer))}"):
+        make("none").stepper.window(layer)
+
+
 K, V = kv(2, 5), kv(2, 6)
 
 UPDATE = [
@@ -278,3 +422,95 @@ def test_a_bad_update_and_fetch_is_refused_by_name_before_anything_is_written(ph
 def test_a_cache_built_from_something_not_a_config_is_refused_by_name(config):
     with pytest.raises(KVLayoutError, match="config"):
         CellCache(config, make_plugin_manager())
+
+
+# -- sizes: what a cache allocates up front, against the machine ------------------------------
+
+SIZES = {
+    "capacity 10**12": (dict(capacity=10**12), r"capacity=1000000000000 .*21\.8 TiB"),
+    "max_seqs 10**15": (dict(capacity=4096, max_seqs=10**15), r"max_seqs=1000000000000000: .*470 PiB"),
+    "capacity 2**63-1": (dict(capacity=2**63 - 1), rf"capacity={2**63 - 1} .*PiB"),
+    "capacity and max_seqs 2**40": (dict(capacity=2**40, max_seqs=2**40), rf"capacity={2**40} and max_seqs={2**40}"),
+}
+
+
+@pytest.mark.parametrize("sizes, message", SIZES.values(), ids=SIZES.keys())
+def test_a_cache_larger_than_any_machine_is_a_config_error_stating_its_bytes(sizes, message):
+    # Not a MemoryError or OverflowError from numpy part way: refused before anything is allocated.
+    config = CacheConfig(n_layers=2, layers=[LayerConfig(H, D)], kv_dtype="float32", **{"max_seqs": 64, **sizes})
+    with pytest.raises(ConfigError, match=message) as info:
+        CellCache(config, make_plugin_manager())
+    assert "up front" in str(info.value) and "more than this machine's" in str(info.value)
+    with pytest.raises(ConfigError, match="capacity="):  # the neutral table on its own, too
+        CellTable(config.capacity, config.max_seqs)
+
+
+def up_front(capacity, max_seqs, layers, initial):
+    """The bytes the design says a cell cache allocates up front, worked by hand: per cell a
+    position, owner words (one per 64 ids) and a free-list entry; per id two int64 and a bool;
+    per layer a K and a V pool of `initial` slots (float32)."""
+    return capacity * (8 + 8 * -(-max_seqs // 64) + 8) + max_seqs * (8 + 8 + 1) + layers * 2 * initial * H * D * 4
+
+
+# initial_capacity, and the slots each pool starts with: whole pages of 256 once past one page
+@pytest.mark.parametrize("capacity, max_seqs, initial, slots", [(300, 65, 16, 16), (16, 4, 4, 4), (1000, 200, 600, 768)])
+def test_the_up_front_bytes_are_refused_exactly_past_the_machine_s_memory(monkeypatch, capacity, max_seqs, initial, slots):
+    import kvlayout.config
+
+    need = up_front(capacity, max_seqs, 3, slots)
+    config = CacheConfig(capacity=capacity, n_layers=3, layers=[LayerConfig(H, D)], kv_dtype="float32",
+                         initial_capacity=initial, max_seqs=max_seqs)
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need)
+    c = CellCache(config, make_plugin_manager())
+    assert c.capacity == capacity
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need - 1)
+    with pytest.raises(ConfigError, match=rf"allocates .* \({need} bytes\) up front"):
+        CellCache(config, make_plugin_manager())
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: None)  # the OS cannot say: not checked
+    CellCache(config, make_plugin_manager())
+
+
+@pytest.mark.parametrize("layer, message", [(LayerConfig(2**40, D), "n_kv_heads"), (LayerConfig(H, 2**33), "head_dim")])
+def test_a_layer_wider_than_an_mlx_dimension_is_refused_at_build_naming_the_field(layer, message):
+    # Was: OverflowError from mx.zeros (with initial_capacity 0 nothing else is allocated).
+    with pytest.raises(ConfigError, match=rf"layer 0: LayerConfig.{message}=\d+: expected at most 2147483647"):
+        CellCache(CacheConfig(capacity=8, n_layers=1, layers=[layer], initial_capacity=0), make_plugin_manager())
+
+
+def test_a_capacity_past_what_an_mlx_pool_can_index_is_refused_on_any_machine(monkeypatch):
+    import kvlayout.config
+
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: 2**62)  # a machine with room for the table
+    top = 2**31 - 256  # the most cells whose pools, in whole pages of 256 slots, stay within int32
+    with pytest.raises(ConfigError, match=rf"capacity={top + 1} .*2147483648 slots.*expected capacity <= {top}"):
+        CellCache(CacheConfig(capacity=top + 1, n_layers=1, layers=[LayerConfig(H, D)], max_seqs=1), make_plugin_manager())
+
+
+# -- ids not live: the queries answer, the verbs refuse ------------------------------------------
+
+
+def test_an_id_not_live_is_answered_0_by_the_queries_and_refused_by_every_verb_acting_on_it(tmp_path):
+    c = make("none")
+    bc = c.as_batch_control()
+    c.seq_rm(2)  # live and empty until now: the seq_rm that leaves it owning nothing releases it
+    assert c.declare_step([0, 1])  # a standing declaration: the refusals below leave it standing
+    before = state(c)
+    for target in (c, bc):
+        for dead in (2, 3):
+            assert (target.seq_len(dead), target.next_pos(dead)) == (0, 0)  # as a live empty id would
+            refusals = [
+                (lambda: target.declare_step([0, dead]), r"seq_ids\[1\]"),
+                (lambda: target.seq_clone(dead), "src"),
+                (lambda: target.seq_rm(dead), "seq_id"),
+                (lambda: c.save_seq(dead, tmp_path / "s.kv"), "seq_id"),
+            ]
+            for call, name in refusals:
+                with pytest.raises(SequenceError, match=rf"{name}={dead}: expected a live sequence"):
+                    call()
+        for far in (-1, MAX_SEQS, HUGE):  # out of range: refused by the queries too
+            for query in (target.seq_len, target.next_pos):
+                with pytest.raises(SequenceError, match=f"seq_id={far}"):
+                    query(far)
+    assert_same(state(c), before)
+    assert list(tmp_path.iterdir()) == []
+    finish(c, "declared")

@@ -65,6 +65,7 @@ def test_the_faces_drive_the_cache_they_came_from():
     assert bc.declare_step([s, s])
     assert cs.place_step(0, [0, 1]).cells.tolist() == [0, 1]
     assert (c.seq_len(s), bc.free_cells, bc.used_end) == (2, 14, 2)
+    cs.place_step(1, [0, 1])  # the forward's last layer: a verb may follow
     bc.seq_rm(s)
     assert (c.free_cells, c.used_end, bc.seq_len(s)) == (16, 0, 0)
 
@@ -110,7 +111,7 @@ def test_a_windowed_layer_hides_older_cells_while_a_flat_one_does_not():
 
 
 def test_pools_grow_from_two_slots_and_keep_earlier_cells():
-    c = cache(capacity=16, initial_capacity=2)
+    c = cache(capacity=16, initial_capacity=2, n_layers=1)
     s0 = c.seq_new()
     assert c.key_pools[0].slots == 2 and c.key_pools[0].max_slots == 16
     k0, v0 = kv(2, seed=0)

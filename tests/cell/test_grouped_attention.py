@@ -272,12 +272,15 @@ def test_a_grouped_step_builds_its_dense_mask_only_when_read_even_after_the_tabl
     for c in caches.values():
         a, b = c.seq_new(), c.seq_new()
         assert c.declare_step([a, a, b])
-        c.update_and_fetch(0, [0, 1, 0], mx.zeros((1, H_KV, 3, D)), mx.zeros((1, H_KV, 3, D)))
+        for layer in range(len(LAYERS)):
+            c.update_and_fetch(layer, [0, 1, 0], mx.zeros((1, H_KV, 3, D)), mx.zeros((1, H_KV, 3, D)))
     specs = {}
     for path, c in caches.items():
         assert c.declare_step([a, b])
         specs[path] = c.update_and_fetch(0, [2, 1], mx.zeros((1, H_KV, 2, D)), mx.zeros((1, H_KV, 2, D)))
         assert (specs[path].groups is not None) == (path in ("grouped", "paged"))
+        for layer in range(1, len(LAYERS)):  # the forward's other layers (layer 0's spec is the one read below)
+            c.as_cell_stepper().place_step(layer, [2, 1])
     built = []
     table = caches["grouped"].stepper.table
     visible = table.visible

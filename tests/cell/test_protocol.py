@@ -79,28 +79,31 @@ def test_a_layer_out_of_range_is_refused():
     assert t.place_step(1, [0]).cells.tolist() == [0]
 
 
-def test_a_declaration_beyond_the_free_cells_is_false_and_leaves_the_step_standing():
+def test_a_declaration_beyond_the_free_cells_is_false_and_leaves_the_last_one_standing():
     t = stepper(capacity=4)
     s0 = t.seq_new()
+    fill(t, s0, [0])
     assert t.declare_step([s0] * 3)
-    t.place_step(0, [0, 1, 2])
     before = snapshot(t)
-    assert not t.can_extend(2) and t.can_extend(1)
-    assert t.declare_step([s0, s0]) is False
+    assert not t.can_extend(4) and t.can_extend(3)
+    assert t.declare_step([s0] * 4) is False
     assert snapshot(t) == before
-    assert t.place_step(1, [0, 1, 2]).cells.tolist() == [0, 1, 2]  # the placed step still stands
+    assert t.place_step(1, [1, 2, 3]).cells.tolist() == [1, 2, 3]  # the declaration still stands
 
 
-def test_a_verb_between_layers_ends_the_step():
+def test_a_verb_between_layers_is_refused_and_the_forward_goes_on():
     t = stepper()
     s0 = t.seq_new()
     assert t.declare_step([s0, s0])
     t.place_step(0, [0, 1])
-    t.seq_new()
     before = snapshot(t)
+    with pytest.raises(StepError, match=r"seq_new during a forward: layer\(s\) \[1\] of the placed step were not served"):
+        t.seq_new()
+    assert snapshot(t) == before and t.unserved_layers() == [1]
+    assert t.place_step(1, [0, 1]).cells.tolist() == [0, 1]
+    assert t.seq_new() == 1  # the forward is complete: verbs go ahead, and end the step
     with pytest.raises(StepError, match=r"no step declared \(a verb since the last declaration ended that step\)"):
         t.place_step(1, [0, 1])
-    assert snapshot(t) == before
 
 
 def test_a_verb_after_a_declaration_ends_it_and_is_no_declaration_itself():
@@ -113,14 +116,18 @@ def test_a_verb_after_a_declaration_ends_it_and_is_no_declaration_itself():
         t.place_step(0, [2])
 
 
-def test_a_new_declaration_ends_a_step_whose_layers_were_not_all_served():
+def test_a_new_declaration_is_refused_until_every_layer_served_the_step():
     t = stepper()
     s0 = t.seq_new()
     assert t.declare_step([s0])
     t.place_step(0, [0])
+    before = snapshot(t)
+    with pytest.raises(StepError, match=r"declare_step during a forward: layer\(s\) \[1\]"):
+        t.declare_step([s0])
+    assert snapshot(t) == before
+    t.place_step(1, [0])
     assert t.declare_step([s0])
-    st = t.place_step(0, [1])
-    assert st.cells.tolist() == [1]
+    assert t.place_step(0, [1]).cells.tolist() == [1]
 
 
 class Answer:

@@ -83,6 +83,7 @@ def test_a_thousand_sequences_fit_in_one_table():
     assert t.declare_step(ids)
     st = t.place_step(0, [0] * 1000)
     assert np.array_equal(st.mask, np.eye(1000, dtype=bool))
+    t.place_step(1, [0] * 1000)  # the forward's last layer
     t.seq_rm(999)
     fork = t.seq_clone(998)
     assert fork == 999 and t.seq_len(fork) == 1

@@ -10,7 +10,9 @@ Hypothesis drives seq_new, seq_clone (with and without upto), seq_rm over
 random ranges, clear, declare_step, and place_step over random layers of a
 random mix of flat and ring layers (some windows equal), plus calls that must
 be refused: ids out of range or not live, a miscounted step, a position not
-newer than its sequence holds, a layer served twice, a step never declared.
+newer than its sequence holds, a layer served twice, a step never declared,
+and every verb but clear while a placed step is half served (a forward in
+progress: clear aborts it and clears).
 Each refusal must leave every observable number as it was, and the standing
 declaration must still serve. After every rule the free count, used_end and
 each id's seq_len and next_pos equal the model's; every placed step's cells
@@ -139,6 +141,17 @@ class CellTableMachine(RuleBasedStateMachine):
     def live(self):
         return sorted(self.m.live)
 
+    def half_served(self) -> bool:
+        """A step is placed and some layer has not served it: every verb but clear is refused."""
+        return self.m.placed is not None and len(self.m.placed["served"]) < len(self.windows)
+
+    def refused_mid_forward(self, call) -> bool:
+        """When a step is half served, `call()` is refused (StepError), changing nothing; True then."""
+        if not self.half_served():
+            return False
+        self.refused(StepError, call, match="during a forward")
+        return True
+
     def observed(self):
         t = self.t
         per_id = [(t.seq_len(s), t.next_pos(s)) for s in range(t.max_seqs)]
@@ -179,14 +192,16 @@ class CellTableMachine(RuleBasedStateMachine):
 
     @rule()
     def seq_new(self):
-        assert self.t.seq_new() == self.m.seq_new()
+        if not self.refused_mid_forward(self.t.seq_new):
+            assert self.t.seq_new() == self.m.seq_new()
 
     @precondition(lambda self: self.m.live)
     @rule(data=st.data())
     def seq_clone(self, data):
         src = data.draw(st.sampled_from(self.live()), label="src")
         upto = data.draw(st.none() | st.integers(0, self.m.next_pos(src) + 1), label="upto")
-        assert self.t.seq_clone(src, upto) == self.m.seq_clone(src, upto)
+        if not self.refused_mid_forward(lambda: self.t.seq_clone(src, upto)):
+            assert self.t.seq_clone(src, upto) == self.m.seq_clone(src, upto)
 
     @precondition(lambda self: self.m.live)
     @rule(data=st.data())
@@ -195,13 +210,15 @@ class CellTableMachine(RuleBasedStateMachine):
         top = self.m.next_pos(s) + 1
         p0 = data.draw(st.integers(0, top), label="p0")
         p1 = data.draw(st.none() | st.integers(p0, top + 1), label="p1")
-        self.t.seq_rm(s, p0, p1)
-        self.m.seq_rm(s, p0, p1)
+        if not self.refused_mid_forward(lambda: self.t.seq_rm(s, p0, p1)):
+            self.t.seq_rm(s, p0, p1)
+            self.m.seq_rm(s, p0, p1)
 
     @rule()
     def clear(self):
-        self.t.clear()
+        self.t.clear()  # a half-served step is aborted first: the model forgets it with the rest
         self.m.clear()
+        assert self.t.unserved_layers() == []
 
     # -- steps ---------------------------------------------------------------
 
@@ -209,6 +226,8 @@ class CellTableMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def declare(self, data):
         ids = data.draw(st.lists(st.sampled_from(self.live()), min_size=1, max_size=6), label="seq_ids")
+        if self.refused_mid_forward(lambda: self.t.declare_step(ids)):
+            return
         fits = len(ids) <= len(self.m.free())
         assert self.t.declare_step(ids) is fits  # False only for lack of free cells
         if fits:
@@ -276,12 +295,14 @@ class CellTableMachine(RuleBasedStateMachine):
             bad = data.draw(out_of_range, label="bad id")
         else:
             bad = data.draw(out_of_range | st.sampled_from(dead), label="bad id")
+        # mid-forward, a verb is refused for the forward before its arguments are looked at
+        error, at = (StepError, "during a forward") if self.half_served() and verb not in ("seq_len", "next_pos") else (SequenceError, None)
         if verb == "declare_step":
             ids = data.draw(st.lists(st.sampled_from(self.live()), max_size=3), label="live ids") if self.m.live else []
             ids.insert(data.draw(st.integers(0, len(ids)), label="at"), bad)
-            self.refused(SequenceError, lambda: self.t.declare_step(ids), match=r"seq_ids\[")
+            self.refused(error, lambda: self.t.declare_step(ids), match=at or r"seq_ids\[")
         else:
-            self.refused(SequenceError, lambda: getattr(self.t, verb)(bad), match=f"={bad}")
+            self.refused(error, lambda: getattr(self.t, verb)(bad), match=at or f"={bad}")
 
     @precondition(lambda self: self.m.declared is not None)
     @rule(data=st.data())

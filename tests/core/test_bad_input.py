@@ -10,13 +10,16 @@ the registry are compared before and after.
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout import CacheConfig, ConfigError, KVLayoutError, LayerConfig, LayerPolicy, LayoutNotFound
-from kvlayout.mlx import MLXPool
+from kvlayout import AttendSpec, CacheConfig, ConfigError, KVLayoutError, LayerConfig, LayerPolicy, LayoutNotFound, MaskKind, StateError
+from kvlayout.config import machine_memory, show_bytes
+from kvlayout.mlx import MAX_SLOTS, MLXPool
 from kvlayout.registry import available, build, make_plugin_manager, resolve
 from kvlayout.runner.config import RunConfig, load_config
 
@@ -283,3 +286,204 @@ def test_a_config_path_that_is_not_a_path_is_refused_by_name(path):
 
 def test_a_missing_config_file_is_refused_naming_it(tmp_path):
     raises_naming(ConfigError, "nothere.toml", lambda: load_config(tmp_path / "nothere.toml"))
+
+
+# -- sizes: what is allocated up front, against the machine ------------------------------------
+
+
+def test_machine_memory_is_the_physical_memory_the_os_reports():
+    assert machine_memory() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@pytest.mark.parametrize("n, shown", [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (8 * 10**12, "7.28 TiB"),
+                                      (455 * 2**50, "455 PiB"), (10**24, "8.882e+08 PiB")])
+def test_bytes_are_shown_in_binary_units(n, shown):
+    assert show_bytes(n) == shown
+
+
+def test_a_pool_past_what_an_mlx_array_can_index_is_refused_naming_max_slots():
+    raises_naming(ConfigError, f"max_slots={2**31}", lambda: MLXPool(0, 2**31, H, D))
+    raises_naming(ConfigError, f"n_heads={2**31}", lambda: MLXPool(0, 4, 2**31, D))  # was OverflowError
+    raises_naming(ConfigError, f"head_dim={2**40}", lambda: MLXPool(0, 4, H, 2**40))
+    assert MLXPool(0, MAX_SLOTS, H, D).max_slots == MAX_SLOTS  # lazily allocated: nothing yet
+
+
+def test_a_pool_whose_initial_slots_exceed_the_machine_is_refused_stating_its_bytes(monkeypatch):
+    import kvlayout.config
+
+    need = 100 * H * D * 4  # float32
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need)
+    assert MLXPool(100, 200, H, D, "float32").nbytes == need
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need - 1)
+    error = raises_naming(ConfigError, "initial_slots=100", lambda: MLXPool(100, 200, H, D, "float32"))
+    assert f"({need} bytes) up front" in str(error)
+
+
+@pytest.mark.parametrize("layout", ["mlx:cell", "mlx:seq"])
+@pytest.mark.parametrize("sizes", ["capacity = 1000000000000", "capacity = 9223372036854775807",
+                                   "capacity = 4096\nmax_seqs = 1000000000000000"])
+def test_kvlayout_run_refuses_a_cache_larger_than_the_machine_in_one_line(tmp_path, capsys, layout, sizes):
+    from kvlayout.cli import main
+
+    path = tmp_path / "run.toml"
+    path.write_text(f'[cache]\n{sizes}\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\nmax_tokens = 2\n')
+    code = main(["run", str(path), "--layout", layout])
+    err = capsys.readouterr().err.strip().splitlines()
+    if layout == "mlx:seq" and "max_seqs" in sizes:  # one sequence at a time: max_seqs holds nothing
+        assert code == 0
+        return
+    assert code == 2 and len(err) == 1 and err[0].startswith("kvlayout: error:"), err
+    assert "capacity=" in err[0] and re.search(r"\d (TiB|PiB|GiB)", err[0]), err[0]
+
+
+# -- saving and loading: the path ----------------------------------------------------------------
+
+SMALL = CacheConfig(capacity=8, n_layers=2, layers=[L], kv_dtype="float32")
+
+PATHS = {  # (path under tmp_path, or a value; what the message says)
+    "None": (None, "path=None: expected a file path"),
+    "an int": (5, "path=5: expected a file path"),
+    "a float": (1.5, "path=1.5: expected a file path"),
+    "a list": (["x.kv"], r"path=\['x.kv'\]: expected a file path"),
+    "bytes": (b"x.kv", "path=b'x.kv': expected a file path"),
+    "empty": ("", "path='': expected a file path"),
+    "a directory": ("adir", "is a directory"),
+    "the current directory": (".", "path='.': is a directory"),
+}
+WRITE_ONLY = {  # a file can be read from neither, but these say more when writing
+    "in a missing directory": ("nodir/x.kv", "its directory .*nodir' does not exist"),
+    "under a file": ("afile/x.kv", "its directory .*afile' does not exist"),
+}
+
+
+def at(tmp_path, path):
+    (tmp_path / "adir").mkdir(exist_ok=True)
+    (tmp_path / "afile").write_bytes(b"x")
+    return tmp_path / path if isinstance(path, str) and path not in ("", ".") else path
+
+
+def files(tmp_path):
+    return sorted(p.name for p in tmp_path.rglob("*"))
+
+
+def saved_caches():
+    cell, seq = build("mlx", "cell", SMALL), build("mlx", "seq", SMALL)
+    s = cell.seq_new()
+    assert cell.declare_step([s])
+    for layer in range(2):
+        cell.update_and_fetch(layer, [0], mx.ones((1, H, 1, D)), mx.ones((1, H, 1, D)))
+        seq.update_and_fetch(layer, [0], mx.ones((1, H, 1, D)), mx.ones((1, H, 1, D)))
+    return {"cell save": cell.save, "cell save_seq": lambda p: cell.save_seq(s, p), "seq save": seq.save}
+
+
+@pytest.mark.parametrize("path, message", [*PATHS.values(), *WRITE_ONLY.values()], ids=[*PATHS, *WRITE_ONLY])
+@pytest.mark.parametrize("save", ["cell save", "cell save_seq", "seq save"])
+def test_a_save_to_something_that_is_no_file_path_is_refused_naming_it_and_writes_nothing(tmp_path, save, path, message):
+    # Was: TypeError (None), IsADirectoryError, FileNotFoundError, OSError from os.replace ('').
+    path = at(tmp_path, path)
+    before = files(tmp_path)
+    with pytest.raises(StateError, match=message):
+        saved_caches()[save](path)
+    assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("path, message", PATHS.values(), ids=PATHS.keys())
+@pytest.mark.parametrize("load", ["kvlayout.load", "load_seq"])
+def test_a_load_from_something_that_is_no_file_path_is_refused_naming_it(tmp_path, load, path, message):
+    import kvlayout
+
+    cell = build("mlx", "cell", SMALL)
+    call = kvlayout.load if load == "kvlayout.load" else cell.load_seq
+    with pytest.raises(StateError, match=message):
+        call(at(tmp_path, path))
+    assert (cell.free_cells, cell.used_end, cell.stepper.table.live_ids().tolist()) == (8, 0, [])
+
+
+def test_a_write_the_os_refuses_is_a_state_error_naming_the_path_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    import errno
+
+    from kvlayout import persist
+
+    path = tmp_path / "c.kv"
+    saves = saved_caches()
+    saves["cell save"](path)
+    before = path.read_bytes()
+
+    def full(f, chunk):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persist, "_write_chunk", full)
+    with pytest.raises(StateError, match=r"path='.*c.kv': cannot write the state file \(No space left on device\)"):
+        saves["seq save"](path)
+    assert path.read_bytes() == before and files(tmp_path) == ["c.kv"]
+
+
+@pytest.mark.parametrize("config", [{"capacity": 8}, "capacity=8", 8], ids=["a bad mapping", "a string", "an int"])
+def test_load_with_a_config_that_is_not_one_is_refused_naming_it(tmp_path, config):
+    import kvlayout
+
+    saved_caches()["cell save"](tmp_path / "c.kv")
+    with pytest.raises(ConfigError, match="config|n_layers"):
+        kvlayout.load(tmp_path / "c.kv", config=config)
+    assert kvlayout.load(tmp_path / "c.kv", config=SMALL.to_mapping()).capacity == 8  # a mapping of it is one
+
+
+# -- attend ----------------------------------------------------------------------------------
+
+
+def layout_spec(layout: str, T: int):
+    """What layer 0 of a real step of T tokens hands attend(): [1, H, S, D] keys, queries=T."""
+    cache = build(*layout.split(":"), SMALL)
+    if layout == "mlx:cell":
+        s = cache.seq_new()
+        assert cache.declare_step([s] * T)
+    return cache.update_and_fetch(0, list(range(T)), mx.ones((1, H, T, D)), mx.ones((1, H, T, D)))
+
+
+def _q(T, heads=2 * H, dim=D, dtype=mx.float32):
+    return mx.ones((1, heads, T, dim), dtype=dtype)
+
+
+ATTEND = {  # (q, spec as (layout, T), scale, what the message names)
+    "q None": (None, ("mlx:seq", 1), 0.5, "q: expected a floating mlx array"),
+    "q numpy": (np.ones((1, 2 * H, 1, D), np.float32), ("mlx:seq", 1), 0.5, "q: expected .* got ndarray"),
+    "q 3-d": (mx.ones((2 * H, 1, D)), ("mlx:seq", 1), 0.5, r"q: expected .* got array \(4, 1, 3\)"),
+    "q int32": (_q(1, dtype=mx.int32), ("mlx:seq", 1), 0.5, "q: expected a floating .*int32"),
+    "q batch of 2": (mx.ones((2, 2 * H, 1, D)), ("mlx:seq", 1), 0.5, r"q of shape \(2, 4, 1, 3\)"),
+    "q head_dim differs": (_q(1, dim=D + 1), ("mlx:seq", 1), 0.5, r"q of shape \(1, 4, 1, 4\).*\b3\]"),
+    "q heads not a multiple": (_q(1, heads=3), ("mlx:cell", 1), 0.5, "a multiple of H_kv=2"),
+    "q fewer heads than keys": (_q(1, heads=1), ("mlx:cell", 1), 0.5, "a multiple of H_kv=2"),
+    # MLX broadcast these and answered: T rows for a step of another length.
+    "q T=5, a seq step of 1 (NONE)": (_q(5), ("mlx:seq", 1), 0.5, "T=5 queries for a step of 1 token"),
+    "q T=1, a seq step of 3 (CAUSAL)": (_q(1), ("mlx:seq", 3), 0.5, "T=1 queries for a step of 3 token"),
+    "q T=5, a cell step of 1 (EXPLICIT)": (_q(5), ("mlx:cell", 1), 0.5, "T=5 queries for a step of 1 token"),
+    "q T=1, a cell step of 2 (EXPLICIT)": (_q(1), ("mlx:cell", 2), 0.5, "T=1 queries for a step of 2 token"),
+    "spec None": (_q(1), None, 0.5, "spec: expected an AttendSpec"),
+    "spec a dict": (_q(1), {"keys": 1}, 0.5, "spec: expected an AttendSpec"),
+    "scale None": (_q(1), ("mlx:seq", 1), None, "scale=None"),
+    "scale a string": (_q(1), ("mlx:seq", 1), "0.5", "scale='0.5'"),
+    "scale NaN": (_q(1), ("mlx:seq", 1), math.nan, "scale=nan"),
+    "scale inf": (_q(1), ("mlx:seq", 1), math.inf, "scale=inf"),
+    "scale a bool": (_q(1), ("mlx:seq", 1), True, "scale=True"),
+}
+
+
+@pytest.mark.parametrize("q, spec, scale, message", ATTEND.values(), ids=ATTEND.keys())
+def test_a_bad_attend_call_is_refused_naming_the_argument(q, spec, scale, message):
+    from kvlayout.errors import StepError
+    from kvlayout.mlx import attend
+
+    if isinstance(spec, tuple):
+        spec = layout_spec(*spec)
+    with pytest.raises(StepError, match=message):
+        attend(q, spec, scale)
+
+
+def test_a_causal_spec_with_no_stated_length_still_refuses_more_queries_than_keys():
+    from kvlayout.errors import StepError
+    from kvlayout.mlx import attend
+
+    spec = AttendSpec(mx.ones((1, H, 3, D)), mx.ones((1, H, 3, D)), MaskKind.CAUSAL)  # a third party's spec
+    assert attend(_q(3), spec, 0.5).shape == (1, 2 * H, 3, D)
+    with pytest.raises(StepError, match="T=4 queries, more than the 3 keys"):
+        attend(_q(4), spec, 0.5)

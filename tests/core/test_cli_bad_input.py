@@ -94,12 +94,12 @@ ROWS: dict[str, tuple[list, str, dict]] = {
     "--model a file": (MODEL + ["{d}/good.toml"], "model directory '{d}/good.toml' is not a directory", {}),
     "config.json not UTF-8": (MODEL + ["{d}/config-latin1"],
                               "config.json: not UTF-8 text (byte 0xe9 at offset 18)", {}),
-    "config.json not an object": (MODEL + ["{d}/config-list"], "config.json: expected a JSON object, got list", {}),
+    "config.json not an object": (MODEL + ["{d}/config-list"], "config.json: expected a JSON object {...}, got a JSON array", {}),
     "config.json a directory": (MODEL + ["{d}/config-dir"], "config.json: cannot be read (Is a directory)", {}),
     "generation_config.json not UTF-8": (MODEL + ["{d}/generation-latin1"],
                                          "generation_config.json: not UTF-8 text (byte 0xe9", {}),
     "tokenizer.json not a tokenizer": (MODEL + ["{d}/tokenizer-garbage"],
-                                       "tokenizer.json: not a tokenizer the tokenizers library can read (", {}),
+                                       "tokenizer.json: not a tokenizer the tokenizers library reads (", {}),
     "tokenizer.json not UTF-8": (MODEL + ["{d}/tokenizer-latin1"], "tokenizer.json: not UTF-8 text (byte 0xe9", {}),
     "tokenizer_config.json not UTF-8": (MODEL + ["{d}/tokenizer-config-latin1"],
                                         "tokenizer_config.json: not UTF-8 text (byte 0xe9", {}),
@@ -128,7 +128,7 @@ ROWS: dict[str, tuple[list, str, dict]] = {
                                            {"env": {"KVLAYOUT_STRICT": "maybe"}}),
     "KVLAYOUT_CACHE a file, init-model --preset smollm2": (
         ["init-model", "{d}/smollm2", "--preset", "smollm2"],
-        "the kvlayout cache {d}/good.toml cannot be made (File exists)", {"env": {"KVLAYOUT_CACHE": "{d}/good.toml"}}),
+        "cannot fetch SmolLM2 into the kvlayout cache {d}/good.toml: ", {"env": {"KVLAYOUT_CACHE": "{d}/good.toml"}}),
     # bench --out is made before anything is measured
     "bench --out a file": (["bench", "--quick", "--rows", "fp16", "--out", "{d}/good.toml"],
                            "--out {d}/good.toml: cannot create the directory (File exists)", {}),

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 
 import mlx_lm.utils as mlx_lm_utils  # the independent oracle; a test extra, never skipped
 from mlx_lm import convert
+from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 
 from kvlayout.models.loading import save_model
@@ -73,12 +74,21 @@ def edit_config(model_dir: Path, **changes) -> None:
     path.write_text(json.dumps(cfg))
 
 
-def mlx_lm_greedy(model_dir: Path, prompt: Sequence[int], max_tokens: int, eos: Sequence[int]) -> list[int]:
-    """mlx-lm's greedy tokens (its default sampler is argmax), cut where kvlayout stops: at an EOS."""
-    model, _ = mlx_lm_utils.load_model(Path(model_dir))
+def mlx_lm_greedy(
+    model_dir: Path, prompt: Sequence[int], max_tokens: int, eos: Sequence[int] | None = None
+) -> list[int]:
+    """mlx-lm's greedy tokens (its default sampler is argmax), cut where kvlayout stops: at an EOS.
+
+    `eos` None: the ids mlx-lm's own tokenizer for the directory ends on (mlx_lm.load).
+    """
+    if eos is None:
+        model, tokenizer = mlx_lm_load(str(model_dir))
+        eos = tokenizer.eos_token_ids
+    else:
+        model, _ = mlx_lm_utils.load_model(Path(model_dir))
     out = []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        if token in eos:
+        if int(token) in eos:
             break
         out.append(int(token))
     return out

@@ -157,6 +157,40 @@ REFUSALS = {
         dict(meta={"llama.feed_forward_length": None}),
         "metadata 'llama.feed_forward_length' is missing",
     ),
+    # The config it implies is checked as any config.json is (ModelArgs.from_hf).
+    "no-heads": (
+        dict(meta={"llama.attention.head_count": mx.array(0, dtype=mx.uint32), "llama.attention.key_length": None}),
+        "its config.json: num_attention_heads=0: expected an integer >= 1",
+    ),
+    "kv-heads-not-a-divisor": (
+        dict(meta={"llama.attention.head_count_kv": mx.array(3, dtype=mx.uint32)}),
+        "its config.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+    ),
+    "zero-rms-epsilon": (
+        dict(meta={"llama.attention.layer_norm_rms_epsilon": mx.array(0.0, dtype=mx.float32)}),
+        "its config.json: rms_norm_eps=0.0: expected a number > 0",
+    ),
+    # Each metadata value is read by one accessor, of one kind.
+    "eos-id-a-string": (
+        dict(meta={"tokenizer.ggml.eos_token_id": "2"}),
+        "metadata 'tokenizer.ggml.eos_token_id' is '2'; expected an integer",
+    ),
+    "add-bos-a-string": (
+        dict(meta={"tokenizer.ggml.add_bos_token": "yes"}),
+        "metadata 'tokenizer.ggml.add_bos_token' is 'yes'; expected true or false",
+    ),
+    "hidden-size-a-float": (
+        dict(meta={"llama.embedding_length": mx.array(64.0, dtype=mx.float32)}),
+        "metadata 'llama.embedding_length' is 64.0; expected an integer",
+    ),
+    "per-layer-heads": (
+        dict(meta={"llama.attention.head_count_kv": mx.array([2, 2], dtype=mx.uint32)}),
+        "metadata 'llama.attention.head_count_kv' is an array",
+    ),
+    "eos-id-past-the-vocabulary": (
+        dict(meta={"tokenizer.ggml.eos_token_id": mx.array(10**6, dtype=mx.uint32)}),
+        "metadata 'tokenizer.ggml.eos_token_id' is 1000000; tokenizer.ggml.tokens has",
+    ),
 }
 
 

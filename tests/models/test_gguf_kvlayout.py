@@ -12,14 +12,13 @@ import mlx.core as mx
 import mlx_lm.utils as mlx_lm_utils
 import numpy as np
 import pytest
-from mlx_lm import load as mlx_lm_load
-from mlx_lm.generate import generate_step
 
 from kvlayout.cli import main
 from kvlayout.models import smollm2
 from kvlayout.models.gguf import convert_gguf
 from kvlayout.models.loading import load_model
 from tests.models import gguf_builders as gb
+from tests.models.quantized import mlx_lm_greedy
 from tests.models.test_smollm2 import CHAT_IDS
 from tests.runner.conftest import NoCache
 
@@ -39,20 +38,10 @@ def test_a_q4_0_q8_0_conversion_loads_in_kvlayout_with_mlx_lms_logits(tmp_path):
     assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 1e-2
 
 
-def _mlx_lm_greedy(model_dir) -> list[int]:
-    model, tok = mlx_lm_load(str(model_dir))
-    out = []
-    for (token, _), _ in zip(generate_step(mx.array(CHAT_IDS), model, max_tokens=MAX_TOKENS), range(MAX_TOKENS)):
-        if int(token) in tok.eos_token_ids:
-            break
-        out.append(int(token))
-    return out
-
-
 @pytest.mark.parametrize("layout", ["mlx:seq", "mlx:cell"])
 def test_greedy_tokens_from_kvlayout_equal_mlx_lms_on_smollm2(layout, tmp_path, capsys):
     model_dir = smollm2.smollm2_dir(progress=lambda line: None)
-    want = _mlx_lm_greedy(model_dir)
+    want = mlx_lm_greedy(model_dir, CHAT_IDS, MAX_TOKENS)
     cfg = tmp_path / "run.toml"
     cfg.write_text(
         f'[model]\npath = "{model_dir}"\n[cache]\ncapacity = 256\n[sampling]\ntemperature = 0.0\n'

@@ -87,3 +87,12 @@ def test_init_model_preset_smollm2_twice_converts_at_most_once(tmp_path, monkeyp
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert "model.safetensors" in names and "tokenizer.json" in names
     assert filecmp.cmpfiles(tmp_path / "a", tmp_path / "b", names, shallow=False)[0] == names
+
+
+def test_the_smollm2_preset_is_built_through_build_preset_like_any_other(smol_dir):
+    from kvlayout.models.presets import build_preset, preset_title
+
+    model, args, tok = build_preset("smollm2", dtype="float16")
+    assert model.dtype == mx.float16 and args.num_hidden_layers == 30
+    assert tok.chat_template is not None and tok.encode(PLANTS[0]) == PLANTS[1]
+    assert preset_title("smollm2") == "SmolLM2-135M-Instruct" and preset_title("tiny") == "preset:tiny"

@@ -54,7 +54,7 @@ def oracle(model_dir):
 
 
 def ours(model_dir):
-    return load_tokenizer(model_dir, [ENDOFTEXT])
+    return load_tokenizer(model_dir, [ENDOFTEXT], bpe().get_vocab_size())
 
 
 def encode_chat(tok, messages):
@@ -149,3 +149,26 @@ def test_special_tokens_written_as_added_token_dicts_are_read(tmp_path):
     write_tokenizer(tmp_path, template="{{ bos_token }}|{{ eos_token }}",
                     eos_token={"__type": "AddedToken", "content": "<|im_end|>", "special": True})
     assert ours(tmp_path).chat_template.render([]) == "<|im_start|>|<|im_end|>"
+
+
+# Templates that fail in Python itself, not in jinja: still the user's file, still one line.
+FAILING = {
+    "division-by-zero": ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+    "string-plus-int": ("{{ messages[0].content + 1 }}", "TypeError: can only concatenate str"),
+    "bad-format": ("{{ '%d' % messages[0].content }}", "TypeError: %d format"),
+    "endless-recursion": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+}
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
+@pytest.mark.parametrize("case", FAILING)
+def test_a_template_that_fails_in_python_is_one_line_naming_its_file(case, where, tmp_path, capsys):
+    from tests.chat_dirs import chat_model_dir
+    from tests.helpers import refused_in_one_line
+
+    source, needle = FAILING[case]
+    model_dir = chat_model_dir(tmp_path / "m", template=source if where == "tokenizer_config.json" else CHATML)
+    if where == "chat_template.jinja":
+        (model_dir / where).write_text(source)
+    line = refused_in_one_line(capsys, "run", "--model", str(model_dir), "--prompt", "hi")
+    assert f"{model_dir / where}: the chat template failed on the messages ({needle}" in line

@@ -68,12 +68,6 @@ def test_special_tokens_give_no_text_and_keep_the_context():
     assert [d.add(t) for t in [256, *"é".encode(), 257]] == ["", "", "é", ""]
 
 
-def test_primed_tokens_are_context_not_output():
-    tok = ByteTokenizer()
-    d = Detokenizer(tok.decode, list("caf".encode()) + [0xC3])
-    assert d.add(0xA9) == "é"
-
-
 @pytest.mark.parametrize("kind", sorted(DECODERS))
 @given(text=st.text(max_size=16))
 def test_any_text_streams_to_the_full_decode_of_its_ids(kind, text):

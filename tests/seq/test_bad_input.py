@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import kvlayout.config
 from kvlayout import ConfigError, KVLayoutError, StepError
 from kvlayout_seq.mlx_cache import SeqCache
 
@@ -124,6 +125,31 @@ def test_a_count_too_large_is_an_answer_not_an_error(cache, verb, args):
     assert_same(snapshot(cache), before)
 
 
+# -- calls in the middle of a forward ------------------------------------------------------------
+
+# Layer 0 has written the step at 10, layer 1 not yet. A rewind keeping position 10, or a step
+# starting past it, would leave it unwritten in layer 1 (read as zeros ever after): refused.
+MID_FORWARD = {
+    "rewind to the length": (lambda c, d: c.rewind(11), r"rewind\(new_len=11\) during a forward: layer\(s\) \[1\]"),
+    "rewind past the length": (lambda c, d: c.rewind(12), r"rewind\(new_len=12\) during a forward"),
+    "a step past it, layer 0": (lambda c, d: c.update_and_fetch(0, [11], K, V), r"start at 11, past the step at 10"),
+    "a step past it, layer 1": (lambda c, d: c.update_and_fetch(1, [11], K, V), r"start at 11, past the step at 10"),
+    "save": (lambda c, d: c.save(d / "c.kv"), r"save during a forward: layer\(s\) \[1\]"),
+}
+
+
+@pytest.mark.parametrize("call, message", MID_FORWARD.values(), ids=MID_FORWARD.keys())
+def test_a_call_in_the_middle_of_a_forward_is_refused_and_changes_nothing(cache, tmp_path, call, message):
+    cache.update_and_fetch(0, [10], one(), one())
+    before = snapshot(cache)
+    with pytest.raises(StepError, match=message):
+        call(cache, tmp_path)
+    assert_same(snapshot(cache), before)
+    assert list(tmp_path.iterdir()) == []
+    cache.update_and_fetch(1, [10], one(), one())  # the forward goes on
+    assert (cache.length, cache.book.open_step()) == (11, None)
+
+
 LAYER = {"n_kv_heads": H, "head_dim": D}
 
 CONFIGS = {
@@ -140,4 +166,44 @@ CONFIGS = {
 @pytest.mark.parametrize("config, message", CONFIGS.values(), ids=CONFIGS.keys())
 def test_a_cache_from_a_bad_config_is_refused_by_name(config, message):
     with pytest.raises(ConfigError, match=message):
+        SeqCache(config)
+
+
+# -- sizes: what a cache allocates up front, against the machine ------------------------------
+
+RING = {**LAYER, "policy": {"kind": "ring", "window": 10**12}}
+SIZES = {
+    "capacity 10**12": ({"capacity": 10**12, "n_layers": 2, "layers": [LAYER]}, r"capacity=1000000000000: layer 0's pools would span 1000000000000 slots"),
+    "capacity 2**63-1": ({"capacity": 2**63 - 1, "n_layers": 1, "layers": [LAYER]}, rf"capacity={2**63 - 1}: .*past the 2147483647"),
+    "capacity 2**31": ({"capacity": 2**31, "n_layers": 1, "layers": [LAYER]}, r"2147483648 slots .*lower capacity"),
+    "a ring of 10**12 over capacity 2**31": ({"capacity": 2**31, "n_layers": 2, "layers": [LAYER, RING]}, r"layer 0's pools"),
+    "a ring of 10**12 mirrored": (
+        {"capacity": 2**31 - 1, "n_layers": 1, "max_write": 1, "layers": [{**LAYER, "policy": {"kind": "ring", "window": 2**30 + 10}}]},
+        r"2147483668 slots \(a ring of window=1073741834 and max_write=1 keeps 1073741834, twice over"),
+    "n_kv_heads 2**40": ({"capacity": 8, "n_layers": 1, "initial_capacity": 0, "layers": [{"n_kv_heads": 2**40, "head_dim": D}]},
+                         rf"LayerConfig.n_kv_heads={2**40}: expected at most 2147483647"),
+    "head_dim 2**33": ({"capacity": 8, "n_layers": 1, "initial_capacity": 0, "layers": [{"n_kv_heads": H, "head_dim": 2**33}]},
+                       rf"LayerConfig.head_dim={2**33}: expected at most 2147483647"),
+}
+
+
+@pytest.mark.parametrize("config, message", SIZES.values(), ids=SIZES.keys())
+def test_a_cache_no_mlx_pool_can_span_is_a_config_error_stating_its_bytes(config, message):
+    # It built before, and failed later: OverflowError from mx.zeros, or a can_extend that promised
+    # positions no pool could hold.
+    with pytest.raises(ConfigError, match=message) as info:
+        SeqCache(config)
+    assert "at capacity the pools would hold" in str(info.value) or "MLX array dimensions are int32" in str(info.value)
+
+
+def test_the_bytes_allocated_at_build_are_refused_exactly_past_the_machine_s_memory(monkeypatch):
+    # flat: initial_capacity 16 slots; ring of 8 (max_write 8): 15 slots, mirrored (30), whole.
+    # 32 B a slot (2 heads x 4 dims x float32), a K and a V pool per layer.
+    need = 2 * 16 * 32 + 2 * 30 * 32
+    config = {"capacity": 100, "n_layers": 2, "kv_dtype": "float32", "initial_capacity": 16,
+              "layers": [LAYER, {**LAYER, "policy": {"kind": "ring", "window": 8}}]}
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need)
+    assert SeqCache(config).nbytes == need
+    monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need - 1)
+    with pytest.raises(ConfigError, match=rf"capacity=100: allocates .* \({need} bytes\) up front .*rings whole"):
         SeqCache(config)

@@ -11,7 +11,9 @@ may start at L only if no ring lost a position in `[L - w + 1, L)`.
 Rules: steps of 1..max_step tokens at or below the length (every layer, in a
 random order), refused steps (a gap, older than a ring holds, empty, longer
 than max_write, past capacity), rewinds within and beyond the floor, and
-clear. Every layer of every step must return keys and values that, in
+clear. A step may pause between two layers for calls a forward in progress
+refuses (a rewind past its start, a step starting past it), which must
+change nothing before the remaining layers serve it. Every layer of every step must return keys and values that, in
 logical order, are exactly the model's visible tokens, under a mask equal to
 the model's band; after every rule the length, can_extend and the floor
 agree. Each token's K is its id (V its negation), so a key out of place shows.
@@ -27,7 +29,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvlayout import KVLayoutError, MaskKind
+from kvlayout import KVLayoutError, MaskKind, StepError
 
 from tests.seq.support import D, H, assert_same, make_cache, snapshot
 
@@ -98,13 +100,16 @@ class SeqCacheMachine(RuleBasedStateMachine):
         k = np.broadcast_to(np.array(ids, np.float32)[None, None, :, None], (1, H, len(ids), D))
         return mx.array(k), mx.array(-k)
 
-    def run_step(self, data, start: int, T: int):
-        """Feed T new tokens from `start` to every layer, in a random order, and check each answer."""
+    def run_step(self, data, start: int, T: int, pause: int | None = None):
+        """Feed T new tokens from `start` to every layer, in a random order, and check each answer;
+        after `pause` layers, make calls the half-written step refuses."""
         ids = list(range(self.next_id, self.next_id + T))
         self.next_id += T
         self.m.step(start, ids)
         k, v = self.kv(ids)
-        for layer in data.draw(st.permutations(range(len(self.m.windows))), label="layer order"):
+        for i, layer in enumerate(data.draw(st.permutations(range(len(self.m.windows))), label="layer order")):
+            if i == pause:
+                self.refuse_mid_forward(data, start)
             spec = self.cache.update_and_fetch(layer, list(range(start, start + T)), k, v)
             first, band = self.m.visible(start, T, self.m.windows[layer])
             want, _ = self.kv(self.m.tokens[first : start + T])  # the keys, oldest first
@@ -112,16 +117,36 @@ class SeqCacheMachine(RuleBasedStateMachine):
             np.testing.assert_array_equal(np.array(spec.values), -np.array(want))
             np.testing.assert_array_equal(effective_mask(spec, T, band.shape[1]), band)
 
+    def refuse_mid_forward(self, data, start: int):
+        """Some layers wrote the step at `start`, the others not yet: a rewind that keeps part of it,
+        and a step starting past it, are refused (StepError) and change nothing."""
+        n = len(self.m.tokens)
+        assert self.cache.book.open_step()[0] == start
+        before = snapshot(self.cache)
+        if n > start:
+            new_len = data.draw(st.integers(start + 1, n + 1), label="rewind mid-forward")
+            with pytest.raises(StepError, match="during a forward"):
+                self.cache.rewind(new_len)
+        if n < self.m.capacity:
+            layer = data.draw(st.integers(0, len(self.m.windows) - 1), label="layer of a step past it")
+            k, v = self.kv([0])
+            with pytest.raises(StepError, match="past the step at"):
+                self.cache.update_and_fetch(layer, [data.draw(st.integers(start + 1, n), label="start past it")], k, v)
+        assert_same(snapshot(self.cache), before)
+
     @rule(data=st.data())
     def step(self, data):
-        """A step at the length (decode / next chunk) or below it (redo), of 1..max_step tokens."""
+        """A step at the length (decode / next chunk) or below it (redo), of 1..max_step tokens;
+        now and then paused between two layers."""
         n, m = len(self.m.tokens), self.m
         starts = [L for L in range(m.floor(), n + 1) if L < m.capacity]
         if not starts:
             return  # full, and the rings hold too little to go back: only rewind/clear can help
         start = data.draw(st.sampled_from(starts[-1:] * 3 + starts), label="start")  # mostly appends
         T = data.draw(st.integers(1, min(m.max_step, m.capacity - start)), label="T")
-        self.run_step(data, start, T)
+        layers = len(m.windows)
+        pause = data.draw(st.none() | st.integers(1, layers - 1), label="pause after") if layers > 1 else None
+        self.run_step(data, start, T, pause)
 
     @rule(data=st.data())
     def refuse_a_step(self, data):

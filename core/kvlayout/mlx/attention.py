@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from typing import Any
+
 import mlx.core as mx
 
+from kvlayout.errors import StepError
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 
 
@@ -16,7 +21,13 @@ def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:
     MLX's "causal" is lower-right aligned: query i sees keys up to S - T + i.
     A spec with `groups` takes the grouped path (`attend_groups`), which the
     layout chose because it does less work than the dense mask.
+
+    StepError naming the argument for a `spec` that is not an AttendSpec, a
+    `q` that is not a floating `[B, H_q, T, D]` mlx array matching the keys
+    (batch, head_dim, H_q a multiple of H_kv) or holding another T than
+    `spec.queries`, or a `scale` that is not a finite number.
     """
+    _check(q, spec, scale)
     if spec.groups is not None:
         return attend_groups(q, spec.groups, scale)
     keys, values = spec.keys, spec.values
@@ -29,6 +40,28 @@ def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:
     else:
         mask = spec.mask
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def _check(q: Any, spec: Any, scale: Any) -> None:
+    """What `attend` refuses (see there), before MLX would raise its own ValueError or broadcast."""
+    if not isinstance(spec, AttendSpec):
+        raise StepError(f"spec: expected an AttendSpec (what update_and_fetch returns), got {type(spec).__name__}")
+    if not isinstance(q, mx.array) or q.ndim != 4 or not mx.issubdtype(q.dtype, mx.floating):
+        got = f"{type(q).__name__} {tuple(q.shape)} {q.dtype}" if isinstance(q, mx.array) else type(q).__name__
+        raise StepError(f"q: expected a floating mlx array [1, H_q, T, D], got {got}")
+    batch, h_q, t, d = q.shape
+    keys = spec.keys.shape  # [1, H_kv, S, D]
+    if batch != keys[0] or d != keys[3] or h_q < keys[1] or h_q % keys[1]:
+        raise StepError(
+            f"q of shape {tuple(q.shape)}: expected [{keys[0]}, a multiple of H_kv={keys[1]}, T, {keys[3]}] "
+            f"against keys of shape {tuple(keys)}"
+        )
+    if spec.queries is not None and t != spec.queries:
+        raise StepError(f"q holds T={t} queries for a step of {spec.queries} token(s): expected T={spec.queries}")
+    if spec.mask_kind is MaskKind.CAUSAL and t > keys[2]:
+        raise StepError(f"q holds T={t} queries, more than the {keys[2]} keys of a causal step")
+    if isinstance(scale, (bool, mx.array)) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise StepError(f"scale={scale!r}: expected a finite number")
 
 
 def attend_groups(q: mx.array, groups: AttendGroups, scale: float) -> mx.array:

@@ -15,10 +15,14 @@ import mlx.core as mx
 import numpy as np
 
 from kvlayout.checks import int_array, int_scalar
-from kvlayout.errors import KVLayoutError
+from kvlayout.config import check_up_front
+from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.pool import Pool
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+# MLX array dimensions are int32: no pool holds more slots (or heads, or head_dim) than this (a
+# shape past it is an OverflowError in mx.zeros, and cell indices are int32 in every step record).
+MAX_SLOTS = 2**31 - 1
 
 
 def storage_dtype(dtype: Any) -> mx.Dtype:
@@ -30,13 +34,47 @@ def storage_dtype(dtype: Any) -> mx.Dtype:
     raise KVLayoutError(f"pool dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
 
 
+def pool_bytes(slots: int, n_heads: int, head_dim: int, dtype: Any) -> int:
+    """Bytes an MLXPool holding `slots` slots of `n_heads` x `head_dim` in `dtype` occupies."""
+    return slots * n_heads * head_dim * storage_dtype(dtype).size
+
+
+def check_layer_dims(config: Any) -> None:
+    """ConfigError naming the field for a layer of `config` (a CacheConfig) whose n_kv_heads or
+    head_dim no MLX array dimension holds (more than MAX_SLOTS)."""
+    for i in range(config.n_layers):
+        lc = config.layer(i)
+        for name in ("n_kv_heads", "head_dim"):
+            if getattr(lc, name) > MAX_SLOTS:
+                raise ConfigError(
+                    f"layer {i}: LayerConfig.{name}={getattr(lc, name)}: expected at most {MAX_SLOTS} "
+                    "(MLX array dimensions are int32)"
+                )
+
+
 class MLXPool(Pool):
+    """A layer's K or V: `initial_slots` allocated at once (clamped to `max_slots`), grown by
+    doubling up to `max_slots` (at most MAX_SLOTS) as writes need. ConfigError, before any
+    allocation, when the initial slots alone exceed the machine's memory."""
+
     def __init__(self, initial_slots: int, max_slots: int, n_heads: int, head_dim: int, dtype: Any = "float16"):
         self._max = int_scalar("max_slots", max_slots, KVLayoutError, minimum=1)
+        if self._max > MAX_SLOTS:
+            raise ConfigError(
+                f"max_slots={self._max}: expected at most {MAX_SLOTS} (MLX array dimensions are int32)"
+            )
         initial = min(int_scalar("initial_slots", initial_slots, KVLayoutError, minimum=0), self._max)
         self._heads = int_scalar("n_heads", n_heads, KVLayoutError, minimum=1)
         self._dim = int_scalar("head_dim", head_dim, KVLayoutError, minimum=1)
+        for name, value in (("n_heads", self._heads), ("head_dim", self._dim)):
+            if value > MAX_SLOTS:
+                raise ConfigError(f"{name}={value}: expected at most {MAX_SLOTS} (MLX array dimensions are int32)")
         self._dtype = storage_dtype(dtype)
+        check_up_front(
+            f"an MLXPool of initial_slots={initial} x n_heads={self._heads} x head_dim={self._dim}",
+            {"the pool": pool_bytes(initial, self._heads, self._dim, self._dtype)},
+            "lower initial_slots",
+        )
         self._buf = mx.zeros((1, self._heads, initial, self._dim), dtype=self._dtype)  # [1, H, slots, D]
 
     @property

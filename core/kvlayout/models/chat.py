@@ -36,7 +36,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 
 class ChatTemplate:
     """A model's chat template; `render(messages)` gives the prompt text (ConfigError naming
-    `origin` when the template does not compile, or refuses the messages)."""
+    `origin` when the template does not compile, refuses the messages, or fails on them)."""
 
     def __init__(self, source: str, specials: Mapping[str, str], origin: str):
         self.source = source
@@ -52,7 +52,15 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"{self.origin}: the chat template does not compile (line {exc.lineno}: {exc.message})") from None
         except jinja2.TemplateError as exc:  # raise_exception, or the sandbox refusing something
-            raise ConfigError(f"{self.origin}: the chat template refused the messages: {exc}") from None
+            raise ConfigError(f"{self.origin}: the chat template refused the messages: {_one_line(exc)}") from None
+        except Exception as exc:  # untrusted code: `{{ 1/0 }}` or `{{ content + 1 }}` fails in Python itself
+            raise ConfigError(
+                f"{self.origin}: the chat template failed on the messages ({type(exc).__name__}: {_one_line(exc)})"
+            ) from None
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 class GenerationTag(jinja2.ext.Extension):
@@ -105,9 +113,7 @@ def _token_text(value: Any) -> str | None:
 def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
     """tokenizer_config.json as a dict ({} when the directory has none)."""
     path = Path(model_dir) / TOKENIZER_CONFIG
-    if not path.is_file():
-        return {}
-    return read_json_object(path)
+    return read_json_object(path) if path.is_file() else {}
 
 
 def read_chat_template(model_dir: Path) -> ChatTemplate | None:

@@ -22,14 +22,12 @@ REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete (or invalid) U
 class Detokenizer:
     """Text pieces of a token stream: `add(token)` gives what the token completes (maybe "")."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], tokens: Sequence[int] = ()):
+    def __init__(self, decode: Callable[[Sequence[int]], str]):
         self.decode = decode
         self.tokens: list[int] = []
         # The window decoded on each token is tokens[context:]; tokens[:clean] end on a whole
         # character; `shown` characters of the window's text were given out.
         self.context = self.clean = self.shown = 0
-        for t in tokens:
-            self.add(t)
 
     def add(self, token: int) -> str:
         """Take the next token; the text it completes ("" while a character is incomplete)."""

@@ -1,9 +1,8 @@
-"""A model directory's text files read one way: every way one can fail is a ConfigError naming it.
+"""Reading the JSON files of a model directory (config.json, tokenizer_config.json, generation_config.json).
 
-config.json, generation_config.json, tokenizer_config.json and
-chat_template.jinja come from wherever the user got the model. Bytes that
-are not UTF-8, JSON that is not an object, a directory where a file should
-be: each is the user's to fix, so each is one line naming the file.
+They come with a downloaded model, so each is the user's file: anything wrong
+with one (not readable, not UTF-8, not JSON, not an object) is a ConfigError
+naming the file, never an exception from the json module.
 """
 
 from __future__ import annotations
@@ -15,8 +14,26 @@ from typing import Any
 from kvlayout.errors import ConfigError
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file at `path`; ConfigError naming the file otherwise."""
+    path = Path(path)
+    text = read_text(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object {{...}}, got a JSON {_json_kind(data)}")
+    return data
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "array", str: "string", bool: "boolean", type(None): "null", int: "number", float: "number"}
+    return kinds.get(type(value), type(value).__name__)
+
+
 def read_text(path: Path) -> str:
-    """The UTF-8 text of `path`; ConfigError when it cannot be read or is not UTF-8."""
+    """The UTF-8 text of `path`; ConfigError naming the file when it cannot be read or is not UTF-8."""
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:  # missing, a directory, unreadable
@@ -25,14 +42,3 @@ def read_text(path: Path) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`; ConfigError when it cannot be read, is not JSON, or is not an object."""
-    try:
-        data = json.loads(read_text(path))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data

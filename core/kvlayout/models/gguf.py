@@ -23,9 +23,10 @@ import mlx.core as mx
 import numpy as np
 
 from kvlayout.errors import ConfigError
-from kvlayout.models.gguf_file import GGUFHeader, TensorInfo, read_header
+from kvlayout.models.gguf_file import GGUFHeader, TensorInfo, meta_scalar, read_header
 from kvlayout.models.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
-from kvlayout.models.loading import save_model
+from kvlayout.models.llama import ModelArgs
+from kvlayout.models.loading import save_model, tensors_named
 
 # The GGML types MLX represents exactly, and their bits (None: a float tensor, kept as is).
 # Q4_K also loads as 4-bit affine, but its 6-bit sub-scales are rounded to float16 on
@@ -76,22 +77,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     save_model(out_dir, cfg, weights)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     for name, content in (
-        ("tokenizer_config.json", tokenizer_config(header.metadata)),
-        ("generation_config.json", generation_config(header.metadata)),
+        ("tokenizer_config.json", tokenizer_config(header.metadata, source)),
+        ("generation_config.json", generation_config(header.metadata, source)),
     ):
         (out_dir / name).write_text(json.dumps(content, indent=2) + "\n")
     return out_dir
-
-
-def _meta(header: GGUFHeader, key: str, source: str, default: Any = ConfigError) -> Any:
-    if key not in header.metadata:
-        if default is ConfigError:
-            raise ConfigError(f"{source}: metadata {key!r} is missing (a llama GGUF has it)")
-        return default
-    value = header.metadata[key]
-    if hasattr(value, "ndim"):  # an array where a number belongs: per-layer values
-        raise ConfigError(f"{source}: metadata {key!r} is an array (per-layer values are not supported)")
-    return value
 
 
 def _f32(x) -> float:
@@ -101,44 +91,44 @@ def _f32(x) -> float:
 
 
 def hf_config(header: GGUFHeader, source: str) -> dict[str, Any]:
-    """The HF `config.json` (without quantization) of the GGUF's llama model."""
-    arch = header.metadata.get("general.architecture")
+    """The HF `config.json` (without quantization) of the GGUF's llama model.
+
+    It is checked by `ModelArgs.from_hf` like any config.json (sizes, head
+    counts, rope scaling), so its errors name config.json's keys.
+    """
+    meta = header.metadata
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise ConfigError(f"{source}: general.architecture is {arch!r}; kvlayout converts 'llama' GGUF files only")
-    experts = _meta(header, "llama.expert_count", source, 0)
+    experts = meta_scalar(meta, "llama.expert_count", source, int, 0)
     if experts:
         raise ConfigError(f"{source}: llama.expert_count is {experts}; mixture-of-experts models are not supported")
-    hidden = int(_meta(header, "llama.embedding_length", source))
-    n_heads = int(_meta(header, "llama.attention.head_count", source))
-    head_dim = int(_meta(header, "llama.attention.key_length", source, hidden // n_heads))
-    for key in ("llama.attention.value_length", "llama.rope.dimension_count"):
-        value = int(_meta(header, key, source, head_dim))
-        if value != head_dim:  # a value head of another size, or rope on part of the head
-            raise ConfigError(f"{source}: {key} is {value}, the head dimension is {head_dim}; not supported")
+    n_heads = meta_scalar(meta, "llama.attention.head_count", source, int)
     rope_scaling = None
-    scaling = _meta(header, "llama.rope.scaling.type", source, "none")
+    scaling = meta_scalar(meta, "llama.rope.scaling.type", source, str, "none")
     if scaling == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(_meta(header, "llama.rope.scaling.factor", source))}
+        rope_scaling = {"rope_type": "linear", "factor": meta_scalar(meta, "llama.rope.scaling.factor", source, float)}
     elif scaling != "none":
         raise ConfigError(f"{source}: llama.rope.scaling.type {scaling!r} is not supported; expected none or linear")
     # llama.vocab_size is optional: the embedding's rows say it too (check_tensors compares them).
     embed = header.tensors.get("token_embd.weight")
-    vocab = _meta(header, "llama.vocab_size", source, embed.shape[0] if embed else 0)
+    if embed is None:
+        raise ConfigError(f"{source}: tensor 'token_embd.weight' is missing; a llama model has it")
     tied = "output.weight" not in header.tensors
     matrix_types = {t.ggml_type for t in header.tensors.values() if len(t.shape) == 2}
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(_meta(header, "llama.feed_forward_length", source)),
-        "num_hidden_layers": int(_meta(header, "llama.block_count", source)),
+        "hidden_size": meta_scalar(meta, "llama.embedding_length", source, int),
+        "intermediate_size": meta_scalar(meta, "llama.feed_forward_length", source, int),
+        "num_hidden_layers": meta_scalar(meta, "llama.block_count", source, int),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(_meta(header, "llama.attention.head_count_kv", source, n_heads)),
-        "head_dim": head_dim,
-        "vocab_size": int(vocab),
-        "rms_norm_eps": _f32(_meta(header, "llama.attention.layer_norm_rms_epsilon", source)),
-        "rope_theta": _f32(_meta(header, "llama.rope.freq_base", source, 10000.0)),
-        "max_position_embeddings": int(_meta(header, "llama.context_length", source, 4096)),
+        "num_key_value_heads": meta_scalar(meta, "llama.attention.head_count_kv", source, int, n_heads),
+        "head_dim": meta_scalar(meta, "llama.attention.key_length", source, int, None),  # None: hidden / heads
+        "vocab_size": meta_scalar(meta, "llama.vocab_size", source, int, embed.shape[0]),
+        "rms_norm_eps": _f32(meta_scalar(meta, "llama.attention.layer_norm_rms_epsilon", source, float)),
+        "rope_theta": _f32(meta_scalar(meta, "llama.rope.freq_base", source, float, 10000.0)),
+        "max_position_embeddings": meta_scalar(meta, "llama.context_length", source, int, 4096),
         "tie_word_embeddings": tied,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -148,15 +138,14 @@ def hf_config(header: GGUFHeader, source: str) -> dict[str, Any]:
     }
     if rope_scaling:
         cfg["rope_scaling"] = rope_scaling
-    for name in ("bos", "eos"):
-        key = f"tokenizer.ggml.{name}_token_id"
-        if key in header.metadata:
-            cfg[f"{name}_token_id"] = int(header.metadata[key])
-    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
-        raise ConfigError(
-            f"{source}: llama.attention.head_count {n_heads} is not a multiple of "
-            f"llama.attention.head_count_kv {cfg['num_key_value_heads']}"
-        )
+    generation = generation_config(meta, source)
+    cfg |= {k: generation[k] for k in ("bos_token_id", "eos_token_id") if k in generation}
+    head_dim = ModelArgs.from_hf(cfg, source=f"{source}: its config.json").head_dim
+    cfg["head_dim"] = head_dim
+    for key in ("llama.attention.value_length", "llama.rope.dimension_count"):
+        value = meta_scalar(meta, key, source, int, head_dim)
+        if value != head_dim:  # a value head of another size, or rope on part of the head
+            raise ConfigError(f"{source}: {key} is {value}, the head dimension is {head_dim}; not supported")
     return cfg
 
 
@@ -184,12 +173,10 @@ def check_tensors(header: GGUFHeader, expected: dict[str, tuple[str, tuple[int, 
     """Exactly the expected tensors, each of its shape and of a type MLX holds exactly; else one ConfigError."""
     unexpected = sorted(header.tensors.keys() - expected.keys())
     if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ConfigError(f"{source}: tensor {unexpected[0]!r}{more} is not part of a llama model kvlayout converts")
+        raise ConfigError(f"{source}: {tensors_named(unexpected)} is not part of a llama model kvlayout converts")
     missing = sorted(expected.keys() - header.tensors.keys(), key=_block_order)
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ConfigError(f"{source}: tensor {missing[0]!r}{more} is missing; the metadata implies it")
+        raise ConfigError(f"{source}: {tensors_named(missing)} is missing; the metadata implies it")
     for name, (_, shape) in expected.items():
         info: TensorInfo = header.tensors[name]
         if info.shape != shape:

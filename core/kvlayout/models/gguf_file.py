@@ -129,3 +129,31 @@ def read_header(path: Path) -> GGUFHeader:
             r.unpack("<Q")  # the data offset: mx.load reads the data
             tensors[name] = TensorInfo(GGML_TYPES.get(kind, f"type {kind}"), tuple(reversed(dims)))
     return GGUFHeader(version, metadata, tensors)
+
+
+REQUIRED = object()  # `default` for a key the model cannot do without
+KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def meta_scalar(meta: dict[str, Any], key: str, source: str, kind: type, default: Any = REQUIRED) -> Any:
+    """The one value at metadata `key` as a `kind` (int, float, bool or str); `default` when absent.
+
+    The file is the user's: a missing required key, an array where one value
+    belongs (per-layer values) or a value of another kind (a string id, an
+    int flag) is a ConfigError naming the key, never a ValueError from `int()`
+    or a string taken as true. An int is a number too; a bool is never one.
+    """
+    if key not in meta:
+        if default is REQUIRED:
+            raise ConfigError(f"{source}: metadata {key!r} is missing (a llama GGUF has it)")
+        return default
+    value = meta[key]
+    if isinstance(value, (list, np.ndarray)):
+        raise ConfigError(f"{source}: metadata {key!r} is an array (per-layer values are not supported)")
+    if kind is bool or kind is str:
+        fits = isinstance(value, kind)
+    else:
+        fits = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    if not fits:
+        raise ConfigError(f"{source}: metadata {key!r} is {value!r}; expected {KINDS[kind]}")
+    return kind(value)

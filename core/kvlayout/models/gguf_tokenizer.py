@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from kvlayout.errors import ConfigError
+from kvlayout.models.gguf_file import meta_scalar
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 CONTROL, USER_DEFINED = 3, 4
@@ -42,29 +43,30 @@ PRE_TOKENIZERS = {
 }
 
 
-def _scalar(meta: Mapping[str, Any], key: str, default=None):
-    value = meta.get(key, default)
-    return value.item() if hasattr(value, "item") else value
-
-
 def build_tokenizer(meta: Mapping[str, Any], source: str) -> Tokenizer:
     """The `tokenizers` Tokenizer the GGUF metadata `meta` describes; ConfigError names what it cannot build."""
-    kind = meta.get("tokenizer.ggml.model")
+    kind = meta_scalar(meta, "tokenizer.ggml.model", source, str, None)
     if kind != "gpt2":
         raise ConfigError(
             f"{source}: tokenizer.ggml.model {kind!r} is not supported; kvlayout builds 'gpt2' "
             "(byte-level BPE) tokenizers"
         )
-    pre = meta.get("tokenizer.ggml.pre")
+    pre = meta_scalar(meta, "tokenizer.ggml.pre", source, str, None)
     if pre not in PRE_TOKENIZERS:
         raise ConfigError(
             f"{source}: tokenizer.ggml.pre {pre!r} is not supported; known: {', '.join(PRE_TOKENIZERS)}"
         )
-    tokens = list(meta.get("tokenizer.ggml.tokens", []))
-    merges = list(meta.get("tokenizer.ggml.merges", []))
-    if not tokens or not merges:
-        missing = "tokenizer.ggml.tokens" if not tokens else "tokenizer.ggml.merges"
-        raise ConfigError(f"{source}: metadata {missing!r} is missing or empty; a gpt2 tokenizer needs it")
+    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+    for key, strings in (("tokenizer.ggml.tokens", tokens), ("tokenizer.ggml.merges", merges)):
+        if not strings or not isinstance(strings, list):
+            raise ConfigError(f"{source}: metadata {key!r} is missing, empty or not a list of strings; "
+                              "a gpt2 tokenizer needs it")
+    for name, i in special_ids(meta, source).items():
+        if name in ("bos", "eos") and i >= len(tokens):
+            raise ConfigError(
+                f"{source}: metadata 'tokenizer.ggml.{name}_token_id' is {i}; "
+                f"tokenizer.ggml.tokens has {len(tokens)} entries"
+            )
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
         if token in vocab:
@@ -78,10 +80,10 @@ def build_tokenizer(meta: Mapping[str, Any], source: str) -> Tokenizer:
         pairs.append((left, right))
 
     tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
-    prefix = bool(_scalar(meta, "tokenizer.ggml.add_space_prefix", False))
+    prefix = meta_scalar(meta, "tokenizer.ggml.add_space_prefix", source, bool, False)
     tok.pre_tokenizer = PRE_TOKENIZERS[pre](prefix)
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = _post_processor(meta, tokens)
+    tok.post_processor = _post_processor(meta, tokens, source)
 
     types = meta.get("tokenizer.ggml.token_type")
     types = [] if types is None else [int(t) for t in types]
@@ -94,11 +96,12 @@ def build_tokenizer(meta: Mapping[str, Any], source: str) -> Tokenizer:
     return tok
 
 
-def _post_processor(meta: Mapping[str, Any], tokens: list[str]):
+def _post_processor(meta: Mapping[str, Any], tokens: list[str], source: str):
     """BOS/EOS around every encoding when the GGUF asks for them, as llama.cpp adds them."""
-    bos, eos = _scalar(meta, "tokenizer.ggml.bos_token_id"), _scalar(meta, "tokenizer.ggml.eos_token_id")
-    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(_scalar(meta, "tokenizer.ggml.add_eos_token", False)) and eos is not None
+    ids = special_ids(meta, source)
+    bos, eos = ids.get("bos"), ids.get("eos")
+    add_bos = meta_scalar(meta, "tokenizer.ggml.add_bos_token", source, bool, False) and bos is not None
+    add_eos = meta_scalar(meta, "tokenizer.ggml.add_eos_token", source, bool, False) and eos is not None
     if not (add_bos or add_eos):
         return processors.ByteLevel(trim_offsets=False)
     head = [tokens[bos]] if add_bos else []
@@ -109,28 +112,43 @@ def _post_processor(meta: Mapping[str, Any], tokens: list[str]):
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
-def tokenizer_config(meta: Mapping[str, Any]) -> dict[str, Any]:
+# llama.cpp's names for the special tokens (tokenizer.ggml.NAME_token_id) -> Hugging Face's.
+SPECIALS = {"bos": "bos", "eos": "eos", "unknown": "unk", "padding": "pad"}
+
+
+def special_ids(meta: Mapping[str, Any], source: str) -> dict[str, int]:
+    """The special token ids the GGUF names, by llama.cpp's name ("bos", "eos", "unknown", "padding").
+
+    The one place they are read: config.json, generation_config.json,
+    tokenizer_config.json and the post-processor all take them from here.
+    """
+    ids = {}
+    for name in SPECIALS:
+        i = meta_scalar(meta, f"tokenizer.ggml.{name}_token_id", source, int, None)
+        if i is not None and i >= 0:  # llama.cpp writes -1 (LLAMA_TOKEN_NULL) for "none"
+            ids[name] = i
+    return ids
+
+
+def tokenizer_config(meta: Mapping[str, Any], source: str) -> dict[str, Any]:
     """tokenizer_config.json: what transformers' AutoTokenizer (and so mlx-lm) reads beside tokenizer.json."""
     tokens = list(meta["tokenizer.ggml.tokens"])
     cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    for name in ("bos", "eos", "unknown", "padding"):
-        i = _scalar(meta, f"tokenizer.ggml.{name}_token_id")
-        if i is not None and 0 <= i < len(tokens):
-            cfg[{"unknown": "unk", "padding": "pad"}.get(name, name) + "_token"] = tokens[i]
-    cfg["add_bos_token"] = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False))
-    cfg["add_eos_token"] = bool(_scalar(meta, "tokenizer.ggml.add_eos_token", False))
-    if "tokenizer.chat_template" in meta:
-        cfg["chat_template"] = meta["tokenizer.chat_template"]
-    if "llama.context_length" in meta:
-        cfg["model_max_length"] = int(_scalar(meta, "llama.context_length"))
+    for name, i in special_ids(meta, source).items():
+        if i < len(tokens):  # an unknown or padding id past the vocabulary names no token: left out
+            cfg[SPECIALS[name] + "_token"] = tokens[i]
+    cfg["add_bos_token"] = meta_scalar(meta, "tokenizer.ggml.add_bos_token", source, bool, False)
+    cfg["add_eos_token"] = meta_scalar(meta, "tokenizer.ggml.add_eos_token", source, bool, False)
+    template = meta_scalar(meta, "tokenizer.chat_template", source, str, None)
+    if template is not None:
+        cfg["chat_template"] = template
+    context = meta_scalar(meta, "llama.context_length", source, int, None)
+    if context is not None:
+        cfg["model_max_length"] = context
     return cfg
 
 
-def generation_config(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """generation_config.json: the ids generation starts and stops on."""
-    out = {}
-    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
-        i = _scalar(meta, f"tokenizer.ggml.{name}_token_id")
-        if i is not None:
-            out[key] = int(i)
-    return out
+def generation_config(meta: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """generation_config.json: the ids generation starts and stops on (config.json takes its bos/eos from here)."""
+    ids = special_ids(meta, source)
+    return {f"{SPECIALS[name]}_token_id": ids[name] for name in ("bos", "eos", "padding") if name in ids}

@@ -24,6 +24,7 @@ import numpy as np
 from kvlayout.config import LayerConfig, LayerPolicy
 from kvlayout.errors import ConfigError
 from kvlayout.mlx import attend
+from kvlayout.models import config_values as values
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -52,56 +53,47 @@ class ModelArgs:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], source: str = "config.json") -> ModelArgs:
-        """Read an HF config dict; ConfigError names the key and the file on a bad value."""
+        """Read an HF config dict; ConfigError names the file, the key and what is allowed on a bad value."""
         model_type = cfg.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ConfigError(
                 f"{source}: model_type={model_type!r} is not supported; expected one of "
                 f"{', '.join(MODEL_TYPES)}"
             )
-
-        def need(key):
-            if key not in cfg:
-                raise ConfigError(f"{source}: missing key {key!r} (needed by a {model_type} model)")
-            return cfg[key]
-
-        hidden = int(need("hidden_size"))
-        n_layers = int(need("num_hidden_layers"))
-        n_heads = int(need("num_attention_heads"))
-        n_kv = int(cfg.get("num_key_value_heads") or n_heads)
-        # Qwen2 has no head_dim key: it is always hidden / heads (as in mlx-lm).
-        head_dim = int(cfg.get("head_dim") or hidden // n_heads) if model_type != "qwen2" else hidden // n_heads
+        hidden = values.integer(cfg, "hidden_size", source)
+        n_layers = values.integer(cfg, "num_hidden_layers", source)
+        n_heads = values.integer(cfg, "num_attention_heads", source)
+        n_kv = values.integer(cfg, "num_key_value_heads", source, default=n_heads)
         if n_heads % n_kv:
             raise ConfigError(
                 f"{source}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
             )
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is not None:
-            rope_type = _rope_type(rope_scaling)
-            if rope_type not in ("default", "linear", "llama3"):
-                raise ConfigError(
-                    f"{source}: rope_scaling type {rope_type!r} is not supported; "
-                    "expected default, linear or llama3"
-                )
-        eos = cfg.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        # Qwen2 has no head_dim key: it is always hidden / heads (as in mlx-lm).
+        head_dim = hidden // n_heads
+        if model_type != "qwen2":
+            head_dim = values.integer(cfg, "head_dim", source, default=head_dim)
+        if head_dim < 1:
+            raise ConfigError(
+                f"{source}: num_attention_heads={n_heads} is more than hidden_size={hidden}, "
+                "so a head has no dimension; set head_dim"
+            )
         return cls(
             model_type=model_type,
             hidden_size=hidden,
             num_hidden_layers=n_layers,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=values.integer(cfg, "intermediate_size", source),
             num_attention_heads=n_heads,
             num_key_value_heads=n_kv,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=values.integer(cfg, "vocab_size", source),
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 1000000.0 if model_type == "qwen2" else 10000.0)),
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "qwen2")),
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            mlp_bias=model_type != "qwen2" and bool(cfg.get("mlp_bias", False)),
+            rms_norm_eps=values.number(cfg, "rms_norm_eps", source, 1e-6),
+            rope_theta=values.number(cfg, "rope_theta", source, 1000000.0 if model_type == "qwen2" else 10000.0),
+            rope_scaling=_rope_scaling(cfg.get("rope_scaling"), source),
+            tie_word_embeddings=values.boolean(cfg, "tie_word_embeddings", source, model_type == "qwen2"),
+            attention_bias=model_type == "qwen2" or values.boolean(cfg, "attention_bias", source, False),
+            mlp_bias=model_type != "qwen2" and values.boolean(cfg, "mlp_bias", source, False),
             windows=_layer_windows(cfg, model_type, n_layers, source),
-            eos_token_id=eos,
+            eos_token_id=values.token_ids(cfg.get("eos_token_id"), "eos_token_id", source),
         )
 
     def layer_configs(self) -> tuple[LayerConfig, ...]:
@@ -121,25 +113,58 @@ def _layer_windows(cfg: Mapping[str, Any], model_type: str, n_layers: int, sourc
 
     Mistral (and Llama with `sliding_window`) slide on every layer unless
     `layer_types` says otherwise; Qwen2 slides only with `use_sliding_window`,
-    and then only from layer `max_window_layers` on.
+    and then only from layer `max_window_layers` on. A key that does not
+    apply (Qwen2's window without `use_sliding_window`) is not read.
     """
-    window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-        window = None
+    if model_type == "qwen2" and not values.boolean(cfg, "use_sliding_window", source, False):
+        return (0,) * n_layers
+    window = values.integer(cfg, "sliding_window", source, minimum=0, default=0)  # 0 or null: no window
     if not window:
         return (0,) * n_layers
-    window = int(window)
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
+        kinds = ("sliding_attention", "full_attention")
+        if not isinstance(layer_types, list) or not all(t in kinds for t in layer_types):
+            raise ConfigError(
+                f"{source}: layer_types={layer_types!r}: expected a list of {' or '.join(map(repr, kinds))}, one per layer"
+            )
         if len(layer_types) != n_layers:
             raise ConfigError(
                 f"{source}: layer_types has {len(layer_types)} entries, num_hidden_layers={n_layers}"
             )
         return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
     if model_type == "qwen2":
-        first = int(cfg.get("max_window_layers", 0))
+        first = values.integer(cfg, "max_window_layers", source, minimum=0, default=0)
         return tuple(window if i >= first else 0 for i in range(n_layers))
     return (window,) * n_layers
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _rope_scaling(rope_scaling: Any, source: str) -> dict | None:
+    """config.json's `rope_scaling`, checked for what rope_freqs reads: null, or an object of a type we apply."""
+    if rope_scaling is None:
+        return None
+    if not isinstance(rope_scaling, Mapping):
+        raise ConfigError(f"{source}: rope_scaling={rope_scaling!r}: expected null or an object with a rope_type")
+    rope_type = _rope_type(rope_scaling)
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"{source}: rope_scaling type {rope_type!r} is not supported; expected {', '.join(ROPE_TYPES)}"
+        )
+    where = f"{source}: rope_scaling"
+    if rope_type != "default":
+        if "factor" not in rope_scaling:
+            raise ConfigError(f"{where}: missing key 'factor' (a {rope_type} rope_scaling needs it)")
+        values.positive_number(rope_scaling["factor"], "factor", where)
+    if rope_type == "llama3":
+        low = values.number(rope_scaling, "low_freq_factor", where, 1.0)
+        high = values.number(rope_scaling, "high_freq_factor", where, 4.0)
+        if high <= low:
+            raise ConfigError(f"{where}: high_freq_factor={high} must be more than low_freq_factor={low}")
+        values.integer(rope_scaling, "original_max_position_embeddings", where, default=8192)
+    return dict(rope_scaling)
 
 
 def _rope_type(rope_scaling: Mapping[str, Any]) -> str:

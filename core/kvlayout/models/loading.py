@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,6 +26,7 @@ from kvlayout.models.tokenizer import load_tokenizer
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
+    """The directory's config.json as a dict; ConfigError when the directory or the file is not one."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         problem = "is not a directory" if model_dir.exists() else "does not exist"
@@ -67,15 +68,13 @@ def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) ->
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(expected.keys() - weights.keys())
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ConfigError(f"{source}: missing tensor {missing[0]!r}{more}; the checkpoint does not match config.json")
+        raise ConfigError(f"{source}: missing {tensors_named(missing)}; the checkpoint does not match config.json")
     unexpected = sorted(weights.keys() - expected.keys())
     if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         why = "the checkpoint does not match config.json"
         if any(n.endswith(".scales") for n in unexpected) and not any(n.endswith(".scales") for n in expected):
             why = "the checkpoint is quantized but config.json has no quantization section"
-        raise ConfigError(f"{source}: unexpected tensor {unexpected[0]!r}{more}; {why}")
+        raise ConfigError(f"{source}: unexpected {tensors_named(unexpected)}; {why}")
     modules = dict(model.named_modules())
     for name, param in expected.items():
         got = weights[name]
@@ -90,6 +89,12 @@ def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) ->
                 f"{source}: tensor {name!r} is {_name(got.dtype)}, config.json implies {_name(param.dtype)}{packed}"
             )
     return weights
+
+
+def tensors_named(names: Sequence[str]) -> str:
+    """"tensor 'first' (and N more)": the first of `names` (in the caller's order) and how many follow."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return f"tensor {names[0]!r}{more}"
 
 
 def _packing_of(module) -> str:
@@ -127,7 +132,7 @@ def load_model(model_dir: Path, dtype: str | None = None):
         weights = {k: v.astype(DTYPES[dtype]) if _is_float(v) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
-    return model, args, load_tokenizer(model_dir, args.eos_token_id)
+    return model, args, load_tokenizer(model_dir, args.eos_token_id, args.vocab_size)
 
 
 def save_model(model_dir: Path, hf_config: Mapping[str, Any], weights: Mapping[str, mx.array]) -> None:

@@ -1,12 +1,17 @@
 """Built-in models: seeded random ones, and real ones fetched and converted on first use.
 
-`tiny` is a 2-layer Llama over the byte vocabulary: small enough that
-`kvlayout run` takes seconds on two CPU cores, and its weights are scaled so
-that logits are far from ties (greedy outputs are then stable across layouts,
-which the tests compare token for token). Nothing is downloaded for it.
+`smollm2` is SmolLM2-135M-Instruct (`kvlayout.models.smollm2`), the model
+the default `kvlayout run` chats with: a package from the package index,
+converted once into the kvlayout cache.
 
-`smollm2` is SmolLM2-135M-Instruct (`kvlayout.models.smollm2`): a package
-from the package index, converted once into the kvlayout cache.
+`tiny` is a 2-layer Llama over the byte vocabulary: a run on it takes seconds
+on two CPU cores (the default run falls back to it when SmolLM2 cannot be
+had), and its weights are scaled so that logits are far from ties (greedy
+outputs are then stable across layouts, which the tests compare token for
+token). Nothing is downloaded for it.
+
+`build_preset` is the one route to either, in memory; `write_preset` writes
+one as a model directory (`kvlayout init-model`).
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
+from kvlayout.mlx.pool import DTYPES
 from kvlayout.models.loading import check_weights, load_model, save_model
 from kvlayout.models.llama import Model, ModelArgs
 from kvlayout.models.smollm2 import smollm2_dir
+from kvlayout.models.store import check_model_dir, write_model_dir
 from kvlayout.models.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_VOCAB, ByteTokenizer
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -48,6 +55,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # Real models: name -> the function that returns their cached directory (fetching it first if need be).
 FETCHED = {"smollm2": smollm2_dir}
+# What a run calls a preset's model (a seeded one is "preset:NAME").
+TITLES = {"smollm2": "SmolLM2-135M-Instruct"}
 
 
 def _unknown(name: str) -> ConfigError:
@@ -80,24 +89,38 @@ def random_weights(hf_config: dict[str, Any], seed: int = 0) -> dict[str, mx.arr
     return weights
 
 
-def build_preset(name: str, seed: int = 0, **overrides: Any):
-    """(model, args, tokenizer) of a preset, in memory (a real one loaded from its cached directory)."""
-    if name in FETCHED and not overrides:
-        return load_model(FETCHED[name]())
+def preset_title(name: str) -> str:
+    """The name a run reports for the preset's model."""
+    return TITLES.get(name, f"preset:{name}")
+
+
+def build_preset(name: str, seed: int = 0, dtype: str | None = None, **overrides: Any):
+    """(model, args, tokenizer) of a preset: a real one loaded from its cached directory (fetched
+    first if need be), a seeded one built in memory. `dtype` casts the weights (None: as stored)."""
+    if name in FETCHED:
+        if overrides:
+            raise ConfigError(f"model preset {name!r} is a real model; it takes no overrides ({', '.join(overrides)})")
+        return load_model(FETCHED[name](), dtype)
     cfg = preset_config(name, **overrides)
     args = ModelArgs.from_hf(cfg, source=f"preset {name}")
     model = Model(args)
     weights = check_weights(model, random_weights(cfg, seed), f"preset {name}")
     model.load_weights(list(weights.items()), strict=True)
+    if dtype is not None:
+        model.set_dtype(DTYPES[dtype])
     mx.eval(model.parameters())
     return model, args, ByteTokenizer(args.eos_token_id)
 
 
-def write_preset(model_dir: Path, name: str = "tiny", seed: int = 0, **overrides: Any) -> Path:
-    """`kvlayout init-model DIR --preset NAME`: the preset in the HF layout (a real one copied from the cache)."""
+def write_preset(model_dir: Path, name: str = "tiny", seed: int = 0, force: bool = False, **overrides: Any) -> Path:
+    """`kvlayout init-model DIR --preset NAME`: the preset in the HF layout (a real one copied from the cache).
+
+    `model_dir` must be new or empty unless `force`, which replaces it whole
+    (`store.write_model_dir`); it is checked before anything is fetched.
+    """
+    check_model_dir(model_dir, force)
     if name in FETCHED and not overrides:
-        shutil.copytree(FETCHED[name](), model_dir, dirs_exist_ok=True)
-        return Path(model_dir)
+        source = FETCHED[name]()
+        return write_model_dir(model_dir, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True), force)
     cfg = preset_config(name, **overrides)
-    save_model(model_dir, cfg, random_weights(cfg, seed))
-    return Path(model_dir)
+    return write_model_dir(model_dir, lambda tmp: save_model(tmp, cfg, random_weights(cfg, seed)), force)

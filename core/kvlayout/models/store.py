@@ -1,18 +1,22 @@
-"""Where fetched and converted models live, and how a directory appears there whole.
+"""Where fetched and converted models live, and how a model directory appears whole.
 
 The root is `$KVLAYOUT_CACHE`, else `$XDG_CACHE_HOME/kvlayout`, else
 `~/.cache/kvlayout`. A directory is built under a temporary name beside its
 final one and renamed into place, so an interrupted build never leaves a
-directory that looks done.
+directory that looks done: in the cache (`publish_dir`) and at a path the
+user names (`write_model_dir`, `kvlayout init-model DIR`).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from kvlayout.errors import ConfigError
 
 
 def cache_root() -> Path:
@@ -31,7 +35,7 @@ def publish_dir(final: Path, build: Callable[[Path], object]) -> Path:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    tmp = _fresh_dir(final.parent, f".{final.name}.", ".tmp")
     try:
         build(tmp)
         if final.exists():
@@ -44,3 +48,44 @@ def publish_dir(final: Path, build: Callable[[Path], object]) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _fresh_dir(parent: Path, prefix: str, suffix: str) -> Path:
+    """A new empty directory under `parent` with a random name, made by mkdir: with the mode the
+    umask gives any directory, where tempfile.mkdtemp's 0700 would hide a published model from others."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+def check_model_dir(dest: Path, force: bool = False) -> None:
+    """Refuse `dest` as the user's new model directory: a file, or a non-empty directory unless `force`.
+
+    Writing into a used directory would mix two models (a stale
+    chat_template.jinja left there changes every prompt), so it is replaced
+    whole or not at all.
+    """
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise ConfigError(f"{dest} is a file, not a directory; name a new or empty directory for the model")
+    if not force and dest.is_dir() and any(dest.iterdir()):
+        raise ConfigError(f"{dest} is not empty; name a new or empty directory, or replace it whole with --force")
+
+
+def write_model_dir(dest: Path, build: Callable[[Path], object], force: bool = False) -> Path:
+    """`build(tmp)` the model directory, then put it at `dest` whole (`publish_dir`).
+
+    Refused first, nothing changed, as `check_model_dir` says; `force`
+    replaces a non-empty directory. A failed build leaves `dest` as it was;
+    an OSError (a parent that is a file or not writable) is a ConfigError.
+    """
+    dest = Path(dest)
+    check_model_dir(dest, force)
+    try:
+        return publish_dir(dest, build)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {dest}: {' '.join(str(exc).split())}") from None

@@ -11,10 +11,11 @@ missing (a 32000-id model decoding through bytes would "generate" nothing).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from kvlayout.errors import ConfigError
 from kvlayout.models.chat import ChatTemplate, read_chat_template
+from kvlayout.models.config_values import token_ids
 from kvlayout.models.files import read_json_object, read_text
 
 BYTE_VOCAB = 258  # 256 bytes, then BOS and EOS
@@ -38,16 +39,18 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` read by the `tokenizers` library (no transformers needed)."""
+    """A `tokenizer.json` read by the `tokenizers` library (no transformers needed); ConfigError naming
+    the file when the library cannot read it."""
 
     def __init__(self, path: Path, eos_ids: Sequence[int], chat_template: ChatTemplate | None = None):
         from tokenizers import Tokenizer
 
-        read_text(path)  # bytes that are not UTF-8 are named as in every other file
+        read_text(path)  # bytes that are not UTF-8 are named as in every other file of the directory
         try:
             self._tok = Tokenizer.from_file(str(path))
-        except Exception as exc:  # the tokenizers library raises a bare Exception on a file it cannot read
-            raise ConfigError(f"{path}: not a tokenizer the tokenizers library can read ({exc})") from None
+        except Exception as exc:  # `tokenizers` raises a bare Exception for any file it cannot read
+            why = " ".join(str(exc).split())
+            raise ConfigError(f"{path}: not a tokenizer the tokenizers library reads ({why})") from None
         self.eos_ids = frozenset(eos_ids)
         self.chat_template = chat_template
 
@@ -65,16 +68,6 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-def _eos_list(value: Any, source: str) -> list[int]:
-    """`eos_token_id` as HF writes it: an int, a list of ints, or null."""
-    if value is None:
-        return []
-    values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise ConfigError(f"{source}: eos_token_id={value!r}: expected a token id or a list of them")
-    return list(values)
-
-
 def eos_ids_of(model_dir: Path, config_eos: Sequence[int] = ()) -> list[int]:
     """Every id that ends a sample: config.json's `eos_token_id` (given) and generation_config.json's.
 
@@ -84,27 +77,24 @@ def eos_ids_of(model_dir: Path, config_eos: Sequence[int] = ()) -> list[int]:
     ids = list(config_eos)
     path = Path(model_dir) / GENERATION_CONFIG
     if path.is_file():
-        ids += _eos_list(read_json_object(path).get("eos_token_id"), str(path))
+        ids += token_ids(read_json_object(path).get("eos_token_id"), "eos_token_id", str(path))
     return list(dict.fromkeys(ids))
 
 
-def load_tokenizer(model_dir: Path | None, eos_ids: Sequence[int]):
+def load_tokenizer(model_dir: Path, eos_ids: Sequence[int], vocab_size: int):
     """The directory's tokenizer, ending samples on `eos_ids` (config.json's) and generation_config.json's.
 
     `tokenizer.json` when there is one (with the directory's chat template),
-    else bytes, which only a byte-vocabulary model may use: ConfigError otherwise.
+    else bytes, which only a byte-vocabulary model (`vocab_size`, config.json's)
+    may use: ConfigError otherwise.
     """
-    if model_dir is None:
-        return ByteTokenizer(eos_ids or (BYTE_EOS,))
     model_dir = Path(model_dir)
     eos = eos_ids_of(model_dir, eos_ids)
     if (model_dir / "tokenizer.json").is_file():
         return HFTokenizer(model_dir / "tokenizer.json", eos, read_chat_template(model_dir))
-    config = model_dir / "config.json"
-    vocab = read_json_object(config).get("vocab_size") if config.is_file() else None
-    if vocab != BYTE_VOCAB:
+    if vocab_size != BYTE_VOCAB:
         raise ConfigError(
-            f"{model_dir}: tokenizer.json is missing, and the model's vocabulary ({vocab} ids in config.json) "
+            f"{model_dir}: tokenizer.json is missing, and the model's vocabulary ({vocab_size} ids in config.json) "
             f"is not the byte vocabulary ({BYTE_VOCAB}); copy the model's tokenizer.json into the directory"
         )
     return ByteTokenizer(eos or (BYTE_EOS,))

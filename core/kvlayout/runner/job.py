@@ -28,7 +28,6 @@ from kvlayout.engines.recovery import Interrupted
 from kvlayout.engines.seq import SeqEngine
 from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.faces import BatchControl, SequenceControl, contract
-from kvlayout.mlx.pool import DTYPES
 from kvlayout.runner.config import ModelSection, RunConfig
 from kvlayout.runner.prompts import Prompt, build_prompts
 from kvlayout.runner.records import OnText, RunResult, SampleResult, TextEvent
@@ -72,35 +71,18 @@ def cache_config(cfg: RunConfig, args, kv_dtype: str) -> CacheConfig:
     )
 
 
-def smollm2_dir():
-    """SmolLM2-135M-Instruct's directory, fetched and converted on first use (kvlayout.models.smollm2);
-    ConfigError with the reason in one line when it cannot be had."""
-    try:
-        from kvlayout.models.smollm2 import smollm2_dir as fetch
-    except ModuleNotFoundError as exc:
-        if exc.name != "kvlayout.models.smollm2":
-            raise
-        raise ConfigError("this kvlayout has no kvlayout.models.smollm2") from None
-    return fetch()
-
-
 def load_model_for(cfg: RunConfig):
     """Load the model the config's [model] section names: (model, args, tokenizer, name).
 
     (A saved cache is loaded by `kvlayout.load`; this loads only a model.)
     """
     from kvlayout.models.loading import load_model
-    from kvlayout.models.presets import build_preset
+    from kvlayout.models.presets import build_preset, preset_title
 
     dtype = None if cfg.model.dtype == "auto" else cfg.model.dtype
-    if cfg.model.preset == "smollm2":
-        model, args, tok = load_model(smollm2_dir(), dtype)
-        return model, args, tok, "SmolLM2-135M-Instruct"
     if cfg.model.preset is not None:
-        model, args, tok = build_preset(cfg.model.preset, seed=cfg.model.seed)
-        if dtype is not None:
-            model.set_dtype(DTYPES[dtype])
-        return model, args, tok, f"preset:{cfg.model.preset}"
+        model, args, tok = build_preset(cfg.model.preset, seed=cfg.model.seed, dtype=dtype)
+        return model, args, tok, preset_title(cfg.model.preset)
     model_dir = cfg.model_dir()
     model, args, tok = load_model(model_dir, dtype)
     return model, args, tok, str(model_dir)

@@ -31,16 +31,16 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.config import CacheConfig
-from kvlayout.errors import StepError
+from kvlayout.config import CacheConfig, check_up_front, show_bytes
+from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import BatchControl, CellStepper, FacesBase, face_of
-from kvlayout.mlx import MLXPool
+from kvlayout.mlx import MAX_SLOTS, MLXPool, check_layer_dims, pool_bytes
 from kvlayout.mlx.attention import pages_in_place
 from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout.checks import int_array, int_scalar
 from kvlayout_cell import persist
-from kvlayout_cell.groups import PAGE_SIZES, plan_cells
+from kvlayout_cell.groups import PAGE_SIZES, PATHS, plan_cells
 from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
 
@@ -56,14 +56,17 @@ class CellCache(FacesBase):
     `kvlayout_cell.groups` finds it cheaper, each batch gathered or read by
     pages, whichever is cheaper), "dense", "grouped" (every batch gathered)
     or "paged" (pages wherever a page size divides the pool) (forced; results
-    are identical either way, up to float rounding).
+    are identical either way, up to float rounding). Anything else is
+    refused where it is assigned (ConfigError).
     """
 
-    attention_path: str = "auto"
-
     def __init__(self, config: CacheConfig, pm: Any = None):
+        self._attention_path = "auto"
         self.config = config = CacheConfig.coerce(config)  # a mapping is built; anything else refused
         layers = [config.layer(i) for i in range(config.n_layers)]
+        # Pools hold whole pages of PAGE_TILE slots (past the last cell: never written, masked when
+        # read), so every size they grow through is one that pages of up to PAGE_TILE cells tile.
+        max_slots, initial = _check_sizes(config, layers)  # before anything is allocated
         self.stepper = Stepper(
             CellTable(config.capacity, config.max_seqs),
             [lc.policy.window for lc in layers],  # 0 for flat layers
@@ -71,10 +74,6 @@ class CellCache(FacesBase):
         )
         self._batch_control = face_of(BatchControl, self.stepper)
         self._cell_stepper = face_of(CellStepper, self.stepper)
-        # Pools hold whole pages of PAGE_TILE slots (past the last cell: never written, masked when
-        # read), so every size they grow through is one that pages of up to PAGE_TILE cells tile.
-        max_slots = _tiled(config.capacity)
-        initial = _tiled(config.initial_capacity)  # the pool clamps it to max_slots
 
         def pool(lc):
             return MLXPool(initial, max_slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype)
@@ -87,6 +86,18 @@ class CellCache(FacesBase):
     @property
     def n_layers(self) -> int:
         return self.stepper.n_layers
+
+    @property
+    def attention_path(self) -> str:
+        """How steps attend: "auto", "dense", "grouped" or "paged" (see the class)."""
+        return self._attention_path
+
+    @attention_path.setter
+    def attention_path(self, path: str) -> None:
+        # Checked here, not at the next update_and_fetch, which would refuse it after placing the step.
+        if not isinstance(path, str) or path not in PATHS:
+            raise ConfigError(f"attention_path={path!r}: expected one of {', '.join(PATHS)}")
+        self._attention_path = path
 
     def as_batch_control(self) -> BatchControl:
         """The BatchControl face: ids, declarations and counts of the cells."""
@@ -193,7 +204,7 @@ class CellCache(FacesBase):
             self.value_pools[layer].write_cells(step.cells, v)
         keys = self.key_pools[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
         values = self.value_pools[layer].read(0, step.read_len)
-        groups = self.step_groups(layer, step)
+        groups = self._step_groups(layer, step)
         if groups is not None:
             # The whole pool buffer (a row-contiguous view): the grouped gather then copies
             # only the rows it takes. Dropped with the spec, like the read above.
@@ -201,13 +212,35 @@ class CellCache(FacesBase):
             groups = attrs.evolve(
                 groups, keys=self.key_pools[layer].read(0, slots), values=self.value_pools[layer].read(0, slots)
             )  # [1, H_kv, slots, D] each
-            mask = functools.partial(self.step_mask, layer, step)  # built only if a consumer reads spec.mask
+            mask = functools.partial(self._step_mask, layer, step)  # built only if a consumer reads spec.mask
         else:
-            mask = self.step_mask(layer, step)
-        return AttendSpec(keys, values, MaskKind.EXPLICIT, mask, groups)
+            mask = self._step_mask(layer, step)
+        return AttendSpec(keys, values, MaskKind.EXPLICIT, mask, groups, queries=T)
 
     def step_groups(self, layer: int, step) -> AttendGroups | None:
-        """The step's grouping for this layer's window (None: dense), planned once per window per step."""
+        """The step's grouping for this layer's window (None: dense), planned once per window per step.
+
+        `step` is what `place_step(layer, ...)` answered for the open step; StepError for a layer
+        out of range or any other step (a grouping is planned from the open step's tokens)."""
+        return self._step_groups(layer, self._check_step(layer, step))
+
+    def step_mask(self, layer: int, step) -> mx.array:
+        """The step's mask as bool [1, 1, T, read_len], converted once per window per step.
+
+        `step` is what `place_step(layer, ...)` answered for the open step; StepError otherwise."""
+        return self._step_mask(layer, self._check_step(layer, step))
+
+    def _check_step(self, layer: Any, step: Any) -> Any:
+        served = self.stepper.served_step(layer)  # StepError for a bad layer
+        if step is None or step is not served:
+            what = "no step is open or it has not served this layer" if served is None else "another step"
+            raise StepError(
+                f"step={step!r:.80}: expected the CellStep place_step answered for layer {layer} in the open "
+                f"step ({what})"
+            )
+        return step
+
+    def _step_groups(self, layer: int, step) -> AttendGroups | None:
         window = self.stepper.window(layer)
         path = self.attention_path
         held = self._mx_groups.get(window)
@@ -226,8 +259,8 @@ class CellCache(FacesBase):
             self._mx_groups[window] = held
         return held[2]
 
-    def step_mask(self, layer: int, step) -> mx.array:
-        """The step's mask as bool [1, 1, T, read_len], converted once per window per step."""
+    def _step_mask(self, layer: int, step) -> mx.array:
+        """A lazy spec's mask may be read after the step ended: the step's own (`CellStep.mask`)."""
         window = self.stepper.window(layer)
         held = self._mx_mask.get(window)
         if held is None or held[0] is not step:
@@ -237,11 +270,41 @@ class CellCache(FacesBase):
 
 
 PAGE_TILE = max(PAGE_SIZES)
+MAX_CAPACITY = MAX_SLOTS // PAGE_TILE * PAGE_TILE  # the most cells whose tiled pools MLX can index
 
 
 def _tiled(n: int) -> int:
     """`n` slots rounded up to whole PAGE_TILE pages; small pools (<= one page) stay as asked."""
     return n if n <= PAGE_TILE else -(-n // PAGE_TILE) * PAGE_TILE
+
+
+def _check_sizes(config: CacheConfig, layers: list) -> tuple[int, int]:
+    """(max_slots, initial slots) of every pool; ConfigError, stating the bytes, for a capacity no
+    MLX pool can span or a cache whose up-front allocations exceed the machine's memory.
+
+    Up front: the cell table's arrays (`CellTable.footprint`: 16 B a cell plus 8 B a cell per 64
+    ids, 17 B an id) and every layer's K and V pool at its initial slots. The pools grow lazily
+    past that, by doubling, up to capacity (their size there is stated, not refused: a cache
+    need not fill).
+    """
+    capacity, max_seqs = config.capacity, config.max_seqs
+    max_slots = _tiled(capacity)
+    initial = min(_tiled(config.initial_capacity), max_slots)
+
+    def pools(slots: int) -> int:  # bytes of every layer's K and V pools at `slots` slots
+        return sum(2 * pool_bytes(slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype) for lc in layers)
+
+    what = f"an mlx:cell cache of capacity={capacity} and max_seqs={max_seqs}"
+    check_layer_dims(config)
+    table = CellTable.footprint(capacity, max_seqs)
+    check_up_front(what, {**table, f"K/V pools of {initial} slots": pools(initial)}, "lower capacity or max_seqs")
+    if max_slots > MAX_SLOTS:
+        raise ConfigError(
+            f"{what}: its pools would span {max_slots} slots (capacity in whole pages of {PAGE_TILE}), past "
+            f"the {MAX_SLOTS} an MLX array dimension holds (int32); expected capacity <= {MAX_CAPACITY} "
+            f"(at capacity the pools alone would hold {show_bytes(pools(max_slots))})"
+        )
+    return max_slots, initial
 
 
 def _as_mx(plan: AttendGroups) -> AttendGroups:

@@ -32,7 +32,7 @@ import numpy as np
 from kvlayout.checks import int_array
 from kvlayout.errors import StateError, StepError
 from kvlayout.mlx.tensors import read_kv, to_raw
-from kvlayout.persist import StateFile, numpy_of, raw_numpy, read_state, save_state
+from kvlayout.persist import StateFile, numpy_of, raw_numpy, read_state, save_state, state_path
 
 LAYOUT = "mlx:cell"
 STATE_VERSION = 1
@@ -63,6 +63,7 @@ def _gather(cache: Any, cells: np.ndarray) -> dict:
 
 def save_cache(cache: Any, path: str | os.PathLike) -> Path:
     _check_not_mid_forward(cache)
+    path = state_path(path, writing=True)  # before gathering anything
     table = cache.stepper.table
     cells, pos, owners = table.occupied()
     tensors = {"cells": raw_numpy(cells), "pos": raw_numpy(pos), "owners": raw_numpy(owners)}
@@ -74,6 +75,7 @@ def save_cache(cache: Any, path: str | os.PathLike) -> Path:
 def save_seq(cache: Any, seq_id: int, path: str | os.PathLike) -> Path:
     cells, pos = cache.stepper.table.seq_cells(seq_id)  # SequenceError for an id not live
     _check_not_mid_forward(cache)
+    path = state_path(path, writing=True)
     tensors = {"pos": raw_numpy(pos)}
     tensors.update(_gather(cache, cells))
     state = {"state_version": STATE_VERSION}

@@ -15,7 +15,11 @@ open step ends. One forward is one step:
 
 A step stays valid while the table's epoch is the one placement left: any verb
 (seq_new, seq_clone, seq_rm, clear, restore, place_sequence) ends it, and so
-does a new declaration. The BatchControl face (`kvlayout.faces`) is this
+does a new declaration. While it is half served (placed, some layers not yet
+served: a forward in progress), those verbs and `declare_step` are refused
+(StepError, nothing changed), so no state ever holds K/V that some layers
+never wrote; `clear` alone goes ahead, aborting the step first. The
+BatchControl face (`kvlayout.faces`) is this
 class's verbs of that contract; the rest (`abort_step`, `place_sequence`,
 `restore`, `unserved_layers`, `step_tokens`) serve the cache and its persist
 module.
@@ -32,6 +36,8 @@ from kvlayout.checks import int_array, int_scalar
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
 from kvlayout_cell.table import CellTable
+
+HOOKS = ("kvlayout_choose_cells", "kvlayout_step_placed", "kvlayout_step_aborted")  # what the stepper calls
 
 
 @attrs.define(eq=False)
@@ -62,6 +68,13 @@ class Stepper:
     def __init__(self, table: CellTable, windows: Sequence[int], pm: Any):
         self.table = table  # read it freely; change it only through the stepper's verbs
         self._windows = tuple(int_scalar("window", w, ConfigError, minimum=0) for w in windows)
+        hook = getattr(pm, "hook", None)  # checked now: a bad one would fail at the first step
+        missing = [name for name in HOOKS if not hasattr(hook, name)]
+        if missing:
+            raise ConfigError(
+                f"pm={pm!r:.80}: expected a kvlayout plugin manager (kvlayout.registry.plugin_manager() or "
+                f"make_plugin_manager()), got one without the hook(s) {', '.join(missing)}"
+            )
         self._pm = pm
         self._declared: _Declared | None = None
         self._placed: _Placed | None = None
@@ -71,8 +84,17 @@ class Stepper:
         return len(self._windows)
 
     def window(self, layer: int) -> int:
-        """Layer `layer`'s window (0 = flat)."""
-        return self._windows[layer]
+        """Layer `layer`'s window (0 = flat); StepError for a layer out of range."""
+        return self._windows[self._layer(layer)]
+
+    def served_step(self, layer: int) -> CellStep | None:
+        """The open step's CellStep for `layer` (shared by its window), once `layer` has served it;
+        else None. StepError for a layer out of range."""
+        layer = self._layer(layer)
+        placed = self._open_step()
+        if placed is None or layer not in placed.served:
+            return None
+        return placed.steps.get(self._windows[layer])
 
     # -- the table's counts, read through (BatchControl) ------------------------
 
@@ -106,12 +128,17 @@ class Stepper:
     # -- verbs that change the table: each ends the open step first ------------
 
     def clear(self) -> None:
-        """Free every cell and release every id."""
+        """Free every cell and release every id. A half-served step (a forward in progress) is
+        aborted first (`abort_step`: its observers hear `kvlayout_step_aborted`): clear is how a
+        runtime holding only the BatchControl face starts over."""
+        if self.unserved_layers():
+            self.abort_step()
         self._keep_masks()
         self.table.clear()
 
     def seq_new(self) -> int | None:
         """The lowest id not live, now live and empty; None when all are in use."""
+        self._refuse_mid_forward("seq_new")
         return self.table.seq_new()  # changes no cell: no mask to keep
 
     def seq_clone(self, src: int, upto: int | None = None) -> int | None:
@@ -119,17 +146,20 @@ class Stepper:
 
         Refused (SequenceError) when src is not live; None when no id is left.
         """
+        self._refuse_mid_forward("seq_clone")
         self._keep_masks()
         return self.table.seq_clone(src, upto)
 
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
         """Drop seq_id's claim on positions [p0, p1) (see `CellTable.seq_rm`)."""
+        self._refuse_mid_forward("seq_rm")
         self._keep_masks()
         self.table.seq_rm(seq_id, p0, p1)
 
     def restore(self, cells: np.ndarray, pos: np.ndarray, owners: np.ndarray, live: np.ndarray, error: type) -> None:
         """Become the table `occupied()` and `live_ids()` described (see `CellTable.restore`);
         `error`, nothing changed, for a description that breaks an invariant."""
+        self._refuse_mid_forward("restore")
         self._keep_masks()
         self.table.restore(cells, pos, owners, live, error)
 
@@ -140,9 +170,11 @@ class Stepper:
 
         False (nothing changed, any previous step still standing) when fewer
         than len(seq_ids) cells are free. Raises for an empty list
-        (StepError) or an id out of range or not live (SequenceError).
-        On True the previous step ends, whether or not every layer was served.
+        (StepError) or an id out of range or not live (SequenceError), and
+        (StepError) while the previous step is half served: finish that
+        forward or abort it first. On True the previous step ends.
         """
+        self._refuse_mid_forward("declare_step")
         ids = int_array("seq_ids", seq_ids, SequenceError)
         if ids.size == 0:
             raise StepError("declare_step: seq_ids is empty: expected at least one token's sequence id")
@@ -162,9 +194,7 @@ class Stepper:
         with no declaration, a token count differing from it, a position not
         newer than its sequence holds, or a bad `kvlayout_choose_cells` answer.
         """
-        layer = int_scalar("layer", layer, StepError, minimum=0)
-        if layer >= self.n_layers:
-            raise StepError(f"layer={layer}: expected a layer in [0, {self.n_layers})")
+        layer = self._layer(layer)
         pos = int_array("positions", positions, StepError)
         placed = self._open_step()
         if placed is not None:
@@ -199,7 +229,8 @@ class Stepper:
         The open step is the one the first `place_step` after a declaration
         placed, served on every layer or not, until a new declaration or any
         verb (`seq_new`, `seq_clone`, `seq_rm`, `clear`, `restore`,
-        `place_sequence`) ends it. Aborting it releases exactly the cells it
+        `place_sequence`) ends it; while some layer has not served it, those
+        are refused (`clear` aborts it first). Aborting it releases exactly the cells it
         claimed and puts back every sequence's `seq_len` and `next_pos`, the
         free count, `used_end` and the free list. Afterwards no declaration
         stands: declare the next forward again. With no open step nothing
@@ -230,9 +261,11 @@ class Stepper:
         announced through `kvlayout_step_placed`), and the step is closed at
         once, so there is nothing to abort and no layer to serve. None,
         nothing changed, when the free cells or ids are too few; StepError,
-        nothing changed, for bad positions or a bad hook answer. The caller
-        writes the K/V into `cells` (token i's into cells[i]).
+        nothing changed, for bad positions, a bad hook answer or a step
+        half served. The caller writes the K/V into `cells` (token i's into
+        cells[i]).
         """
+        self._refuse_mid_forward("place_sequence")
         pos = int_array("positions", positions, StepError)
         if pos.size and (pos.min() < 0 or (np.diff(pos) <= 0).any()):
             raise StepError(f"positions {pos.tolist()!r:.80}: expected ascending distinct positions >= 0")
@@ -262,6 +295,22 @@ class Stepper:
         return placed.seq_ids, placed.positions
 
     # -- inside ----------------------------------------------------------------
+
+    def _layer(self, layer: Any) -> int:
+        layer = int_scalar("layer", layer, StepError, minimum=0)
+        if layer >= self.n_layers:
+            raise StepError(f"layer={layer}: expected a layer in [0, {self.n_layers})")
+        return layer
+
+    def _refuse_mid_forward(self, verb: str) -> None:
+        """StepError, nothing changed, while the open step is half served: the verb would end it
+        with K/V some layers never wrote in its cells, read as zeros by every later step."""
+        missing = self.unserved_layers()
+        if missing:
+            raise StepError(
+                f"{verb} during a forward: layer(s) {missing} of the placed step were not served; "
+                "finish the forward, or abort_step() (or clear()) first"
+            )
 
     def _open_step(self) -> _Placed | None:
         """The open step (see `abort_step`): placed, and no verb or declaration since; else None."""

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.checks import int_scalar
+from kvlayout.config import check_up_front
+from kvlayout.errors import ConfigError, SequenceError, StepError
 
 _ONE = np.uint64(1)
 
@@ -40,9 +41,29 @@ class CellTable:
     def __init__(self, capacity: int, max_seqs: int):
         self._capacity = int_scalar("capacity", capacity, ConfigError, minimum=1)
         self._max_seqs = int_scalar("max_seqs", max_seqs, ConfigError, minimum=1)
+        check_up_front(
+            f"a cell table of capacity={self._capacity} and max_seqs={self._max_seqs}",
+            self.footprint(self._capacity, self._max_seqs),
+            "lower capacity or max_seqs",
+        )
         self._words = (self._max_seqs + 63) // 64  # owner bitset width: any max_seqs works
         self._epoch = 0
         self.clear()
+
+    @staticmethod
+    def footprint(capacity: int, max_seqs: int) -> dict[str, int]:
+        """Bytes a table of this size holds from its first step on, by what holds them (before any
+        is allocated: the constructor refuses a table larger than the machine's memory).
+
+        Per cell: its position (int64), its owner words (one uint64 per 64 ids) and a free-list
+        entry (int64, built at the first placement). Per id: a count, a newest position (int64
+        each) and a live flag (bool).
+        """
+        per_cell = 16 + 8 * ((max_seqs + 63) // 64)
+        return {
+            f"cell table ({per_cell} B a cell: position, owner words, free list)": capacity * per_cell,
+            "per-id arrays (17 B an id)": max_seqs * 17,
+        }
 
     # -- state ---------------------------------------------------------------
 

@@ -24,6 +24,12 @@ Invariants kept by every verb:
 
 Planning is pure; `commit` is the only step verb that changes state, and it is
 idempotent so every layer of one forward may commit the same step.
+
+No state holds a step some layers never wrote: while a forward is half done
+(the open step, see `commit`), a rewind that would keep a position of it,
+and a new step that starts past it, are refused (StepError, nothing
+changed); a new step starting at or below it (a re-feed) rewrites it, and
+`clear`/`rewind(0)` forget it with the rest.
 """
 
 from __future__ import annotations
@@ -261,12 +267,20 @@ class SeqBook:
 
         Pure. Refuses (StepError / CapacityError) a layer out of range, an
         empty step, a negative start, a gap after `length`, a start older than
-        a ring still holds, an end past `capacity`, or a step longer than a
-        ring layer's `max_write` (on every layer: see `max_step`). Every check
-        but the layer index reads only model-wide state, so a step is refused
-        at a forward's first layer or not at all.
+        a ring still holds, an end past `capacity`, a step longer than a
+        ring layer's `max_write` (on every layer: see `max_step`), or a new
+        step starting past one a forward left half written (see `open_step`).
+        Every check but the layer index reads only model-wide state, so a
+        step is refused at a forward's first layer or not at all.
         """
         layer = self.check_layer(layer)
+        step = self._open
+        if step is not None and start > step.start and not self._continues(step, layer, start, length):
+            raise StepError(
+                f"positions start at {start}, past the step at {step.start} that layer(s) "
+                f"{self._unwritten(step)} have not written: finish that forward, re-feed it from "
+                f"{step.start} or below, or abort_step() first"
+            )
         if start < 0:
             raise StepError(f"positions start at {start}: expected positions >= 0")
         if length < 1:
@@ -312,7 +326,7 @@ class SeqBook:
         """
         if layer is not None:
             step = self._open
-            if step is None or (step.start, step.length) != (plan.start, plan.length) or layer in step.served:
+            if step is None or not self._continues(step, layer, plan.start, plan.length):
                 retained = [getattr(p, "retained", 0) for p in self.policies]
                 step = self._open = _OpenStep(plan.start, plan.length, retained)
             step.served.add(layer)
@@ -327,11 +341,21 @@ class SeqBook:
 
         Rewinding to 0 needs no position a ring may have lost, so it always
         succeeds: it is `clear()`, which also forgets what the rings reused.
+        While a forward is half done, a rewind past its start would keep
+        positions some layers never wrote: StepError, nothing changed (one
+        to its start or below ends it).
         """
         new_len = int_scalar("new_len", new_len, StepError, minimum=0)
         if new_len == 0:
             self.clear()
             return True
+        step = self._open
+        if step is not None and new_len > step.start:
+            raise StepError(
+                f"rewind(new_len={new_len}) during a forward: layer(s) {self._unwritten(step)} have not "
+                f"written the step at {step.start}; finish the forward, abort_step(), or rewind to "
+                f"{step.start} or below"
+            )
         if new_len > self.length or new_len < self.floor:
             return False
         self.length = new_len
@@ -348,7 +372,16 @@ class SeqBook:
         """(start, layers not yet written) of the step a forward has begun and not finished
         (the one `abort_step` would undo); None between forwards."""
         step = self._open
-        return None if step is None else (step.start, sorted(set(range(self.n_layers)) - step.served))
+        return None if step is None else (step.start, self._unwritten(step))
+
+    def _unwritten(self, step: _OpenStep) -> list[int]:
+        return sorted(set(range(self.n_layers)) - step.served)
+
+    @staticmethod
+    def _continues(step: _OpenStep, layer: int, start: int, length: int) -> bool:
+        """Whether `layer` writing `[start, start + length)` serves the open `step` (else it begins
+        another: a re-feed from the same start included, when `layer` already wrote this one)."""
+        return (step.start, step.length) == (start, length) and layer not in step.served
 
     def abort_step(self) -> bool:
         """Return to where the open step began; False (nothing changes) when none is open.

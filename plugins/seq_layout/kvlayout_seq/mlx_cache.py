@@ -15,11 +15,11 @@ import mlx.core as mx
 import numpy as np
 
 from kvlayout.checks import int_array
-from kvlayout.config import CacheConfig
-from kvlayout.errors import StepError
+from kvlayout.config import CacheConfig, check_up_front, show_bytes
+from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import FacesBase, SequenceControl, face_of
 from kvlayout.spec import AttendSpec, MaskKind
-from kvlayout.mlx import MLXPool
+from kvlayout.mlx import MAX_SLOTS, MLXPool, check_layer_dims, pool_bytes
 
 from kvlayout_seq.bookkeeping import SeqBook, SeqStepPlan, band_mask
 
@@ -48,13 +48,12 @@ class SeqCache(FacesBase):
             config.max_write,
         )
         self._shapes = [(lc.n_kv_heads, lc.head_dim) for lc in layers]
+        initial = _check_sizes(config, self._book)  # the book allocates nothing: check before the pools do
         self.key_pools: list[MLXPool] = []
         self.value_pools: list[MLXPool] = []
-        for (heads, dim), policy in zip(self._shapes, self._book.layers):
-            # Flat pools grow lazily; a ring is recycled from the first lap, so allocate it whole.
-            initial = config.initial_capacity if policy.kind == "flat" else policy.storage  # the pool clamps
-            self.key_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
-            self.value_pools.append(MLXPool(initial, policy.storage, heads, dim, config.kv_dtype))
+        for (heads, dim), policy, slots in zip(self._shapes, self._book.layers, initial):
+            self.key_pools.append(MLXPool(slots, policy.storage, heads, dim, config.kv_dtype))
+            self.value_pools.append(MLXPool(slots, policy.storage, heads, dim, config.kv_dtype))
         self._control = face_of(SequenceControl, self)
 
     # SequenceControl
@@ -141,7 +140,7 @@ class SeqCache(FacesBase):
         mask = None
         if plan.mask_kind is MaskKind.EXPLICIT:
             mask = _band_mask(plan.length, plan.read_len, plan.window)  # [1, 1, T, S]
-        return AttendSpec(keys, values, plan.mask_kind, mask)
+        return AttendSpec(keys, values, plan.mask_kind, mask, queries=plan.length)
 
     def _plan(self, layer: Any, pos: np.ndarray, k: Any, v: Any) -> tuple[int, SeqStepPlan]:
         """Check the whole step (layer, K/V shapes, positions) and plan it; changes nothing."""
@@ -165,6 +164,40 @@ class SeqCache(FacesBase):
                 f"positions {_show(pos)}: expected {pos.size} consecutive integers starting at {start}"
             )
         return layer, self._book.plan(layer, start, pos.size)
+
+
+def _check_sizes(config: CacheConfig, book: SeqBook) -> list[int]:
+    """Each layer's initial pool slots; ConfigError, stating the bytes, for a layer no MLX pool can
+    span or pools whose up-front allocation exceeds the machine's memory.
+
+    A flat layer's pools start at `initial_capacity` and grow lazily, by doubling, up to capacity;
+    a ring is recycled from its first lap, so it is allocated whole (its slots, twice when
+    mirrored). The bookkeeping is a few integers.
+    """
+    shapes = [(config.layer(i).n_kv_heads, config.layer(i).head_dim) for i in range(config.n_layers)]
+    initial = [min(config.initial_capacity, p.storage) if p.kind == "flat" else p.storage for p in book.layers]
+
+    def pools(slots: list[int]) -> int:  # bytes of every layer's K and V pools at these slots
+        return sum(2 * pool_bytes(n, heads, dim, config.kv_dtype) for n, (heads, dim) in zip(slots, shapes))
+
+    what = f"an mlx:seq cache of capacity={config.capacity}"
+    check_layer_dims(config)
+    for i, policy in enumerate(book.layers):
+        if policy.storage > MAX_SLOTS:
+            if policy.kind == "flat":
+                why, fix = "a flat layer spans its capacity", "lower capacity"
+            else:
+                twice = ", twice over (mirrored)" if policy.mirror else ""
+                why = f"a ring of window={policy.window} and max_write={policy.max_write} keeps {policy.slots}{twice}"
+                fix = "lower capacity or the window"
+            at_capacity = show_bytes(pools([p.storage for p in book.layers]))
+            raise ConfigError(
+                f"{what}: layer {i}'s pools would span {policy.storage} slots ({why}), past the {MAX_SLOTS} "
+                f"an MLX array dimension holds (int32); {fix} (at capacity the pools would hold {at_capacity})"
+            )
+    rings = " (rings whole)" if any(p.kind == "ring" for p in book.layers) else ""
+    check_up_front(what, {f"K/V pools at build{rings}": pools(initial)}, "lower capacity, initial_capacity or the ring windows")
+    return initial
 
 
 def _scatter(pool: MLXPool, plan: SeqStepPlan, x: mx.array) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from kvlayout.checks import int_scalar
 from kvlayout.errors import StepError
 from kvlayout.mlx.tensors import read_kv, to_raw
-from kvlayout.persist import StateFile, save_state
+from kvlayout.persist import StateFile, save_state, state_path
 
 LAYOUT = "mlx:seq"
 STATE_VERSION = 1
@@ -41,6 +41,7 @@ def save_cache(cache: Any, path: str | os.PathLike) -> Path:
             f"save during a forward: layer(s) {missing} have not written the step at {start}; "
             "finish the forward or abort_step() first"
         )
+    path = state_path(path, writing=True)  # before gathering anything
     tensors = {}
     for i, policy in enumerate(book.layers):
         n = _kept(policy, book.length)
