@@ -514,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         # A user's mistake gets one line and exit 2, never a traceback.
         print(f"kvlayout: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C before a run started (or outside one): nothing was saved
+    except KeyboardInterrupt:
+        # Ctrl-C where no command catches it (reading a prompt, loading a model or the plugins, a bench
+        # row): the user asked to stop, which is no error to trace. (`run` has its own, saving state.)
         print("kvlayout: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

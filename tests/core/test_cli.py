@@ -178,3 +178,22 @@ def test_version_names_kvlayout_mlx_python_and_each_installed_layout(plugin_worl
     for entry in ("fake:good (kvlayout-fake-good 1.2.3)", "fake:dup (kvlayout-fake-dup-a 1.0)",
                   "fake:dup (kvlayout-fake-dup-b 2.0)", "mlx:seq (kvlayout-seq ", "mlx:cell (kvlayout-cell "):
         assert entry in layouts
+
+
+def test_ctrl_c_where_no_command_catches_it_is_one_line_and_exit_130(fake_dists):
+    import signal
+
+    from tests.helpers import CLI_PATH, cli_env
+
+    fake_dists.add("kvlayout-fake-slow", "1.0", {"slow": "kvl_fake_slow"}, {"kvl_fake_slow": """
+        import sys, time
+        print("loading", file=sys.stderr, flush=True)
+        time.sleep(60)
+    """})
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(fake_dists.root), CLI_PATH]))
+    proc = subprocess.Popen([sys.executable, "-m", "kvlayout.cli", "plugins"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr.readline() == "loading\n"  # inside main, loading the plugins
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out, err) == (130, "", "kvlayout: interrupted\n")

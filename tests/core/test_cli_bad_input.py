@@ -126,6 +126,9 @@ ROWS: dict[str, tuple[list, str, dict]] = {
     # the environment
     "KVLAYOUT_STRICT neither yes nor no": (["plugins"], "KVLAYOUT_STRICT='maybe': expected one of 1, true, yes, on",
                                            {"env": {"KVLAYOUT_STRICT": "maybe"}}),
+    "KVLAYOUT_CACHE a file, init-model --preset smollm2": (
+        ["init-model", "{d}/smollm2", "--preset", "smollm2"],
+        "cannot fetch SmolLM2 into the kvlayout cache {d}/good.toml: ", {"env": {"KVLAYOUT_CACHE": "{d}/good.toml"}}),
     # bench --out is made before anything is measured
     "bench --out a file": (["bench", "--quick", "--rows", "fp16", "--out", "{d}/good.toml"],
                            "--out {d}/good.toml: cannot create the directory (File exists)", {}),
@@ -160,7 +163,7 @@ def outcomes(request, tiny_dir, tmp_path_factory) -> dict[str, object]:
         argv, _, options = ROWS[row]
         options = dict(options)
         if "env" in options:
-            options["env"] = cli_env(**options["env"])
+            options["env"] = cli_env(**{k: _fill(v, d, tiny_dir) for k, v in options["env"].items()})
         try:
             # In the temporary directory: a row that wrongly writes into "." must not write into the tree.
             return kvlayout(*(_fill(a, d, tiny_dir) for a in argv), cwd=d, timeout=60, **options)

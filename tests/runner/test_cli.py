@@ -446,3 +446,14 @@ def test_dump_config_reads_back_to_an_equal_config_whatever_the_text(prompt, sto
                      {"messages": [{"role": "user", "content": content}]}],
     })
     assert RunConfig.from_mapping(tomllib.loads(dump_config(cfg))) == cfg
+
+
+@pytest.mark.parametrize("cache", ["a-file", "a-file/cache"], ids=["a file", "under a file"])
+def test_a_cache_that_cannot_be_made_is_why_the_default_run_falls_back(tmp_path, monkeypatch, capsys, cache):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KVLAYOUT_CACHE", str(tmp_path / cache))
+    assert main(["run", "--json"]) == 0
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"kvlayout: model preset 'smollm2' cannot be had: cannot fetch SmolLM2 into the kvlayout "
+                           f"cache {tmp_path / cache}: ")
+    assert "set KVLAYOUT_CACHE to a writable directory" in line and "running the 'tiny' preset" in line
