@@ -86,7 +86,8 @@ def kvlayout_step_placed(step: CellStep, window: int) -> None:
 def kvlayout_step_aborted(step: CellStep, window: int) -> None:
     """Called once per window announced by `kvlayout_step_placed` when that step is aborted.
 
-    `abort_step()` (a forward that failed part way) released the step's
+    `abort_step()` (a forward that failed part way), or `clear()` called in
+    the middle of a forward (which aborts the step first), released the step's
     cells: they are free again and no sequence holds its tokens. A placement
     policy or observer that keeps its own record of where tokens landed
     takes `step.cells` back out of it here. The return value is ignored. An
