@@ -225,3 +225,26 @@ def test_half_precision_pages_are_gathered_where_gather_mm_cannot_read_them(rng,
     got = attend_groups(q, paged, SCALE)
     assert got.dtype == dtype
     np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(attend_groups(q, gathered, SCALE).astype(mx.float32)))
+
+
+def test_grouped_attention_runs_on_any_thread_after_another_used_it(rng):
+    # MLX's streams belong to their thread; the gather's second stream must be each thread's own
+    # (a server steps its engine on a thread of its own, after the main thread attended).
+    import concurrent.futures
+
+    q, k, v = qkv(rng, 2, 6)
+    cells = np.array([[0, 2, 4], [1, 3, 5]], dtype=np.int32)
+    allowed = np.array([[0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0]], dtype=bool)
+
+    def grouped() -> np.ndarray:
+        groups = AttendGroups(
+            mx.array(np.array([[1], [0]], dtype=np.int32)), mx.array(cells), None,
+            mx.array(np.array([1, 0], dtype=np.int32)), mx.array(k), mx.array(v),
+        )
+        return np.array(attend_groups(mx.array(q), groups, SCALE))
+
+    here = grouped()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        there = pool.submit(grouped).result()
+    np.testing.assert_allclose(here, reference(q, k, v, allowed), atol=1e-5)
+    np.testing.assert_array_equal(there, here)

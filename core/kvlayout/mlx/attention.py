@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from typing import Any
 
 import mlx.core as mx
@@ -181,7 +182,9 @@ def _attend_pages(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch
     return o.reshape(n_groups, h_q, q_len, d)  # [G, H_q, Qg, D]
 
 
-_SIDE: dict = {}  # device -> a second stream on it
+# device -> a second stream on it, per thread: MLX's streams belong to the thread that made them
+# (a server steps its engine on a thread of its own; another thread's stream is not there).
+_SIDE = threading.local()
 
 
 def _side_stream() -> mx.Stream:
@@ -192,7 +195,8 @@ def _side_stream() -> mx.Stream:
     (32 groups x 1k cells, H_kv=8, D=128: ~195 ms -> ~137 ms); MLX orders the SDPA after both.
     """
     device = mx.default_device()
+    streams = _SIDE.__dict__.setdefault("streams", {})
     key = str(device)
-    if key not in _SIDE:
-        _SIDE[key] = mx.new_stream(device)
-    return _SIDE[key]
+    if key not in streams:
+        streams[key] = mx.new_stream(device)
+    return streams[key]
