@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 
 from kvlayout.engines.interface import Stop, run_steps
+from kvlayout.engines.prefixes import Hit, PrefixCache
 from kvlayout.engines.records import (
     OnProgress,
     OnToken,
@@ -46,6 +47,7 @@ class Running:
     tokens: list[int]
     admitted: int  # admission counter: the latest admitted is preempted first
     cached: int = 0
+    remembered: bool = False  # its prompt was offered to the prefix cache (once, when it was in)
 
     @property
     def pending(self) -> int:
@@ -80,9 +82,18 @@ class CellEngine:
     fault (`ForwardFailed.retry` False) is not retried: every sequence the
     step carried finishes with "error" (see engines.recovery).
 
+    With a `prefixes` cache (engines.prefixes; a server's), a prefilled
+    prompt and every finished sample stay in the table as entries, and a
+    sequence whose tokens start with an entry's is admitted as a clone of
+    it, prefilling only the rest (`Request.cached_tokens`). Entries give way
+    first: their ids and cells are evicted, least recently used first,
+    before any admission is refused or any sequence preempted. `state()`
+    does not hold them: a run that saves its state runs without one.
+
     Implements the Engine interface (engines.interface): `running`, `queue`
     and the admission counter are what `state()` saves. `on_token` hears of
-    every sampled token and every sample that fails (engines.records.OnToken).
+    every sampled token and every sample that fails or is cancelled
+    (engines.records.OnToken).
     """
 
     def __init__(
@@ -96,10 +107,13 @@ class CellEngine:
         stats: Stats,
         progress: OnProgress,
         on_token: OnToken = ignore_tokens,
+        prefixes: PrefixCache | None = None,
     ):
         self.model, self.cache, self.bc = model, cache, control
         self.eos, self.sampling, self.chunk = eos, sampling, chunk
         self.stats, self.progress, self.on_token = stats, progress, on_token
+        self.prefixes = prefixes
+        self._stale = False  # a verb ran since the last accepted declaration: declare again
         self.running: list[Running] = []
         self.queue: collections.deque[Waiting] = collections.deque()
         self._admissions = 0
@@ -137,6 +151,19 @@ class CellEngine:
 
     def run(self, stop: Stop | None = None) -> bool:
         return run_steps(self, stop)
+
+    def cancel(self, request: Request) -> None:
+        """End `request`'s unfinished samples ("cancelled"), dropping its queued work and freeing
+        its sequences' cells (what an entry or another sequence shares stays); between steps."""
+        self.queue = collections.deque(w for w in self.queue if w.request is not request)
+        for s in [s for s in self.running if s.request is request]:
+            self.running.remove(s)
+            self.bc.seq_rm(s.seq_id)
+        for sample in request.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "cancelled"
+                self.on_token(request, sample, None)
+                self.progress(unplanned(sample, request))
 
     def state(self) -> dict:
         """The running sequences (id, request, samples, tokens, admission, cached) and the queue."""
@@ -275,13 +302,19 @@ class CellEngine:
 
     def _try(self, plan: list[tuple[Running, int]]) -> bool:
         # The step's id per token as one array: a layout checks an array without a Python loop.
-        return self.bc.declare_step(np.repeat([s.seq_id for s, _ in plan], [k for _, k in plan]))
+        accepted = self.bc.declare_step(np.repeat([s.seq_id for s, _ in plan], [k for _, k in plan]))
+        if accepted:
+            self._stale = False
+        return accepted
 
     def _declare(self) -> list[tuple[Running, int]]:
         """Declare the next step, preempting or admitting as the table allows."""
         preempted = False
+        self._stale = True  # nothing declared yet
         plan = self._plan()
         while plan and not self._try(plan):
+            if self._evict():
+                continue  # a kept prefix gives way before any live sequence
             if len(self.running) == 1:
                 # check_capacity makes this unreachable: a lone sequence always fits.
                 s = self.running[0]
@@ -295,30 +328,36 @@ class CellEngine:
         if preempted:
             # Admitting now would only readmit what was just preempted.
             return plan
-        refused = False
         while self.queue:
             w = self.queue[0]
-            if self._ids_held() + len(w.samples) > self.bc.max_seqs:
-                break
-            if len(w.tokens) > 1 and self._budget_left(plan) == 0:
+            hit = self._find(w.tokens)
+            if hit is not None and not self._room_for_ids(len(w.samples), hit):
+                hit = None  # the entry it found must give way for ids too
+            cached = hit.length if hit is not None else 0
+            if len(w.tokens) - cached > 1 and self._budget_left(plan) == 0:
                 break  # this step's prompt budget is spent
-            sid = self.bc.seq_new()
+            if not self._room_for_ids(len(w.samples), None):
+                break
+            self._stale = True  # a verb after the declaration ends it (see BatchControl)
+            sid = self.bc.seq_new() if hit is None else self.bc.seq_clone(hit.seq_id, hit.length)
             if sid is None:
                 break
-            s = Running(sid, w.request, w.samples, list(w.tokens), self._admissions)
+            s = Running(sid, w.request, w.samples, list(w.tokens), self._admissions, cached)
             self.running.append(s)
-            trial = self._plan()
-            if trial and trial[-1][0] is s and self._try(trial):
+            if self._admit(s):
                 self.queue.popleft()
                 self._admissions += 1
-                plan = trial
+                plan = self._plan()
+                if hit is not None:
+                    self.prefixes.note_reused(hit)
+                    r = w.request
+                    r.cached_tokens = max(r.cached_tokens, min(cached, len(r.prompt)))
                 continue
             # Not this step: no prompt budget left, or not enough free cells.
             self.running.pop()
             self.bc.seq_rm(sid)  # an empty id is released by seq_rm
-            refused = True
             break
-        if refused and plan and not self._try(plan):
+        if self._stale and plan and not self._try(plan):
             # A verb ran since the last accepted declaration; re-declaring what
             # was accepted cannot fail for cells, but never run undeclared.
             raise CapacityError("the cell table refused a declaration it had just accepted")
@@ -328,6 +367,62 @@ class CellEngine:
                 f"{self.bc.capacity}, {self._ids_held()} of {self.bc.max_seqs} ids held"
             )
         return plan
+
+    def _admit(self, s: Running) -> bool:
+        """Whether the step can take the just-added `s` too (declared if so), evicting kept
+        prefixes for cells while that helps."""
+        while True:
+            trial = self._plan()
+            if not (trial and trial[-1][0] is s):
+                return False  # no prompt budget left for it
+            if self._try(trial):
+                return True
+            if not self._evict():
+                return False
+
+    # -- the prefix cache (engines.prefixes)
+
+    def _find(self, tokens: list[int]) -> Hit | None:
+        if self.prefixes is None or len(tokens) < 2:
+            return None
+        return self.prefixes.find(tokens, len(tokens) - 1)  # at least one token is fed: its logits
+
+    def _evict(self, spare: Hit | None = None) -> bool:
+        """Drop the least recently used kept prefix (not `spare`'s): whether there was one."""
+        if self.prefixes is None or not self.prefixes.evict(None if spare is None else spare.seq_id):
+            return False
+        self._stale = True
+        return True
+
+    def _room_for_ids(self, k: int, spare: Hit | None) -> bool:
+        """Whether `k` more ids fit beside the running ones, evicting kept prefixes (never the
+        one `spare` is on) until they do."""
+        kept = len(self.prefixes) if self.prefixes is not None else 0
+        while self._ids_held() + kept + k > self.bc.max_seqs:
+            if not self._evict(spare):
+                return False
+            kept = len(self.prefixes)
+        return True
+
+    def _remember(self, s: Running) -> None:
+        """Offer `s`'s tokens in the cache (its prompt, just prefilled) to the prefix cache, under
+        an id cloned from it, when an id is to be had by evicting kept prefixes at most."""
+        s.remembered = True
+        tokens = s.tokens[: s.cached]
+        p = self.prefixes
+        if p is None or len(tokens) < p.block or p.covers(tokens) or not self._room_for_ids(1, None):
+            return
+        sid = self.bc.seq_clone(s.seq_id, s.cached)
+        if sid is not None:
+            p.keep(sid, tokens)
+
+    def _retire(self, s: Running) -> None:
+        """`s` finished: its id becomes a kept prefix, or is released (its cells no other sample
+        shares are freed)."""
+        if self.prefixes is not None:
+            self.prefixes.keep(s.seq_id, s.tokens[: s.cached])
+        else:
+            self.bc.seq_rm(s.seq_id)
 
     def _preempt_latest(self) -> None:
         # Forks of one prompt share its admission number; the last of them goes first.
@@ -364,7 +459,10 @@ class CellEngine:
             s.cached += k
         self._note_held(len(plan))
         for s, row in zip(completing, logits):
-            for fork in self._fork(s):
+            forks = self._fork(s)
+            if not s.remembered:
+                self._remember(s)
+            for fork in forks:
                 self._advance(fork, row)
         self.stats.account(time.perf_counter() - t0, prefill, decode)
 
@@ -380,7 +478,7 @@ class CellEngine:
             if sid is None:  # ids were reserved at admission, so only a layout's own limit gets here
                 self.queue.appendleft(Waiting(s.request, [sample], list(s.request.prompt)))
                 continue
-            f = Running(sid, s.request, [sample], list(s.tokens), s.admitted, s.cached)
+            f = Running(sid, s.request, [sample], list(s.tokens), s.admitted, s.cached, remembered=True)
             self.running.insert(at, f)
             at += 1
             forks.append(f)
@@ -391,7 +489,7 @@ class CellEngine:
         self.on_token(s.request, s.samples[0], token)
         if finished:
             self.running.remove(s)
-            self.bc.seq_rm(s.seq_id)  # frees the cells no other sample shares
+            self._retire(s)
         else:
             s.tokens.append(token)
         self.progress(done)

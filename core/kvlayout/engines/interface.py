@@ -43,6 +43,13 @@ class Engine(Protocol):
         while work is left, ends the run early between two steps: False."""
         ...
 
+    def cancel(self, request: Request) -> None:
+        """End `request`'s unfinished samples now, between two steps, with finish_reason
+        "cancelled" (`on_token` hears each, token None): its queued work is dropped and the
+        cells only it held are freed; what other sequences share stays. A request with nothing
+        unfinished is left as it is."""
+        ...
+
     def state(self) -> dict:
         """The engine's own state as plain JSON (what it holds of its requests, by index)."""
         ...

@@ -36,6 +36,13 @@ class Stopper(Protocol):
     def __call__(self, token: int) -> bool: ...
 
 
+@attrs.frozen
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
 @attrs.define
 class Sample:
     """One sample of a request: what it generated and why it stopped."""
@@ -44,20 +51,28 @@ class Sample:
     index: int
     rng: np.random.Generator = attrs.field(repr=False)
     generated: list[int] = attrs.field(factory=list)
-    finish_reason: str | None = None  # "stop", "length", or "error" (a forward failed twice)
+    # "stop", "length", "error" (a forward failed twice) or "cancelled" (Engine.cancel)
+    finish_reason: str | None = None
     error: str | None = None  # the failure's message when finish_reason is "error"
     stopper: Stopper | None = attrs.field(default=None, repr=False, eq=False)  # None: EOS and length only
 
 
 @attrs.define
 class Request:
-    """A request as the engines see it: prompt ids, limits, and its samples in order."""
+    """A request as the engines see it: prompt ids, limits, and its samples in order.
+
+    `sampling`: the request's own settings (a server's client sends them), in place of the
+    engine's; None: the engine's. `cached_tokens`: prompt tokens an engine found in a prefix
+    cache and did not prefill (engines.prefixes; 0 without one).
+    """
 
     index: int
     prompt: list[int]
     max_tokens: int
     n: int
     samples: list[Sample] = attrs.field(factory=list)
+    sampling: Sampling | None = None
+    cached_tokens: int = 0
 
 
 @attrs.define
@@ -122,11 +137,6 @@ def ignore_tokens(request: Request, sample: Sample, token: int | None) -> None:
     """The OnToken of an engine nobody listens to."""
 
 
-@attrs.frozen
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
 
 
 def make_requests(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], ns: Sequence[int], seed: int) -> list[Request]:
@@ -162,9 +172,12 @@ def unplanned(sample: Sample, request: Request) -> int:
 def sample_next(sample: Sample, row: np.ndarray, request: Request, sampling: Sampling, eos, stats: Stats):
     """Sample the next token from `row` `[V]` and record it: (token, finished, how far progress moves).
 
+    `sampling` is the engine's; a request that brings its own (`Request.sampling`) uses that.
+
     A token counts as generated unless it is the EOS that stopped the sample; a finished sample
     also settles the planned tokens it will never generate.
     """
+    sampling = request.sampling or sampling
     token = sample_token(row, sampling.temperature, sampling.top_p, sample.rng)
     finished = take_token(sample, token, request, eos)
     if token not in eos:

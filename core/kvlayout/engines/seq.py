@@ -100,6 +100,20 @@ class SeqEngine:
     def run(self, stop: Stop | None = None) -> bool:
         return run_steps(self, stop)
 
+    def cancel(self, request: Request) -> None:
+        """End `request`'s unfinished samples ("cancelled"), dropping them from the queue; when
+        one is in the cache, the next sample clears it as it starts. Between steps."""
+        self.queue = collections.deque((r, s) for r, s in self.queue if r is not request)
+        if self.generating is not None and self.generating.request is request:
+            self.generating = None
+        if self._resume is not None and self._resume[0] == request.index:
+            self._resume = None
+        for sample in request.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "cancelled"
+                self.on_token(request, sample, None)
+                self.progress(unplanned(sample, request))
+
     def state(self) -> dict:
         """Which sample the cache holds (request, sample) and how many of its tokens."""
         g = self.generating

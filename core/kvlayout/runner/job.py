@@ -140,18 +140,22 @@ class Job:
     def planned_tokens(self) -> int:
         return sum(r.n * r.max_tokens for r in self.cfg.requests)
 
-    def make_engine(self, stats: Stats, progress: OnProgress, on_token: OnToken = ignore_tokens) -> Engine:
+    def make_engine(self, stats: Stats, progress: OnProgress, on_token: OnToken = ignore_tokens,
+                    prefixes: Any = None) -> Engine:
         """A fresh engine over the cache, chosen by its faces, with no work queued.
 
         A BatchControl face gets continuous batching (CellEngine), a lone
-        SequenceControl face one sequence at a time (SeqEngine).
+        SequenceControl face one sequence at a time (SeqEngine). `prefixes`
+        (an engines.prefixes.PrefixCache over this cache, e.g. a server's)
+        keeps finished sequences' cells for reuse; only CellEngine takes one.
         """
         cfg, cache = self.cfg, self.cache
         sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
         eos = frozenset(self.tokenizer.eos_ids)
         bc = cache.as_batch_control()
         if bc is not None:
-            return CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token)
+            return CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token,
+                              prefixes)
         control = cache.as_control()  # the engine keeps its steps within control.max_step
         return SeqEngine(self.model, cache, control, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token)
 

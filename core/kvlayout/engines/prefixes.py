@@ -1,0 +1,194 @@
+"""Prefix reuse across requests: finished sequences' cells kept in the table, found by their tokens.
+
+A cell layout shares cells between sequences by owner bits, so keeping a
+prefix costs no copy: an *entry* is a sequence id of its own that owns the
+cells of positions `[0, len(tokens))`, holding exactly `tokens`. The engine
+(engines.cell) makes entries at two moments:
+
+- when a prompt is in the cache (its prefill done), an id cloned from it
+  (`seq_clone(id, upto)`), so requests still queued behind it find it;
+- when a sample finishes, its own id becomes the entry (prompt plus what it
+  generated: the next turn of a conversation starts with it).
+
+A new sequence whose tokens start with an entry's is admitted as a clone of
+the entry up to the common length and prefills only the rest.
+
+Index: a hash chain over blocks of `block` tokens. Block i's key hashes
+(key of block i-1, the block's tokens), so one key names a whole prefix;
+`index[key]` holds the entries whose tokens start with that prefix. A lookup
+walks the new tokens' chain to the deepest key any entry holds; among that
+key's entries, the one sharing the most tokens exactly (into its partial
+last block) is the longest match of all. Matches are counted token by
+token, so a hash collision costs a miss, never a wrong prefix. Entries
+shorter than one block are not kept, and reuse starts at one whole block.
+
+An entry whose tokens are a prefix of a new one's is dropped when the new
+one is kept (the new one owns its cells too); a new one that an entry
+already covers is not kept. Eviction is least recently used first, and is
+`seq_rm` of the entry's id: cells that a live sequence (or another entry)
+still owns stay, so eviction never touches what a live sequence reads.
+The engine evicts when it needs ids or cells for live work, never before.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Sequence
+
+import attrs
+import numpy as np
+
+DEFAULT_BLOCK = 16  # tokens per block of the index: reuse starts at one whole block
+
+
+@attrs.frozen
+class Hit:
+    """An entry whose first `length` tokens are the new sequence's first `length`."""
+
+    seq_id: int
+    length: int
+
+
+@attrs.define(eq=False)
+class Entry:
+    tokens: tuple[int, ...]
+    keys: list[int]  # the chain of its whole blocks
+    used: int  # the use counter when it was last found or kept: LRU order
+
+
+class PrefixCache:
+    """The table's kept prefixes: entries by id, their block index, what reuse saved.
+
+    `control` is the cache's BatchControl face: the cache owns the entries' ids
+    (it releases them with `seq_rm`); the engine hands it ids to keep.
+    """
+
+    def __init__(self, control, block: int = DEFAULT_BLOCK):
+        if block < 1:
+            raise ValueError(f"block={block}: expected at least 1 token per block")
+        self.bc, self.block = control, block
+        self.entries: dict[int, Entry] = {}
+        self.index: dict[int, set[int]] = collections.defaultdict(set)
+        self.clock = itertools.count(1)
+        self.lookups = self.hits = self.reused_tokens = self.evictions = 0
+
+    def __len__(self) -> int:
+        """Ids the entries hold."""
+        return len(self.entries)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the entries hold, each counting its whole prefix (shared cells counted again)."""
+        return sum(len(e.tokens) for e in self.entries.values())
+
+    def chain(self, tokens: Sequence[int], blocks: int) -> list[int]:
+        """The keys of the first `blocks` whole blocks of `tokens`."""
+        keys, key, b = [], 0, self.block
+        for i in range(blocks):
+            key = hash((key, tuple(tokens[i * b : (i + 1) * b])))
+            keys.append(key)
+        return keys
+
+    # -- finding
+
+    def find(self, tokens: Sequence[int], limit: int) -> Hit | None:
+        """The longest reuse for `tokens`, at most `limit` of them (a sequence must feed at least
+        one token to get logits); None when no entry shares a whole first block."""
+        self.lookups += 1
+        best = None
+        for key in self.chain(tokens, limit // self.block):
+            holders = self.index.get(key)
+            if not holders:
+                break
+            best = holders
+        if best is None:
+            return None
+        # The holders of the deepest key hold every entry sharing the most whole blocks; the
+        # longest exact match among them is the longest of all (the most recently used on a tie).
+        length, _, seq_id = max((common_length(self.entries[i].tokens, tokens, limit), self.entries[i].used, i)
+                                for i in best)
+        if length == 0:  # a hash collision
+            return None
+        self.entries[seq_id].used = next(self.clock)
+        return Hit(seq_id, length)
+
+    def note_reused(self, hit: Hit) -> None:
+        """A sequence was admitted on `hit`: what /health and the bench report."""
+        self.hits += 1
+        self.reused_tokens += hit.length
+
+    def covers(self, tokens: Sequence[int]) -> bool:
+        """Whether an entry holds all of `tokens` (touching it); the engine then keeps no copy."""
+        n = len(tokens)
+        keys = self.chain(tokens, n // self.block)
+        for seq_id in self.index.get(keys[-1], ()) if keys else ():
+            entry = self.entries[seq_id]
+            if len(entry.tokens) >= n and common_length(entry.tokens, tokens, n) == n:
+                entry.used = next(self.clock)
+                return True
+        return False
+
+    # -- keeping and dropping
+
+    def keep(self, seq_id: int, tokens: Sequence[int]) -> bool:
+        """Take `seq_id` (which holds exactly `tokens`, positions 0..) as an entry: True. False,
+        having released the id, when it is shorter than a block or an entry already covers it.
+        Entries that are prefixes of it are dropped: it owns their cells too."""
+        tokens = tuple(tokens)
+        if len(tokens) < self.block or self.covers(tokens):
+            self.bc.seq_rm(seq_id)
+            return False
+        keys = self.chain(tokens, len(tokens) // self.block)
+        candidates = set().union(*(self.index.get(k, ()) for k in keys))
+        for other in candidates:
+            e = self.entries[other]
+            if len(e.tokens) <= len(tokens) and common_length(e.tokens, tokens, len(e.tokens)) == len(e.tokens):
+                self.drop(other)
+        self.entries[seq_id] = Entry(tokens, keys, next(self.clock))
+        for k in keys:
+            self.index[k].add(seq_id)
+        return True
+
+    def drop(self, seq_id: int) -> None:
+        """Release entry `seq_id`: its cells that no live sequence or other entry owns are freed."""
+        entry = self.entries.pop(seq_id)
+        for k in entry.keys:
+            holders = self.index[k]
+            holders.discard(seq_id)
+            if not holders:
+                del self.index[k]
+        self.bc.seq_rm(seq_id)
+
+    def evict(self, spare: int | None = None) -> bool:
+        """Drop the least recently used entry other than `spare`: True, or False when there is none."""
+        victims = [i for i in self.entries if i != spare]
+        if not victims:
+            return False
+        self.drop(min(victims, key=lambda i: self.entries[i].used))
+        self.evictions += 1
+        return True
+
+    def forget(self) -> None:
+        """The cache was cleared under the entries: forget them (their ids are gone already)."""
+        self.entries.clear()
+        self.index.clear()
+
+    def snapshot(self) -> dict:
+        return {
+            "entries": len(self.entries),
+            "tokens": self.tokens,
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "reused_tokens": self.reused_tokens,
+            "evictions": self.evictions,
+        }
+
+
+def common_length(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading tokens `a` and `b` share, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    if n <= 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
