@@ -332,6 +332,40 @@ def _init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    # Imported here: the other commands never load the HTTP stack.
+    from kvlayout.server.config import load_serve_config
+    from kvlayout.server.serve import bind, serve
+    from kvlayout.server.service import prepare_service
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: expected 0..65535 (0: any free port)")
+    cfg = load_serve_config(args.config)
+    if args.layout is not None:
+        cfg = cfg.with_layout(args.layout)
+    if args.model is not None:
+        cfg = cfg.with_model_path(args.model)
+    sock = bind(args.host, args.port)  # before the model loads: a port in use is said at once
+    try:
+        service = prepare_service(cfg)
+    except BaseException:
+        sock.close()
+        raise
+    for notice in service.notices:
+        print(f"kvlayout: {notice}", file=sys.stderr)
+
+    def ready(url: str) -> None:
+        c = service.cfg
+        print(
+            f"kvlayout: serving {service.model_id} on {url} (layout {c.layout.key}, {c.cache.capacity} cells, "
+            f"up to {c.server.max_sequences} sequences at once); Ctrl-C stops",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return serve(service, sock, ready)
+
+
 def _bench(args: argparse.Namespace) -> int:
     # Imported here so the other commands never pay for loading the suite.
     from kvlayout.bench import suite
@@ -464,6 +498,20 @@ def make_parser() -> argparse.ArgumentParser:
         "flags applied) and exit without loading a model; `kvlayout run FILE` runs what it prints",
     )
     run.set_defaults(func=_run_command)
+    server = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (chat and text completions, streaming) batching every client's requests",
+        description="Serve a model over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health), "
+        "every request joining one continuously batched engine; prompts that start with cached tokens reuse their "
+        "cells. With no config: SmolLM2-135M-Instruct (or the tiny preset when it cannot be had).",
+    )
+    server.add_argument("config", nargs="?", type=given, help="a TOML config: run's [layout], [cache], [model], "
+                        "[sampling], [engine], plus [server] limits (default: the built-in one)")
+    server.add_argument("--layout", type=given, metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq")
+    server.add_argument("--model", type=given, metavar="DIR", help="a Hugging Face model directory, in place of the config's [model]")
+    server.add_argument("--host", type=given, default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine only)")
+    server.add_argument("--port", type=int, default=8080, help="the port (default 8080; 0 picks a free one)")
+    server.set_defaults(func=_serve)
     init = sub.add_parser("init-model", help="write a built-in or converted model in the Hugging Face layout")
     init.add_argument(
         "dir", type=given,

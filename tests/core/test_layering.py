@@ -31,15 +31,16 @@ NEUTRAL = [
 LAYOUTS = ("kvlayout_seq", "kvlayout_cell")
 # (importer prefix, forbidden prefixes): each part imports downward only.
 FORBIDDEN = [
-    ("kvlayout.mlx", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
-    ("kvlayout.models", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
-    ("kvlayout.engines", ("kvlayout.runner", "kvlayout.models", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
-    ("kvlayout.runner", ("kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
-    ("kvlayout_seq", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", "kvlayout_cell")),
-    ("kvlayout_cell", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", "kvlayout_seq")),
+    ("kvlayout.mlx", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout.models", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout.engines", ("kvlayout.runner", "kvlayout.server", "kvlayout.models", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout.runner", ("kvlayout.server", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout.server", ("kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout_seq", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", "kvlayout_cell")),
+    ("kvlayout_cell", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", "kvlayout_seq")),
 ]
 for core in ("builder", "checks", "config", "errors", "faces", "hookspecs", "persist", "pool", "registry", "spec"):
-    FORBIDDEN.append((f"kvlayout.{core}", ("kvlayout.runner", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli",
+    FORBIDDEN.append((f"kvlayout.{core}", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli",
                                            "kvlayout.mlx", *LAYOUTS)))
 
 

@@ -86,7 +86,7 @@ def _int(key: str, value: Any, minimum: int) -> None:
     int_scalar(key, value, ConfigError, minimum, numpy=False)  # TOML gives Python ints
 
 
-def _number(key: str, value: Any) -> float:
+def finite_number(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(key, value, "a number")
     try:
@@ -172,9 +172,9 @@ class SamplingSection:
     seed: int = 0
 
     def __attrs_post_init__(self):
-        if _number("sampling.temperature", self.temperature) < 0:
+        if finite_number("sampling.temperature", self.temperature) < 0:
             raise _fail("sampling.temperature", self.temperature, "a number >= 0 (0 = greedy)")
-        top_p = _number("sampling.top_p", self.top_p)
+        top_p = finite_number("sampling.top_p", self.top_p)
         if not 0 < top_p <= 1:
             raise _fail("sampling.top_p", self.top_p, "a number in (0, 1]")
         _int("sampling.seed", self.seed, 0)
@@ -257,6 +257,16 @@ class RequestSpec:
         _int(f"{w}.n", self.n, 1)
 
 
+# The sections `kvlayout run` and `kvlayout serve` share, by their TOML names.
+SECTIONS = {
+    "layout": LayoutSection,
+    "cache": CacheSection,
+    "model": ModelSection,
+    "sampling": SamplingSection,
+    "engine": EngineSection,
+}
+
+
 @attrs.frozen
 class RunConfig:
     layout: LayoutSection = LayoutSection()
@@ -277,23 +287,17 @@ class RunConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>", base_dir: Path | None = None) -> RunConfig:
-        sections = {
-            "layout": LayoutSection,
-            "cache": CacheSection,
-            "model": ModelSection,
-            "sampling": SamplingSection,
-            "engine": EngineSection,
-        }
+        sections = SECTIONS
         reject_unknown(data, [*sections, "requests"], f"{source}: config")  # the top-level table
         kwargs: dict[str, Any] = {}
         for name, section in sections.items():
             if name in data:
-                kwargs[name] = _section(section, data[name], name, source)
+                kwargs[name] = read_section(section, data[name], name, source)
         requests = data.get("requests", [])
         if not isinstance(requests, list):
             raise ConfigError(f"{source}: requests: expected an array of tables ([[requests]])")
         kwargs["requests"] = tuple(
-            _section(RequestSpec, r, f"requests[{i}]", source, where=f"requests[{i}]")
+            read_section(RequestSpec, r, f"requests[{i}]", source, where=f"requests[{i}]")
             for i, r in enumerate(requests)
         )
         return cls(**kwargs, source=source, base_dir=base_dir or Path.cwd())
@@ -313,7 +317,9 @@ class RunConfig:
         return (self.base_dir / Path(self.model.path).expanduser()).resolve()
 
 
-def _section(cls: type, data: Any, prefix: str, source: str, **extra: Any):
+def read_section(cls: type, data: Any, prefix: str, source: str, **extra: Any):
+    """The table `data` as the record `cls` (one of the sections, or a section of another
+    command's config, e.g. `kvlayout serve`'s [server]); ConfigError naming `source` and the key."""
     valid = [f.name for f in attrs.fields(cls) if f.name != "where"]
     reject_unknown(data, valid, source, prefix)
     try:

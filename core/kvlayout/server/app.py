@@ -1,0 +1,204 @@
+"""The HTTP side: a Starlette app speaking OpenAI's API in front of the engine thread.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions` (stream or
+not), `GET /v1/models`, `GET /health`. A handler reads and checks the body
+(`requests`), hands a ticket to the worker and waits for its events without
+ever blocking the event loop; the model runs on the worker's thread. Every
+error a client can cause is OpenAI's error object with the field named
+(400, 404, 413, 429 with Retry-After); anything else is a 500 of the same
+shape, and the server goes on. A client that goes away (its stream closed,
+or a whole-answer request abandoned) has its request cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvlayout.server import shapes
+from kvlayout.server.requests import BadRequest, parse_chat, parse_completion
+from kvlayout.server.service import Service
+from kvlayout.server.worker import Event, QueueFull, Ticket, new_ticket
+
+DISCONNECT_POLL_S = 0.25  # how often a whole-answer request checks that its client is still there
+RETRY_AFTER_S = 1
+
+
+def build_app(service: Service) -> Starlette:
+    worker = service.worker
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        # The engine thread runs already (it made the model); once every connection is closed or
+        # cancelled at shutdown, it is told to stop.
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    async def chat(request: Request) -> Response:
+        return await complete(request, chat=True)
+
+    async def text(request: Request) -> Response:
+        return await complete(request, chat=False)
+
+    async def complete(request: Request, chat: bool) -> Response:
+        body = await read_json(request, service.cfg.server.max_body_bytes)
+        if chat:
+            order = parse_chat(body, service.limits, service.tokenizer, service.cfg.plain_chat)
+        else:
+            order = parse_completion(body, service.limits, service.tokenizer)
+        ticket = new_ticket(order, service.order_request(order), service.tokenizer.decode, asyncio.get_running_loop())
+        try:
+            worker.submit(ticket)
+        except QueueFull as exc:
+            raise BadRequest(f"the server is busy: {exc}; retry later", status=429, code="rate_limit_exceeded",
+                             kind="rate_limit_error") from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if order.stream:
+            return StreamingResponse(
+                sse(stream(ticket, rid, service), worker, ticket),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await whole(request, ticket, rid, service)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(shapes.models(service.model_id, service.created))
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({**worker.snapshot, "model": service.model_id, "layout": service.cfg.layout.key})
+
+    routes = [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", text, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    handlers = {BadRequest: refused, HTTPException: http_error, Exception: internal_error}
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+
+
+async def read_json(request: Request, limit: int):
+    """The body as JSON, at most `limit` bytes (413 past it, read no further); 400 when not JSON."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"the request body is {declared} bytes; this server takes at most {limit} (server.max_body_bytes)",
+                         status=413, code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise BadRequest(f"the request body is over {limit} bytes (server.max_body_bytes)", status=413,
+                             code="request_too_large")
+    try:
+        return json.loads(body, parse_constant=not_json)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise BadRequest(f"the request body is not valid JSON ({one_line(exc)})") from None
+
+
+def not_json(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[dict]:
+    """The chunks of a streamed answer, as OpenAI sends them, then usage when asked for."""
+    order, model = ticket.order, service.model_id
+    if order.chat:  # each choice opens with the assistant's role, as OpenAI's stream does
+        for i in range(order.n):
+            yield shapes.chunk(True, rid, service.created, model, i, "", None, first=True)
+    async for event in events(ticket):
+        if event.finish_reason == "error":
+            yield shapes.error(f"generation failed: {event.error}", "server_error")
+            return
+        reason = event.finish_reason if event.finish_reason in ("stop", "length") else None
+        if event.text or reason:
+            yield shapes.chunk(order.chat, rid, service.created, model, event.index, event.text or None, reason)
+    if ticket.failed is not None:
+        yield shapes.error(ticket.failed, "server_error")
+        return
+    if order.include_usage:
+        yield shapes.usage_chunk(order.chat, rid, service.created, model, usage_of(ticket))
+
+
+async def sse(chunks: AsyncIterator[dict], worker, ticket: Ticket) -> AsyncIterator[str]:
+    """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`; the request is cancelled
+    when the client goes away first (Starlette cancels this generator on a disconnect)."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not ticket.done:
+            worker.cancel(ticket)
+
+
+async def events(ticket: Ticket) -> AsyncIterator[Event]:
+    while (event := await ticket.events.get()) is not None:
+        yield event
+
+
+async def whole(request: Request, ticket: Ticket, rid: str, service: Service) -> Response:
+    """Wait for every sample, checking that the client is still there; the answer, or a 500."""
+    order = ticket.order
+    texts, reasons, error = [""] * order.n, ["length"] * order.n, None
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(ticket.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    service.worker.cancel(ticket)
+                    return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+                continue
+            if event is None:
+                break
+            texts[event.index] += event.text
+            if event.finish_reason is not None:
+                reasons[event.index] = event.finish_reason
+            if event.finish_reason == "error":
+                error = event.error
+    except asyncio.CancelledError:
+        service.worker.cancel(ticket)
+        raise
+    if ticket.failed is not None or error is not None:
+        raise BadRequest(f"generation failed: {ticket.failed or error}", status=500, kind="server_error")
+    body = shapes.completion(order.chat, rid, service.created, service.model_id, texts, reasons, usage_of(ticket))
+    return JSONResponse(body)
+
+
+def usage_of(ticket: Ticket) -> dict:
+    r = ticket.request
+    completion = sum(len(s.generated) for s in r.samples)
+    return shapes.usage(len(r.prompt), completion, r.cached_tokens)
+
+
+# -- errors, in OpenAI's shape
+
+
+async def refused(request: Request, exc: BadRequest) -> Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+    return JSONResponse(shapes.error(exc.message, exc.kind, exc.param, exc.code), exc.status, headers=headers)
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    text = message.get(exc.status_code, str(exc.detail))
+    return JSONResponse(shapes.error(text, "invalid_request_error"), exc.status_code, headers=exc.headers)
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    return JSONResponse(shapes.error(f"internal error: {type(exc).__name__}: {one_line(exc)}", "server_error"), 500)
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

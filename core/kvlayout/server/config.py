@@ -1,0 +1,123 @@
+"""`kvlayout serve`'s TOML config: `run`'s sections, meaning what they mean there, plus [server].
+
+`[layout]`, `[cache]`, `[model]`, `[sampling]` and `[engine]` are read by the
+runner's own records (`runner.config.SECTIONS`); `[sampling]` gives the
+defaults a request overrides (`temperature`, `top_p`, `seed`). There are no
+`[[requests]]`: clients send them. `[server]` holds the limits a client
+meets as errors (429, 400, 413), each named by its key in the message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from kvlayout.checks import int_scalar, reject_unknown
+from kvlayout.errors import ConfigError
+from kvlayout.runner.config import (
+    SECTIONS,
+    CacheSection,
+    EngineSection,
+    LayoutSection,
+    ModelSection,
+    SamplingSection,
+    finite_number,
+    read_section,
+    read_toml,
+)
+
+DEFAULT_HOST = "127.0.0.1"  # reachable from this machine only, unless the user says otherwise
+DEFAULT_PORT = 8080
+
+
+@attrs.frozen
+class ServerSection:
+    """The server's limits.
+
+    `max_sequences`: requests generating at once (a request's n samples
+    count n); the rest wait in the server's queue, up to `queue` of them,
+    and a request past that is answered 429 with Retry-After. `max_tokens`:
+    the most a request may ask for (and what it gets when it asks for none,
+    less where the cache is smaller). `max_body_bytes`: a larger body is
+    answered 413. `shutdown_grace_s`: on SIGINT/SIGTERM the server stops
+    admitting and lets in-flight requests finish this long, then cancels them.
+    `prefix_cache`: keep finished requests' cells for later prompts that start
+    with the same tokens (a cell layout only; engines.prefixes).
+    """
+
+    queue: int = 64
+    max_sequences: int = 32
+    max_tokens: int = 1024
+    max_body_bytes: int = 1 << 20
+    shutdown_grace_s: float = 10.0
+    prefix_cache: bool = True
+
+    def __attrs_post_init__(self):
+        int_scalar("server.queue", self.queue, ConfigError, 0, numpy=False)
+        int_scalar("server.max_sequences", self.max_sequences, ConfigError, 1, numpy=False)
+        int_scalar("server.max_tokens", self.max_tokens, ConfigError, 1, numpy=False)
+        int_scalar("server.max_body_bytes", self.max_body_bytes, ConfigError, 64, numpy=False)
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"server.prefix_cache={self.prefix_cache!r}: expected true or false")
+        if finite_number("server.shutdown_grace_s", self.shutdown_grace_s) < 0:
+            raise ConfigError(f"server.shutdown_grace_s={self.shutdown_grace_s!r}: expected a number of seconds >= 0")
+
+
+@attrs.frozen
+class ServeConfig:
+    """What `kvlayout serve` runs: a layout, a cache, a model, default sampling, the engine, limits.
+
+    Duck-compatible with `RunConfig` where the runner reads a config to load
+    a model and build a cache (`model`, `model_dir()`, `cache`, `layout`).
+    """
+
+    layout: LayoutSection = LayoutSection()
+    cache: CacheSection = CacheSection(capacity=16384, max_seqs=64)
+    model: ModelSection = ModelSection(preset="smollm2", fallback="tiny")
+    sampling: SamplingSection = SamplingSection()
+    engine: EngineSection = EngineSection(prefill_chunk=256)
+    server: ServerSection = ServerSection()
+    source: str = attrs.field(default="<default>", eq=False)
+    base_dir: Path = attrs.field(factory=Path.cwd, eq=False, repr=False)
+    # Chat messages go to a model without a template as plain text (the tiny preset); said at start.
+    plain_chat: bool = attrs.field(default=True, eq=False)
+    # None: clients send the requests (runner.job.prepare reads a config's requests, to check them).
+    requests: tuple = attrs.field(default=(), init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self):
+        if self.server.max_sequences > self.cache.max_seqs:
+            raise ConfigError(
+                f"{self.source}: server.max_sequences={self.server.max_sequences} is more than "
+                f"cache.max_seqs={self.cache.max_seqs} (the ids the cache has); lower it or raise cache.max_seqs"
+            )
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>", base_dir: Path | None = None) -> ServeConfig:
+        sections = {**SECTIONS, "server": ServerSection}
+        reject_unknown(data, list(sections), f"{source}: config")
+        kwargs = {name: read_section(section, data[name], name, source) for name, section in sections.items() if name in data}
+        return cls(**kwargs, source=source, base_dir=base_dir or Path.cwd())
+
+    def with_layout(self, key: str) -> ServeConfig:
+        from kvlayout.builder import split_layout_key
+
+        return attrs.evolve(self, layout=LayoutSection(*split_layout_key(key, "--layout")))
+
+    def with_model_path(self, path: str) -> ServeConfig:
+        return attrs.evolve(self, model=ModelSection(path=str(Path(path).expanduser().resolve())))
+
+    def model_dir(self) -> Path | None:
+        if self.model.path is None:
+            return None
+        return (self.base_dir / Path(self.model.path).expanduser()).resolve()
+
+
+def load_serve_config(path: str | Path | None = None) -> ServeConfig:
+    """The config at `path` (ConfigError naming the file when it is not one), or the defaults."""
+    if path is None:
+        return ServeConfig(source="<default>")
+    path = Path(path)
+    base_dir = path.resolve().parent if path.is_file() else Path.cwd()
+    return ServeConfig.from_mapping(read_toml(path), source=str(path), base_dir=base_dir)

@@ -1,0 +1,310 @@
+"""A client's request body, checked field by field, as an `Order` the engine thread can run.
+
+OpenAI's fields, with OpenAI's meaning: `model`, `messages` (chat) or
+`prompt` (text, or token ids), `max_tokens` (`max_completion_tokens` on
+chat), `temperature`, `top_p`, `seed`, `n`, `stop`, `stream`,
+`stream_options.include_usage`. Fields we cannot honour are accepted only at
+the value that means "off" (`presence_penalty: 0`, `logprobs: false`, ...):
+anything else is refused rather than silently ignored, as is a field we do
+not know. Every refusal is a `BadRequest` naming the field (`param`), which
+the app answers with OpenAI's error object; nothing of the server changes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import attrs
+
+from kvlayout.errors import ConfigError
+from kvlayout.models.chat import ROLES
+from kvlayout.runner.config import Message, RequestSpec
+from kvlayout.runner.prompts import build_prompt, plain_text
+
+MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_SEED = 2**63 - 1
+# Fields accepted only with the value that asks for nothing we would have to do.
+NEUTRAL = {
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "logprobs": (False, None),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None,),
+    "user": None,  # any string: an end-user id OpenAI uses for abuse monitoring; nothing to do here
+    "best_of": (None, 1),
+    "echo": (False, None),
+    "suffix": (None,),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None,),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "store": (None, False),
+    "metadata": None,  # any object: OpenAI stores it with a stored completion; we store nothing
+}
+COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options")
+CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens")
+TEXT_FIELDS = (*COMMON, "prompt")
+NEUTRAL_CHAT = ("frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias", "user",
+                "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata")
+NEUTRAL_TEXT = ("frequency_penalty", "presence_penalty", "logprobs", "logit_bias", "user", "best_of", "echo", "suffix")
+
+
+class BadRequest(Exception):
+    """A request refused: `status` (400, 404, 413, 429) and OpenAI's error fields."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+
+
+@attrs.frozen
+class Limits:
+    """What a request is checked against: the served model and the server's limits."""
+
+    model_id: str
+    capacity: int  # cells of the cache: a request's prompt plus n x max_tokens must fit
+    max_tokens: int
+    max_n: int
+    vocab_size: int
+    temperature: float  # [sampling] defaults
+    top_p: float
+    seed: int
+
+
+@attrs.frozen
+class Order:
+    """A checked request: what the engine thread runs and how the answer is shaped."""
+
+    chat: bool
+    prompt: list[int]
+    max_tokens: int
+    n: int
+    stop: tuple[str, ...]
+    temperature: float
+    top_p: float
+    seed: int
+    stream: bool
+    include_usage: bool
+    seeded: bool = False  # the request gave its seed: its samples are reproducible
+
+
+def parse_chat(body: Any, limits: Limits, tokenizer: Any, plain_chat: bool) -> Order:
+    """`POST /v1/chat/completions`'s body as an Order; BadRequest naming the field otherwise."""
+    body = _object(body)
+    _known(body, CHAT_FIELDS, NEUTRAL_CHAT)
+    messages = _messages(body.get("messages"))
+    if "max_completion_tokens" in body and body.get("max_tokens") is not None:
+        raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    limit_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    spec = RequestSpec(messages=messages, where="request")
+    if tokenizer.chat_template is None and plain_chat:
+        # The model has no template (the server said so as it started): the contents, joined.
+        text = plain_text(messages)
+        ids = tokenizer.encode(text)
+    else:
+        try:
+            ids = build_prompt(0, spec, tokenizer, plain_chat)[0].ids
+        except ConfigError as exc:
+            raise BadRequest(str(exc).removeprefix("request.messages: "), "messages") from None
+    return _order(body, limits, ids, "messages", limit_field, chat=True)
+
+
+def parse_completion(body: Any, limits: Limits, tokenizer: Any) -> Order:
+    """`POST /v1/completions`'s body as an Order; BadRequest naming the field otherwise."""
+    body = _object(body)
+    _known(body, TEXT_FIELDS, NEUTRAL_TEXT)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one: OpenAI's array form
+    if isinstance(prompt, str):
+        _unicode(prompt, "prompt")
+        if not prompt:
+            raise BadRequest("prompt is empty; give some text or token ids", "prompt")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        ids = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise BadRequest(f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt")
+    else:
+        raise BadRequest(f"prompt must be a non-empty string or a non-empty array of token ids, not {_show(prompt)}", "prompt")
+    return _order(body, limits, ids, "prompt", "max_tokens", chat=False)
+
+
+def _order(body: Mapping, limits: Limits, ids: list[int], prompt_field: str, limit_field: str, chat: bool) -> Order:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise BadRequest(f"model must be a string, the served model's id ({limits.model_id!r}), not {_show(model)}", "model")
+    if model != limits.model_id:
+        raise BadRequest(
+            f"the model {model!r} is not served here; this server serves {limits.model_id!r} (GET /v1/models)",
+            "model", status=404, code="model_not_found",
+        )
+    if not ids:
+        raise BadRequest(f"{prompt_field} encodes to no tokens", prompt_field)
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise BadRequest(f"{prompt_field}: token id {bad[0]} is outside the vocabulary (0..{limits.vocab_size - 1})", prompt_field)
+    n = _integer(body, "n", 1, 1, limits.max_n, "server.max_sequences")
+    room = limits.capacity - len(ids)
+    if room < n:
+        raise BadRequest(
+            f"{prompt_field} is {len(ids)} tokens; with n={n} it leaves no room in the cache's "
+            f"{limits.capacity} cells", prompt_field, code="context_length_exceeded",
+        )
+    max_tokens = _integer(body, limit_field, min(limits.max_tokens, room // n), 1, limits.max_tokens, "server.max_tokens")
+    if len(ids) + n * max_tokens > limits.capacity:
+        raise BadRequest(
+            f"{prompt_field} is {len(ids)} tokens and {limit_field}={max_tokens} with n={n} needs "
+            f"{len(ids) + n * max_tokens} cells, more than the cache's {limits.capacity}; "
+            f"ask for at most {room // n} tokens", limit_field, code="context_length_exceeded",
+        )
+    temperature = _number(body, "temperature", limits.temperature, 0.0, 2.0)
+    top_p = _number(body, "top_p", limits.top_p, 0.0, 1.0)
+    if top_p == 0.0:
+        raise BadRequest("top_p must be in (0, 1]", "top_p")
+    seed = _integer(body, "seed", limits.seed, 0, MAX_SEED, None)
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, not {_show(stream)}", "stream")
+    include_usage = _stream_options(body.get("stream_options"), stream)
+    seeded = body.get("seed") is not None
+    return Order(chat, ids, max_tokens, n, _stop(body.get("stop")), temperature, top_p, seed, stream, include_usage, seeded)
+
+
+# -- the fields, one at a time
+
+
+def _object(body: Any) -> Mapping:
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, not {_show(body)}")
+    return body
+
+
+def _known(body: Mapping, fields: Sequence[str], neutral: Sequence[str]) -> None:
+    for key, value in body.items():
+        if key in fields:
+            continue
+        if key not in neutral:
+            raise BadRequest(f"unrecognized request argument supplied: {key}", key)
+        allowed = NEUTRAL[key]
+        if allowed is None:
+            if key == "user" and not isinstance(value, str):
+                raise BadRequest(f"user must be a string, not {_show(value)}", key)
+            continue
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            shown = " or ".join("null" if a is None else _json(a) for a in allowed)
+            raise BadRequest(f"{key}={_show(value)} is not supported by this server (only {shown})", key)
+
+
+def _messages(value: Any) -> tuple[Message, ...]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest(f"messages must be a non-empty array of {{role, content}} objects, not {_show(value)}", "messages")
+    out = []
+    for i, m in enumerate(value):
+        at = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{at} must be an object with role and content, not {_show(m)}", at)
+        unknown = [k for k in m if k not in ("role", "content", "name")]
+        if unknown:
+            raise BadRequest(f"{at}.{unknown[0]}: unrecognized message field", f"{at}.{unknown[0]}")
+        role = m.get("role")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
+        if role not in ROLES:
+            raise BadRequest(f"{at}.role must be one of {', '.join(ROLES)}, not {_show(role)}", f"{at}.role")
+        out.append(Message(role, _content(m.get("content"), f"{at}.content")))
+    return tuple(out)
+
+
+def _content(value: Any, at: str) -> str:
+    """A message's text: a string, or an array of text parts (joined as OpenAI joins them)."""
+    if isinstance(value, str):
+        return _unicode(value, at)
+    if isinstance(value, list) and value:
+        texts = []
+        for j, part in enumerate(value):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise BadRequest(f"{at}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}; this model reads text only", f"{at}[{j}]")
+            texts.append(_unicode(part["text"], f"{at}[{j}].text"))
+        return "\n".join(texts)
+    raise BadRequest(f"{at} must be a string or an array of text parts, not {_show(value)}", at)
+
+
+def _integer(body: Mapping, key: str, default: int, low: int, high: int, limit_key: str | None) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) is not int:
+        if isinstance(value, float) and value.is_integer() and low <= value <= high:
+            return int(value)  # JSON has one number type; 2.0 is 2
+        raise BadRequest(f"{key} must be an integer, not {_show(value)}", key)
+    if value < low:
+        raise BadRequest(f"{key}={value} is below the minimum {low}", key)
+    if value > high:
+        where = f" (this server's {limit_key})" if limit_key else ""
+        raise BadRequest(f"{key}={value} is above the maximum {high}{where}", key)
+    return value
+
+
+def _number(body: Mapping, key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"{key} must be a number, not {_show(value)}", key)
+    if not low <= value <= high:
+        raise BadRequest(f"{key}={value} is outside [{low:g}, {high:g}]", key)
+    return float(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest(f"stop must be a non-empty string or an array of them, not {_show(value)}", "stop")
+    if len(stops) > MAX_STOP:
+        raise BadRequest(f"stop holds {len(stops)} strings; at most {MAX_STOP}", "stop")
+    return tuple(_unicode(s, "stop") for s in stops)
+
+
+def _unicode(text: str, at: str) -> str:
+    """`text` if it is Unicode a tokenizer can encode: JSON's \\ud800 escapes give lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"{at} holds a lone surrogate (U+{ord(exc.object[exc.start]):04X}); it is not Unicode text", at) from None
+    return text
+
+
+def _stream_options(value: Any, stream: bool) -> bool:
+    if value is None:
+        return False
+    if not stream:
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(value, dict) or any(k != "include_usage" for k in value):
+        raise BadRequest(f"stream_options must be an object with include_usage only, not {_show(value)}", "stream_options")
+    include = value.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise BadRequest(f"stream_options.include_usage must be true or false, not {_show(include)}", "stream_options.include_usage")
+    return include
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _show(value: Any) -> str:
+    """A value as the client wrote it, cut short: what an error quotes."""
+    try:
+        text = _json(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+

@@ -1,0 +1,97 @@
+"""`kvlayout serve`: the engine on the main thread, HTTP on a thread of its own, until SIGINT/SIGTERM.
+
+The model runs where it was loaded (MLX's streams belong to their thread),
+the main thread; uvicorn serves on a second one with its own event loop.
+The socket is bound before the model loads (`bind`), so a port in use or a
+host that is not this machine's is one line naming them (exit 2), not a
+logged traceback. On SIGINT/SIGTERM uvicorn stops accepting connections and
+lets the in-flight requests finish for `server.shutdown_grace_s`, then
+cancels what is left; the engine stops after its step and the process exits
+0 (a server asked to stop that stops has not failed). A second Ctrl-C does
+not wait for the grace period.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from typing import Callable
+
+import uvicorn
+
+from kvlayout.errors import ConfigError
+from kvlayout.server.app import build_app
+from kvlayout.server.service import Service
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, telling `on_ready` once it accepts connections. It runs off the main
+    thread, where uvicorn leaves signals alone: `serve` takes them."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]):
+        super().__init__(config)
+        self.on_ready = on_ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_ready()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on host:port; ConfigError naming them when it cannot be had."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(f"--host {host!r}: not an address of this machine ({exc})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]) -> int:
+    """Serve `service` on the bound `sock` until a stop signal; `on_ready(url)` once connections are taken.
+    Runs the engine on this thread (the one that prepared `service`)."""
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    config = uvicorn.Config(
+        build_app(service),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, round(service.cfg.server.shutdown_grace_s)),
+        lifespan="on",
+    )
+    server = Server(config, lambda: on_ready(url))
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:  # however uvicorn ends (a failed startup included), the engine must not wait on
+            service.worker.stop()
+
+    def stop(sig, frame) -> None:
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True  # a second Ctrl-C: no grace
+        server.should_exit = True
+
+    thread = threading.Thread(target=http, name="kvlayout-http", daemon=True)
+    original = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        thread.start()
+        service.worker.run()
+        thread.join()
+    finally:
+        for sig, handler in original.items():
+            signal.signal(sig, handler)
+        sock.close()
+    return 0

@@ -1,0 +1,105 @@
+"""What a running server holds: the prepared model and cache, its limits, the engine thread.
+
+`prepare_service` does everything that can fail on the user's side before
+the server binds a port: the config's layout resolved, its model loaded (or
+its fallback, said), the cache built (`runner.job.prepare`, as `kvlayout
+run` does). `Service.order_request` turns a checked `Order` into the engine's
+`Request`, with its own sampling and one seeded generator per sample.
+
+Call it on the thread that will run the engine (`Worker.run`): MLX's
+streams belong to the thread that made them, and an array still to be
+computed cannot be evaluated on another, so the model is loaded and the
+cache built where they will be used. `kvlayout serve` runs the engine on
+the main thread and HTTP on a thread of its own (`serve`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvlayout.engines.prefixes import PrefixCache
+from kvlayout.engines.records import Request, Sample, Sampling
+from kvlayout.runner.job import Job, prepare
+from kvlayout.server.config import ServeConfig
+from kvlayout.server.requests import Limits, Order
+from kvlayout.server.worker import Worker
+
+
+@attrs.define(eq=False)
+class Service:
+    cfg: ServeConfig
+    job: Job
+    model_id: str
+    limits: Limits
+    worker: Worker
+    created: int
+    notices: list[str]
+    counter: Any = attrs.field(factory=itertools.count)
+
+    @property
+    def tokenizer(self):
+        return self.job.tokenizer
+
+    def order_request(self, order: Order) -> Request:
+        """The engine's record of `order`: a fresh index, the order's sampling, a generator per sample.
+
+        With a `seed` the samples are reproducible (OpenAI's meaning); without one each request
+        draws from its own index, so two unseeded requests do not sample alike."""
+        index = next(self.counter)
+        sampling = Sampling(order.temperature, order.top_p, order.seed)
+        key = [order.seed] if order.seeded else [order.seed, index]
+        samples = [Sample(index, j, np.random.default_rng([*key, j])) for j in range(order.n)]
+        return Request(index, list(order.prompt), order.max_tokens, order.n, samples, sampling=sampling)
+
+
+def model_id_of(cfg: ServeConfig) -> str:
+    """The id clients name in `model`: the preset's name, or the model directory's."""
+    if cfg.model.preset is not None:
+        return cfg.model.preset
+    return cfg.model_dir().name
+
+
+def prepare_service(cfg: ServeConfig, loaded=None) -> Service:
+    """Load and build everything (ConfigError and friends, one line each, before any port is bound).
+
+    `loaded` reuses a (model, args, tokenizer, name), as `runner.job.prepare` takes it."""
+    job = prepare(cfg, loaded)
+    cfg = job.cfg  # the fallback's, when the config's model could not be had
+    notices = list(job.notices)
+    if job.tokenizer.chat_template is None:
+        notices.append(f"{job.model_name} has no chat template: chat messages are sent to it as plain text")
+    batch = job.cache.as_batch_control()
+    control = batch if batch is not None else job.cache.as_control()
+    s = cfg.server
+    prefixes = PrefixCache(batch) if batch is not None and s.prefix_cache else None
+
+    def cells() -> tuple[int, int]:
+        if batch is not None:
+            return batch.capacity - batch.free_cells, batch.capacity
+        return control.length, control.capacity
+
+    def clear() -> None:  # after a step that raised: the cache emptied, the kept prefixes with it
+        control.clear()
+        if prefixes is not None:
+            prefixes.forget()
+
+    worker = Worker(
+        lambda stats, heard: job.make_engine(stats, lambda n: None, heard, prefixes),
+        cells, s.max_sequences, s.queue, clear, prefixes,
+    )
+    limits = Limits(
+        model_id=model_id_of(cfg),
+        capacity=cfg.cache.capacity,
+        max_tokens=s.max_tokens,
+        max_n=s.max_sequences,
+        vocab_size=job.args.vocab_size,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        seed=cfg.sampling.seed,
+    )
+    return Service(cfg, job, limits.model_id, limits, worker, int(time.time()), notices)

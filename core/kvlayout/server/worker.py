@@ -1,0 +1,243 @@
+"""The engine thread: one engine, one model, stepped continuously; requests come and go between steps.
+
+The HTTP side never touches the engine. It hands a `Ticket` to `submit`
+(which answers at once: accepted, or `QueueFull`) and may `cancel` it; the
+engine thread takes both up between two steps, so a request joins the
+running batch at the next step and a cancelled one's cells are freed before
+the step after its cancellation. What the engine generates comes back as
+`Event`s, posted to the ticket's asyncio queue on the server's event loop
+(`loop.call_soon_threadsafe`): the model thread never waits for a client.
+
+Admission: a ticket runs at once while the samples generating stay within
+`max_sequences`; else it waits in the server's queue (`queue` long, FIFO)
+and a ticket beyond that is refused (429). A step that raises out of the
+engine (the engine itself retries a failed forward, and fails only the
+request that still fails) ends every request in flight with an error, and
+the cache is cleared and a fresh engine built: the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import attrs
+
+from kvlayout.engines.prefixes import PrefixCache
+from kvlayout.engines.records import Request, Stats
+from kvlayout.runner.text import SampleText
+from kvlayout.server.requests import Order
+
+
+class QueueFull(Exception):
+    """The server's queue is full: answer 429."""
+
+
+@attrs.frozen
+class Event:
+    """A sample's news: new text (possibly empty), and its finish_reason once it ended."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@attrs.define(eq=False)
+class Ticket:
+    """A request inside the server: the engine's record, each sample's text, where events go."""
+
+    order: Order
+    request: Request
+    texts: list[SampleText]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = attrs.field(factory=asyncio.Queue)
+    finished: int = 0  # samples ended
+    failed: str | None = None  # why the whole request failed (a step that raised)
+
+    @property
+    def done(self) -> bool:
+        return self.finished == self.order.n or self.failed is not None
+
+    def post(self, event: Event | None) -> None:
+        """Hand `event` to the client's coroutine (None: the request is over)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: the server is going down and nobody listens
+            pass
+
+
+def new_ticket(order: Order, request: Request, decode: Callable, loop: asyncio.AbstractEventLoop) -> Ticket:
+    """A ticket whose samples' texts end at the order's stop strings (their stoppers, in the engine)."""
+    texts = []
+    for sample in request.samples:
+        sample.stopper = text = SampleText(decode, order.stop)
+        texts.append(text)
+    return Ticket(order, request, texts, loop, asyncio.Queue())
+
+
+class Worker:
+    """Owns the engine and runs it on its own thread; see the module docstring."""
+
+    def __init__(self, make_engine: Callable[[Stats, Callable], Any], cells: Callable[[], tuple[int, int]],
+                 max_sequences: int, queue_limit: int, clear: Callable[[], None], prefixes: PrefixCache | None = None):
+        """`make_engine(stats, on_token)` builds an engine over the cache; `cells()` answers
+        (held, capacity) between steps; `clear()` empties the cache after a step that raised;
+        `prefixes` is the engines' prefix cache, reported by /health.
+        `run()` must be called on the thread that made the model and the cache."""
+        self.make_engine, self.cells, self.clear, self.prefixes = make_engine, cells, clear, prefixes
+        self.max_sequences, self.queue_limit = max_sequences, queue_limit
+        self.stats = Stats()
+        self.engine = make_engine(self.stats, self.heard)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()  # guards waiting, reserved, active (the HTTP side submits)
+        self.waiting: collections.deque[Ticket] = collections.deque()
+        self.reserved = 0  # samples of the tickets handed to the engine and not done
+        self.active: dict[int, Ticket] = {}
+        self.failures = 0  # steps that raised out of the engine
+        self.snapshot: dict = {}
+        self.stopping = threading.Event()
+        self.started = time.time()
+        self.publish()
+
+    # -- the HTTP side (any thread)
+
+    def submit(self, ticket: Ticket) -> None:
+        """Run `ticket` at the next step, or queue it; QueueFull (nothing changed) when the queue is."""
+        with self.lock:
+            if self.stopping.is_set():
+                raise QueueFull("the server is shutting down")
+            if not self.waiting and self.reserved + ticket.order.n <= self.max_sequences:
+                self.reserved += ticket.order.n
+                self.active[ticket.request.index] = ticket
+                self.inbox.put(("run", ticket))
+            elif len(self.waiting) < self.queue_limit:
+                self.waiting.append(ticket)
+            else:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (server.queue={self.queue_limit})")
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Drop `ticket` (its client went away): before the next step, its cells are freed."""
+        self.inbox.put(("cancel", ticket))
+
+    def stop(self) -> None:
+        """Stop admitting; `run` cancels what is in flight after its step and returns."""
+        self.stopping.set()
+        self.inbox.put(("stop", None))
+
+    # -- the engine thread
+
+    def run(self) -> None:
+        """Step the engine, taking up submissions and cancellations between steps, until `stop`."""
+        while True:
+            idle = not self.engine.has_work
+            commands = []
+            if idle:
+                try:  # a timeout, so the main thread running this still hears its signals promptly
+                    commands.append(self.inbox.get(timeout=0.5))
+                except queue.Empty:
+                    continue
+            while True:
+                try:
+                    commands.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for verb, ticket in commands:
+                if verb == "stop":
+                    self.cancel_all("the server is shutting down", cancel_in_engine=True)
+                    self.publish()
+                    return
+                if verb == "run":
+                    self.engine.add([ticket.request])
+                else:
+                    self.drop(ticket)
+            if self.engine.has_work:
+                self.step()
+            self.publish()
+
+    def step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - whatever a step raises, the server must go on
+            self.failures += 1
+            self.cancel_all(f"the step failed ({type(exc).__name__}: {exc}); the cache was cleared", cancel_in_engine=False)
+            self.clear()
+            self.engine = self.make_engine(self.stats, self.heard)
+        self.admit_waiting()
+
+    def heard(self, request: Request, sample, token: int | None) -> None:
+        """The engine's on_token: a sample's new text and, when it ended, why."""
+        ticket = self.active.get(request.index)
+        if ticket is None:
+            return
+        final = sample.finish_reason is not None
+        text = ticket.texts[sample.index].take_new(final=final)
+        ticket.post(Event(sample.index, text, sample.finish_reason, sample.error))
+        if final:
+            ticket.finished += 1
+            if ticket.done:
+                self.release(ticket)
+
+    def drop(self, ticket: Ticket) -> None:
+        with self.lock:
+            if ticket in self.waiting:
+                self.waiting.remove(ticket)
+                ticket.post(None)
+                return
+        if ticket.request.index in self.active and not ticket.done:
+            self.engine.cancel(ticket.request)  # frees its cells now; heard() hears each sample end
+            if not ticket.done:  # samples the engine no longer held
+                self.release(ticket)
+
+    def release(self, ticket: Ticket) -> None:
+        with self.lock:
+            if self.active.pop(ticket.request.index, None) is not None:
+                self.reserved -= ticket.order.n
+        ticket.post(None)
+        self.admit_waiting()
+
+    def admit_waiting(self) -> None:
+        """Hand queued tickets to the engine while the samples generating stay within the limit."""
+        with self.lock:
+            while self.waiting and self.reserved + self.waiting[0].order.n <= self.max_sequences:
+                ticket = self.waiting.popleft()
+                self.reserved += ticket.order.n
+                self.active[ticket.request.index] = ticket
+                self.engine.add([ticket.request])
+
+    def cancel_all(self, why: str, cancel_in_engine: bool) -> None:
+        """End every request in flight with `why`; the engine cancels them too when it is still
+        usable (not after a step that raised: the cache is cleared and the engine replaced)."""
+        with self.lock:
+            tickets = list(self.active.values()) + list(self.waiting)
+            self.active.clear()
+            self.waiting.clear()
+            self.reserved = 0
+        for ticket in tickets:
+            ticket.failed = why
+            ticket.post(None)
+        if cancel_in_engine:
+            for ticket in tickets:
+                self.engine.cancel(ticket.request)
+
+    def publish(self) -> None:
+        """What /health shows, taken on the engine thread between steps (one reference, swapped)."""
+        s = self.stats
+        held, capacity = self.cells()
+        with self.lock:
+            waiting, running = len(self.waiting), len(self.active)
+        self.snapshot = {
+            "status": "ok" if not self.stopping.is_set() else "stopping",
+            "requests": {"running": running, "waiting": waiting},
+            "cells": {"capacity": capacity, "used": held, "free": capacity - held},
+            "steps": s.steps,
+            "generated_tokens": s.generated_tokens,
+            "prefill_tokens": s.prefill_tokens,
+            "preemptions": s.preemptions,
+            "failed_steps": self.failures,
+            "prefix_cache": self.prefixes.snapshot() if self.prefixes is not None else None,
+        }

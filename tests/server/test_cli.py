@@ -1,0 +1,146 @@
+"""`kvlayout serve` as a user starts it: a process on 127.0.0.1, stopped by a signal, exit 0.
+
+Each server is its own process on a free port (`--port 0`; the ready line
+says which), stopped by the test and killed if it outlives its bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+CONFIG = """\
+[model]
+preset = "tiny"
+[cache]
+capacity = 2048
+max_seqs = 8
+[server]
+max_sequences = 8
+shutdown_grace_s = {grace}
+"""
+BOUND_S = 60
+
+
+class Process:
+    def __init__(self, args: list[str], cwd):
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvlayout.cli", "serve", *args], cwd=cwd,
+                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
+        self.lines: list[str] = []
+
+    def ready(self) -> str:
+        """The URL the ready line names; AssertionError with what it said when it dies first."""
+        deadline = time.monotonic() + BOUND_S
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if m := re.search(r"serving \S+ on (http://\S+)", line):
+                return m.group(1)
+        self.kill()
+        raise AssertionError("never ready: " + "".join(self.lines))
+
+    def finish(self, timeout: float = BOUND_S) -> tuple[int, str]:
+        try:
+            _, rest = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("the server outlived its bound")
+        return self.proc.returncode, "".join(self.lines) + rest
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.communicate()
+
+
+def post(url: str, body: dict, timeout: float = 30) -> dict:
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture
+def config(tmp_path):
+    def write(grace: float = 5) -> str:
+        path = tmp_path / "serve.toml"
+        path.write_text(CONFIG.format(grace=grace))
+        return str(path)
+    return write
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_the_server_with_exit_0(config, tmp_path, sig):
+    server = Process([config(), "--port", "0"], tmp_path)
+    url = server.ready()
+    assert url.startswith("http://127.0.0.1:")
+    answer = post(url, {"model": "tiny", "prompt": "hello", "max_tokens": 3})
+    assert answer["usage"]["completion_tokens"] >= 1
+    server.proc.send_signal(sig)
+    code, said = server.finish()
+    assert code == 0, said
+    assert "Traceback" not in said
+
+
+def test_in_flight_requests_are_finished_or_cancelled_within_the_grace_period(config, tmp_path):
+    server = Process([config(grace=1), "--port", "0"], tmp_path)
+    url = server.ready()
+    port = int(url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    raw = json.dumps({"model": "tiny", "prompt": "go on", "max_tokens": 1000, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    seen = b""
+    while b"data: " not in seen:
+        seen += sock.recv(4096)
+    started = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    code, said = server.finish()
+    assert code == 0, said
+    assert time.monotonic() - started < 1 + 10  # the grace period, then the cancel
+    sock.close()
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(config, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = Process([config(), "--port", str(port)], tmp_path)
+        code, said = server.finish()
+    assert code == 2
+    assert said.strip().splitlines()[-1].startswith(f"kvlayout: error: cannot listen on 127.0.0.1:{port}")
+    assert "Traceback" not in said
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--port", "70000"], "--port 70000"),
+        (["--host", "no.such.host.invalid", "--port", "0"], "--host 'no.such.host.invalid'"),
+        (["--layout", "mlx:nope", "--port", "0"], "mlx:nope"),
+    ],
+)
+def test_a_bad_flag_is_one_line_and_exit_2(config, tmp_path, args, words):
+    code, said = Process([config(), *args], tmp_path).finish()
+    assert code == 2 and words in said and "Traceback" not in said
+    assert len(said.strip().splitlines()) == 1
+
+
+def test_a_bad_server_section_is_one_line_naming_the_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[model]\npreset = "tiny"\n[server]\nqueue = -1\n')
+    code, said = Process([str(path), "--port", "0"], tmp_path).finish()
+    assert code == 2 and "server.queue" in said and len(said.strip().splitlines()) == 1
+    path.write_text('[model]\npreset = "tiny"\n[[requests]]\nprompt = "x"\n')
+    code, said = Process([str(path), "--port", "0"], tmp_path).finish()
+    assert code == 2 and "requests" in said and len(said.strip().splitlines()) == 1
