@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from kvlayout.engines.interface import Stop, run_steps
-from kvlayout.engines.prefixes import Hit, PrefixCache
+from kvlayout.engines.prefixes import Hit, PrefixCache, common_length
 from kvlayout.engines.records import (
     OnProgress,
     OnToken,
@@ -87,8 +87,11 @@ class CellEngine:
     sequence whose tokens start with an entry's is admitted as a clone of
     it, prefilling only the rest (`Request.cached_tokens`). Entries give way
     first: their ids and cells are evicted, least recently used first,
-    before any admission is refused or any sequence preempted. `state()`
-    does not hold them: a run that saves its state runs without one.
+    before any admission is refused or any sequence preempted. A queued
+    request sharing at least a block more with a prompt still prefilling
+    than the cache gives waits until that prompt is in, then reuses it.
+    `state()` does not hold entries: a run that saves its state runs
+    without a prefix cache.
 
     Implements the Engine interface (engines.interface): `running`, `queue`
     and the admission counter are what `state()` saves. `on_token` hears of
@@ -336,6 +339,8 @@ class CellEngine:
             cached = hit.length if hit is not None else 0
             if len(w.tokens) - cached > 1 and self._budget_left(plan) == 0:
                 break  # this step's prompt budget is spent
+            if self._shares_a_prefill(w.tokens, cached):
+                break  # once that prompt is in, its cells are kept: wait for them rather than prefill them again
             if not self._room_for_ids(len(w.samples), None):
                 break
             self._stale = True  # a verb after the declaration ends it (see BatchControl)
@@ -386,6 +391,18 @@ class CellEngine:
         if self.prefixes is None or len(tokens) < 2:
             return None
         return self.prefixes.find(tokens, len(tokens) - 1)  # at least one token is fed: its logits
+
+    def _shares_a_prefill(self, tokens: list[int], cached: int) -> bool:
+        """Whether a prompt still prefilling shares at least a block more of `tokens` than the
+        prefix cache gave (clients sending one system prompt at once: the first prefills it,
+        the others wait a step or two and reuse it)."""
+        if self.prefixes is None:
+            return False
+        enough = cached + self.prefixes.block
+        return any(
+            not s.remembered and s.cached < len(s.tokens) and common_length(s.tokens, tokens, len(tokens) - 1) >= enough
+            for s in self.running
+        )
 
     def _evict(self, spare: Hit | None = None) -> bool:
         """Drop the least recently used kept prefix (not `spare`'s): whether there was one."""
