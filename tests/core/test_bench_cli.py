@@ -65,3 +65,35 @@ def test_bench_rows_against_mlx_lm_without_it_say_how_to_install_it(monkeypatch,
     [line] = captured.err.splitlines()
     assert "rows write" in line and "mlx-lm" in line and "pip install 'kvlayout[bench]'" in line
     assert captured.out == ""
+
+
+def test_bench_serve_and_rows_together_are_refused_in_one_line(capsys):
+    assert cli.main(["bench", "serve", "--rows", "grouped"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "give one of them" in line
+
+
+def test_the_serve_row_summarises_wall_time_throughput_and_time_to_first_token_percentiles():
+    from kvlayout.bench.serve_rows import rows_of, summary
+
+    answers = [{"ttft": t, "text": "x", "completion_tokens": 10, "prompt_tokens": 100, "cached_tokens": c}
+               for t, c in zip([0.1 * i for i in range(1, 101)], [0] + [90] * 99)]
+    s = summary({"wall": 20.0, "answers": answers})
+    assert s["requests_s"] == 5.0 and s["gen_tok_s"] == 50.0  # 100 requests, 1000 tokens, 20 s
+    assert abs(s["ttft_p50_s"] - 5.05) < 1e-9  # the median of 0.1..10.0
+    assert abs(s["ttft_p99_s"] - 9.9) < 1e-9  # index round(0.99 * 99) = 98 of the sorted times
+    assert (s["cached_tokens"], s["prompt_tokens"]) == (99 * 90, 100 * 100)
+    slower = [{**a, "ttft": 2 * a["ttft"], "text": "y" if i % 2 else "x"} for i, a in enumerate(answers)]
+    wall, ttft = rows_of(16, {"kvlayout serve": {"wall": 20.0, "answers": answers},
+                              "mlx_lm.server": {"wall": 40.0, "answers": slower}})
+    assert wall.ratio == 0.5 and "2.00x" in wall.note and "answers identical 50/100" in wall.note
+    assert abs(ttft.ratio - 0.5) < 1e-9
+
+
+def test_the_serve_row_s_system_prompt_is_as_long_as_asked_and_its_own_per_phase():
+    from kvlayout.bench.serve_rows import system_prompt
+    from kvlayout.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    a, b = system_prompt(tok, 512, 1), system_prompt(tok, 512, 16)
+    assert 512 <= len(tok.encode(a)) < 512 + 100 and a[:10] != b[:10]

@@ -1,6 +1,7 @@
 """`kvlayout bench`: kvlayout beside mlx-lm on the same work, one table.
 
-Every comparison runs both sides in this one process, interleaved (one
+Every comparison runs both sides in this one process (row 10: two server
+processes, driven from this one), interleaved (one
 repeat of each side per round, the order rotating each round), several
 repeats; the table gives min and median seconds per side and the ratio of the
 medians, A / B in time (below 1: A is faster). Each row states its workload.
@@ -31,6 +32,12 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
               vs mlx-lm's generate_step on the same directory.  [real_rows]
 9. chat       `--model DIR`: 8 chat requests sharing a system prompt, mlx:cell
               vs batch_generate; identical tokens checked.      [real_rows]
+10. serve     `kvlayout bench serve`: K concurrent streaming chat clients
+              (1, 4, 16) sharing a 512-token system prompt against
+              `kvlayout serve` and `mlx_lm.server`, each its own process on
+              127.0.0.1, on --model DIR or SmolLM2: wall time, req/s,
+              gen tok/s, time to first token p50/p99, cached tokens;
+              answers compared. Run only when named.           [serve_rows]
 
 Sizes are in `sizes`; timing in `timing`; the table in `table`, the plot in
 `plot`; `suite.run_suite` runs the rows. mlx-lm and matplotlib come with the

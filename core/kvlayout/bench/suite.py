@@ -18,6 +18,7 @@ from kvlayout.bench.dtype_rows import row_fp16
 from kvlayout.bench.model_rows import row_batch, row_generate, row_prefix
 from kvlayout.bench.real_rows import row_chat, row_decode
 from kvlayout.bench.record import Row, Section
+from kvlayout.bench.serve_rows import row_serve
 from kvlayout.bench.sizes import SIZES
 from kvlayout.bench.table import print_table
 from kvlayout.bench.write_rows import row_write
@@ -37,9 +38,11 @@ ROWS: dict[str, RowFn] = {
     "fp16": row_fp16,
     "decode": row_decode,  # rows 8-9 measure the model of --model DIR
     "chat": row_chat,
+    "serve": row_serve,  # row 10: `kvlayout bench serve`, on --model DIR or SmolLM2
 }
 ON_A_USER_MODEL = ("decode", "chat")
-MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix", *ON_A_USER_MODEL)
+ON_REQUEST = ("serve",)  # run only when named: it starts two servers and takes minutes
+MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix", *ON_A_USER_MODEL, *ON_REQUEST)
 
 
 def heading(mode: str) -> str:
@@ -53,14 +56,16 @@ def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | 
     """Run `rows` at `mode`'s sizes; print the table; return the JSON payload.
 
     Rows default to rows 1-7 (seeded tiny models), or, with `model` (a model
-    directory the user has), to rows 8-9 on it (`ON_A_USER_MODEL`).
+    directory the user has), to rows 8-9 on it (`ON_A_USER_MODEL`). Row 10
+    (`serve`) runs only when named, on `model` or else SmolLM2.
 
     With `out`, also write bench.json and bench.png there. ConfigError (one
     line, before anything runs) for an unknown row; MissingExtra, before anything is measured, when mlx-lm (for
     the rows measured against it) or matplotlib (for `out`) is not installed.
     """
     z = SIZES[mode]
-    keys = rows or (list(ON_A_USER_MODEL) if model is not None else [k for k in ROWS if k not in ON_A_USER_MODEL])
+    keys = rows or (list(ON_A_USER_MODEL) if model is not None
+                    else [k for k in ROWS if k not in ON_A_USER_MODEL + ON_REQUEST])
     unknown = [k for k in keys if k not in ROWS]
     if unknown:
         raise ConfigError(f"--rows {','.join(unknown)}: expected some of {', '.join(ROWS)}")
