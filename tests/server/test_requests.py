@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kvlayout.models.tokenizer import ByteTokenizer
 from kvlayout.server.requests import BadRequest, Limits, parse_chat, parse_completion
@@ -133,3 +134,30 @@ def test_a_body_that_is_not_an_object_is_refused():
 def test_an_unknown_model_names_the_served_one():
     exc = refused(text, model="gpt-4")
     assert exc.code == "model_not_found" and "'m'" in exc.message
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "n",
+          "stop", "stream", "stream_options", "logprobs", "user", "presence_penalty", "role", "content"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6), st.booleans())
+def test_any_json_body_is_an_order_or_a_bad_request_never_another_exception(body, as_chat):
+    body = {"model": "m", **body}
+    try:
+        if as_chat:
+            order = parse_chat(body, LIMITS, TOK, True)
+        else:
+            order = parse_completion(body, LIMITS, TOK)
+    except BadRequest as exc:
+        assert exc.status in (400, 404) and exc.message
+        return
+    # Accepted: within every limit.
+    assert order.prompt and all(0 <= t < LIMITS.vocab_size for t in order.prompt)
+    assert 1 <= order.n <= LIMITS.max_n and 1 <= order.max_tokens <= LIMITS.max_tokens
+    assert len(order.prompt) + order.n * order.max_tokens <= LIMITS.capacity

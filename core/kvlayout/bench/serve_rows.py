@@ -11,7 +11,9 @@ its own, so each phase starts with nothing of it cached on either server
 and what is reused is what the phase's own clients shared.
 
 Measured per phase: wall time (first request sent to last answer read),
-requests/s, generated tok/s (the servers' own usage counts), time to first
+requests/s, generated tok/s (each server's own usage count: mlx_lm.server
+counts the EOS that ends an answer, kvlayout does not, so with identical
+answers the wall-time ratio is the fairer throughput ratio), time to first
 token (request sent to its first content chunk) p50 and p99, and the prompt
 tokens each server reports as cached. The answers of both servers are
 compared text for text.
@@ -251,7 +253,8 @@ def row_serve(z: dict, ctx: dict) -> tuple[str, list[Row]]:
             f"per K) and a question of its own, greedy, at most {tokens} tokens; both servers warmed, run one after "
             "the other per K. kvlayout serve: mlx:cell, prefill_chunk 512, prefix cache on; mlx_lm.server: its "
             "defaults (batched, its LRU prompt cache). A/B: wall time for the same requests, and per-request "
-            "time to first token.")
+            "time to first token. Gen tok/s are each server's usage counts (mlx_lm.server's include the EOS "
+            "that ends an answer).")
     return work, out
 
 
