@@ -267,8 +267,27 @@ SECTIONS = {
 }
 
 
+class LayoutAndModel:
+    """What `kvlayout run`'s and `kvlayout serve`'s configs both answer: the flags that replace
+    their layout or model, and where the model directory is. Needs `layout`, `model`, `base_dir`."""
+
+    def with_layout(self, key: str):
+        """`--layout backend:kind` overrides the config's layout."""
+        return attrs.evolve(self, layout=LayoutSection(*split_layout_key(key, "--layout")))
+
+    def with_model_path(self, path: str):
+        """`--model DIR` replaces the config's [model] (no fallback: a directory given is meant)."""
+        return attrs.evolve(self, model=ModelSection(path=str(Path(path).expanduser().resolve())))
+
+    def model_dir(self) -> Path | None:
+        """The model directory; a relative path is taken from the config file's directory."""
+        if self.model.path is None:
+            return None
+        return (self.base_dir / Path(self.model.path).expanduser()).resolve()
+
+
 @attrs.frozen
-class RunConfig:
+class RunConfig(LayoutAndModel):
     layout: LayoutSection = LayoutSection()
     cache: CacheSection = CacheSection()
     model: ModelSection = ModelSection(preset="tiny")
@@ -302,19 +321,6 @@ class RunConfig:
         )
         return cls(**kwargs, source=source, base_dir=base_dir or Path.cwd())
 
-    def with_layout(self, key: str) -> RunConfig:
-        """`--layout backend:kind` overrides the config's layout."""
-        return attrs.evolve(self, layout=LayoutSection(*split_layout_key(key, "--layout")))
-
-    def with_model_path(self, path: str) -> RunConfig:
-        """`--model DIR` replaces the config's [model] (no fallback: a directory given is meant)."""
-        return attrs.evolve(self, model=ModelSection(path=str(Path(path).expanduser().resolve())))
-
-    def model_dir(self) -> Path | None:
-        """The model directory; a relative path is taken from the config file's directory."""
-        if self.model.path is None:
-            return None
-        return (self.base_dir / Path(self.model.path).expanduser()).resolve()
 
 
 def read_section(cls: type, data: Any, prefix: str, source: str, **extra: Any):

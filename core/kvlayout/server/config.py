@@ -20,6 +20,7 @@ from kvlayout.runner.config import (
     SECTIONS,
     CacheSection,
     EngineSection,
+    LayoutAndModel,
     LayoutSection,
     ModelSection,
     SamplingSection,
@@ -66,7 +67,7 @@ class ServerSection:
 
 
 @attrs.frozen
-class ServeConfig:
+class ServeConfig(LayoutAndModel):
     """What `kvlayout serve` runs: a layout, a cache, a model, default sampling, the engine, limits.
 
     Duck-compatible with `RunConfig` where the runner reads a config to load
@@ -99,19 +100,6 @@ class ServeConfig:
         reject_unknown(data, list(sections), f"{source}: config")
         kwargs = {name: read_section(section, data[name], name, source) for name, section in sections.items() if name in data}
         return cls(**kwargs, source=source, base_dir=base_dir or Path.cwd())
-
-    def with_layout(self, key: str) -> ServeConfig:
-        from kvlayout.builder import split_layout_key
-
-        return attrs.evolve(self, layout=LayoutSection(*split_layout_key(key, "--layout")))
-
-    def with_model_path(self, path: str) -> ServeConfig:
-        return attrs.evolve(self, model=ModelSection(path=str(Path(path).expanduser().resolve())))
-
-    def model_dir(self) -> Path | None:
-        if self.model.path is None:
-            return None
-        return (self.base_dir / Path(self.model.path).expanduser()).resolve()
 
 
 def load_serve_config(path: str | Path | None = None) -> ServeConfig:
