@@ -2,7 +2,7 @@
 
 A runtime programs against these Protocols, never against a layout class: it
 asks a cache for a face (`as_control()`, `as_batch_control()`,
-`as_cell_stepper()`) and gets a face object or None. A face object exposes
+`as_cell_stepper()`, `as_cell_view()`) and gets a face object or None. A face object exposes
 exactly the members its Protocol names (`face_of`), so a runtime cannot lean
 on anything else a layout happens to have. What `update_and_fetch` (the
 KVCache face) returns, and `attend()` consumes, lives in `kvlayout.spec`.
@@ -171,6 +171,23 @@ class CellStepper(Protocol):
 
 
 @runtime_checkable
+class CellView(Protocol):
+    """Read-only: which sequences own each cell. For pictures, stats and traces; not on the
+    step path (it copies what it reports)."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def max_seqs(self) -> int: ...
+
+    def cell_owners(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cells int64 [n], positions int [n], owners bool [n, max_seqs]) of every occupied
+        cell, ascending; `owners[i, s]` says sequence id `s` owns `cells[i]`. Copies."""
+        ...
+
+
+@runtime_checkable
 class KVCache(Protocol):
     """The op face every MLX layout implements; `k`, `v` are `[1, H_kv, T, D]`."""
 
@@ -206,6 +223,9 @@ class FacesBase:
         return None
 
     def as_cell_stepper(self) -> CellStepper | None:
+        return None
+
+    def as_cell_view(self) -> CellView | None:
         return None
 
 

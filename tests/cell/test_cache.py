@@ -8,7 +8,7 @@ import pytest
 
 from kvlayout import CacheConfig, LayerConfig, LayerPolicy, MaskKind
 from kvlayout.errors import StepError
-from kvlayout.faces import BatchControl, CellStepper, KVCache
+from kvlayout.faces import BatchControl, CellStepper, CellView, KVCache
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
 from tests.cell.support import snapshot
@@ -47,6 +47,25 @@ def test_the_cache_shows_the_batch_and_stepper_faces_only():
     assert public(bc) == ["can_extend", "capacity", "clear", "declare_step", "free_cells", "max_seqs", "next_pos",
                           "seq_clone", "seq_len", "seq_new", "seq_rm", "used_end"]  # no occupy, restore, release
     assert public(cs) == ["place_step"]
+    view = c.as_cell_view()
+    assert isinstance(view, CellView) and public(view) == ["capacity", "cell_owners", "max_seqs"]
+
+
+def test_the_cell_view_shows_each_cell_s_owners_as_the_verbs_left_them():
+    c = cache()
+    bc, cs = c.as_batch_control(), c.as_cell_stepper()
+    a, b = bc.seq_new(), bc.seq_new()
+    assert bc.declare_step([a, a, b])
+    for layer in (0, 1):
+        cs.place_step(layer, [0, 1, 0])
+    fork = bc.seq_clone(a, upto=1)  # shares a's position 0 only
+    cells, positions, owners = c.as_cell_view().cell_owners()
+    assert cells.tolist() == [0, 1, 2] and positions.tolist() == [0, 1, 0]
+    assert [sorted(map(int, row.nonzero()[0])) for row in owners] == [sorted([a, fork]), [a], [b]]
+    assert owners.shape == (3, c.max_seqs)
+    bc.seq_rm(a)
+    cells, _, owners = c.as_cell_view().cell_owners()
+    assert cells.tolist() == [0, 2] and [list(map(int, row.nonzero()[0])) for row in owners] == [[fork], [b]]
 
 
 def test_the_cache_is_composed_of_its_stepper_and_table_not_derived_from_them():

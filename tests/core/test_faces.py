@@ -11,6 +11,7 @@ from kvlayout.faces import (
     BatchControl,
     CacheControl,
     CellStep,
+    CellView,
     CellStepper,
     FacesBase,
     KVCache,
@@ -107,6 +108,7 @@ def test_faces_base_recovers_no_face_by_default():
     assert cache.as_control() is None
     assert cache.as_batch_control() is None
     assert cache.as_cell_stepper() is None
+    assert cache.as_cell_view() is None
 
 
 def test_a_layout_overriding_a_recovery_gets_its_face_back_and_none_for_the_rest():
@@ -133,6 +135,7 @@ def test_each_contract_names_the_members_the_design_lists():
     assert list(contract(SequenceControl)) == SEQUENCE
     assert list(contract(BatchControl)) == BATCH
     assert list(contract(CellStepper)) == ["place_step"]
+    assert list(contract(CellView)) == ["capacity", "cell_owners", "max_seqs"]
 
 
 def test_a_face_object_exposes_its_contract_and_nothing_else():

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
-from kvlayout.faces import BatchControl, CellStepper, FacesBase, face_of
+from kvlayout.faces import BatchControl, CellStepper, CellView, FacesBase, face_of
 from kvlayout.mlx import MAX_SLOTS, MLXPool, check_layer_dims, pool_bytes
 from kvlayout.mlx.attention import pages_in_place
 from kvlayout.registry import plugin_manager
@@ -74,6 +74,7 @@ class CellCache(FacesBase):
         )
         self._batch_control = face_of(BatchControl, self.stepper)
         self._cell_stepper = face_of(CellStepper, self.stepper)
+        self._cell_view = face_of(CellView, self.stepper)
 
         def pool(lc):
             return MLXPool(initial, max_slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype)
@@ -106,6 +107,10 @@ class CellCache(FacesBase):
     def as_cell_stepper(self) -> CellStepper:
         """The CellStepper face: `place_step`, for a layer that writes its own K/V."""
         return self._cell_stepper
+
+    def as_cell_view(self) -> CellView:
+        """The CellView face: who owns each cell, read-only (pictures, stats, traces)."""
+        return self._cell_view
 
     def abort_step(self) -> bool:
         """Undo the open step of a forward that failed part way (see `Stepper.abort_step`)."""

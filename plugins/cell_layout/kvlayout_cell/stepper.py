@@ -137,6 +137,12 @@ class Stepper:
         self._keep_masks()
         self.table.clear()
 
+    def cell_owners(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cells, positions, owners bool [n, max_seqs]) of every occupied cell (the CellView face)."""
+        cells, pos, words = self.table.occupied()
+        bits = np.unpackbits(words.astype("<u8").view(np.uint8), axis=1, bitorder="little")  # [n, 64 * words]
+        return cells, pos, bits[:, : self.table.max_seqs].astype(bool)
+
     def seq_new(self) -> int | None:
         """The lowest id not live, now live and empty; None when all are in use."""
         self._refuse_mid_forward("seq_new")
