@@ -148,10 +148,11 @@ def _run_config(args: argparse.Namespace):
 
 # The `kvlayout run` flags a stopped run's "continue with" command repeats: every one that shapes
 # the config (a resumed run must rebuild the same one), and --json. The others: --resume and
-# --save-state are its own, --print-config runs nothing. tests/runner/test_resume_hint.py fails
-# on a flag in neither list.
+# --save-state are its own, --print-config runs nothing, --trace draws one process's steps (the
+# continued run may draw its own, without overwriting this one's). tests/runner/test_resume_hint.py
+# fails on a flag in neither list.
 REPLAYED_FLAGS = ("layout", "model", "prompt", "raw", "max_tokens", "temperature", "json")
-NOT_REPLAYED_FLAGS = ("resume", "save_state", "print_config")
+NOT_REPLAYED_FLAGS = ("resume", "save_state", "print_config", "trace")
 
 
 def _shell_word(word: str) -> str:
@@ -230,8 +231,10 @@ def _run(args: argparse.Namespace) -> int:
     if save is not None:
         # Before the run, which a bad directory (or a layout that cannot save) would otherwise lose.
         resume.ready_to_save(save, job)
+    tracing = _tracer(args.trace, job) if args.trace is not None else None
     # With --save-state, a first Ctrl-C stops the run after its current step and saves it.
-    stop = StopOnCtrlC() if save is not None else None
+    ctrl_c = StopOnCtrlC() if save is not None else None
+    stop = tracing.stop_after(ctrl_c) if tracing is not None else ctrl_c
     again = continue_command(args, cfg, save) if save is not None else None
     console = Console()
     if console.is_terminal and not args.json:
@@ -242,7 +245,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         watching = report.progress_bar(job.planned_tokens, cfg.layout.key)
     try:
-        with stop or contextlib.nullcontext(), watching as watch:
+        with ctrl_c or contextlib.nullcontext(), watching as watch:
             result = job.generate(progress=watch.progress, stop=stop, save_state=save, on_text=watch.on_text)
     except RunInterrupted as exc:  # Ctrl-C inside a forward (the step was aborted first)
         if save is None:
@@ -255,6 +258,8 @@ def _run(args: argparse.Namespace) -> int:
         else:  # the step it landed in is not whole: nothing of this run is saved
             print(f"kvlayout: interrupted; this run's state was not saved; {resume.holds(Path(save))}", file=sys.stderr)
         return 130
+    if tracing is not None:
+        tracing.finish(f"{cfg.layout.key} · {job.model_name}")
     if args.json:
         extra = {}
         if not result.complete:
@@ -278,6 +283,42 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if failed and code == 0 else code
 
 
+class _Tracing:
+    """`--trace FILE.html`: a frame of the cell map before every step and after the last."""
+
+    def __init__(self, target: Path, view):
+        from kvlayout.server.trace import Recorder
+
+        self.target, self.recorder = target, Recorder(view)
+
+    def stop_after(self, stop):
+        """A `stop` for Job.generate that records a frame, then asks `stop` (if any)."""
+        def record_then_ask() -> bool:
+            self.recorder.record()
+            return bool(stop()) if stop is not None else False
+        return record_then_ask
+
+    def finish(self, title: str) -> None:
+        from kvlayout.server.trace import write
+
+        self.recorder.record()
+        try:
+            write(self.target, self.recorder.frames, title)
+        except OSError as exc:
+            raise ConfigError(f"--trace {self.target}: cannot write it ({exc.strerror or exc})") from None
+        print(f"kvlayout: wrote the cell map of {len(self.recorder.frames)} steps to {self.target}", file=sys.stderr)
+
+
+def _tracer(path: str, job) -> _Tracing:
+    from kvlayout.server.trace import check_target
+
+    target = check_target(path)
+    view = job.cache.as_cell_view() if hasattr(job.cache, "as_cell_view") else None
+    if view is None:
+        raise ConfigError(f"--trace draws the cells of a cell layout; {job.cfg.layout.key} has none (try --layout mlx:cell)")
+    return _Tracing(target, view)
+
+
 def _save_outcome(failed: Exception | None, done: str | None, code: int) -> int:
     """Say how the save went (one line on stderr) and give the exit status: `code` when saved
     (saying `done`), 130 when a Ctrl-C abandoned it, 2 when it failed."""
@@ -297,7 +338,8 @@ def _print_config(args: argparse.Namespace) -> int:
     `kvlayout run FILE`, FILE holding this text, runs the same config."""
     from kvlayout.runner.config import dump_config
 
-    for flag, value in (("--json", args.json), ("--save-state", args.save_state), ("--resume", args.resume)):
+    for flag, value in (("--json", args.json), ("--save-state", args.save_state), ("--resume", args.resume),
+                        ("--trace", args.trace)):
         if value:
             raise ConfigError(f"--print-config prints the config and runs nothing; drop {flag}")
     cfg = _run_config(args)
@@ -486,6 +528,8 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-tokens", type=int, metavar="N", help="with --prompt: the most tokens to generate (default 128)")
     run.add_argument("--temperature", type=float, metavar="T", help="with --prompt: sampling temperature, 0 greedy (default 0)")
     run.add_argument("--json", action="store_true", help="outputs and totals as JSON on stdout")
+    run.add_argument("--trace", type=given, metavar="FILE.html",
+                     help="also write the cell map of the run, step by step, as a page with a scrubber (cell layouts)")
     run.add_argument(
         "--save-state",
         type=given,

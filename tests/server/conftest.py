@@ -135,6 +135,7 @@ def serving(loaded, config: dict | None = None, model=None) -> Iterator[Live]:
         thread.join(20)
         service.worker.stop()
         engine_thread.join(20)
+        service.close()
         assert not thread.is_alive() and not engine_thread.is_alive(), "the test server did not stop"
 
 

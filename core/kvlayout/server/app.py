@@ -1,7 +1,9 @@
 """The HTTP side: a Starlette app speaking OpenAI's API in front of the engine thread.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (stream or
-not), `GET /v1/models`, `GET /health`. A handler reads and checks the body
+not), `GET /v1/models`, `GET /health`; for people and monitoring (`monitor`):
+`GET /` (the chat page with its cell map), `GET /cells` (the map's frames,
+server-sent events), `GET /cells/at?cell=N`, `GET /stats`, `GET /metrics`. A handler reads and checks the body
 (`requests`), hands a ticket to the worker and waits for its events without
 ever blocking the event loop; the model runs on the worker's thread. Every
 error a client can cause is OpenAI's error object with the field named
@@ -21,15 +23,17 @@ from typing import AsyncIterator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvlayout.server import shapes
+from kvlayout.server import cellmap, monitor, shapes
 from kvlayout.server.requests import BadRequest, parse_chat, parse_completion
 from kvlayout.server.service import Service
 from kvlayout.server.worker import Event, QueueFull, Ticket, new_ticket
 
 DISCONNECT_POLL_S = 0.25  # how often a whole-answer request checks that its client is still there
+FRAME_POLL_S = 0.05  # how often a /cells stream looks for a new frame
+KEEPALIVE_S = 15.0
 RETRY_AFTER_S = 1
 
 
@@ -78,11 +82,43 @@ def build_app(service: Service) -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse({**worker.snapshot, "model": service.model_id, "layout": service.cfg.layout.key})
 
+    async def stats(request: Request) -> Response:
+        return JSONResponse(monitor.stats(worker, service))
+
+    async def metrics(request: Request) -> Response:
+        return Response(monitor.metrics_text(registry), media_type=monitor.METRICS_TYPE)
+
+    async def page(request: Request) -> Response:
+        return HTMLResponse(monitor.page("index.html"))
+
+    async def cells(request: Request) -> Response:
+        if worker.view is None:
+            raise BadRequest(f"the {service.cfg.layout.key} layout has no cells to show (a cell layout has)",
+                             status=404, code="no_cell_map")
+        return StreamingResponse(cell_frames(worker), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def cell_at(request: Request) -> Response:
+        snap = worker.map
+        if snap is None:
+            raise BadRequest(f"the {service.cfg.layout.key} layout has no cells to show (a cell layout has)",
+                             status=404, code="no_cell_map")
+        raw = request.query_params.get("cell", "")
+        if not raw.isdigit() or int(raw) >= snap.capacity:
+            raise BadRequest(f"cell={raw!r}: expected a cell number in [0, {snap.capacity})", "cell")
+        return JSONResponse(cellmap.cell_info(snap, int(raw)))
+
+    registry = monitor.metrics_registry(worker, service)
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", text, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/stats", stats, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/cells", cells, methods=["GET"]),
+        Route("/cells/at", cell_at, methods=["GET"]),
+        Route("/", page, methods=["GET"]),
     ]
     handlers = {BadRequest: refused, HTTPException: http_error, Exception: internal_error}
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
@@ -140,6 +176,22 @@ async def sse(chunks: AsyncIterator[dict], worker, ticket: Ticket) -> AsyncItera
     finally:
         if not ticket.done:
             worker.cancel(ticket)
+
+
+async def cell_frames(worker) -> AsyncIterator[str]:
+    """The cell map as server-sent events: the current frame at once, then each new one (the
+    worker draws at most five a second); a comment line now and then keeps proxies from closing it."""
+    sent, quiet = -1, 0.0
+    while True:
+        if worker.frame_seq != sent and worker.frame is not None:
+            sent = worker.frame_seq
+            quiet = 0.0
+            yield f"data: {json.dumps(worker.frame)}\n\n"
+        elif quiet >= KEEPALIVE_S:
+            quiet = 0.0
+            yield ": idle\n\n"
+        await asyncio.sleep(FRAME_POLL_S)
+        quiet += FRAME_POLL_S
 
 
 async def events(ticket: Ticket) -> AsyncIterator[Event]:

@@ -94,4 +94,5 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
         for sig, handler in original.items():
             signal.signal(sig, handler)
         sock.close()
+        service.close()
     return 0

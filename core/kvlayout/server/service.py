@@ -24,8 +24,10 @@ import numpy as np
 
 from kvlayout.engines.prefixes import PrefixCache
 from kvlayout.engines.records import Request, Sample, Sampling
+from kvlayout.registry import plugin_manager
 from kvlayout.runner.job import Job, prepare
 from kvlayout.server.config import ServeConfig
+from kvlayout.server.observer import CellObserver
 from kvlayout.server.requests import Limits, Order
 from kvlayout.server.worker import Worker
 
@@ -39,7 +41,13 @@ class Service:
     worker: Worker
     created: int
     notices: list[str]
+    observer: CellObserver | None = None
     counter: Any = attrs.field(factory=itertools.count)
+
+    def close(self) -> None:
+        """The server is done: its observer leaves the plugin manager."""
+        if self.observer is not None and plugin_manager().is_registered(self.observer):
+            plugin_manager().unregister(self.observer)
 
     @property
     def tokenizer(self):
@@ -88,9 +96,14 @@ def prepare_service(cfg: ServeConfig, loaded=None) -> Service:
         if prefixes is not None:
             prefixes.forget()
 
+    view = job.cache.as_cell_view() if hasattr(job.cache, "as_cell_view") else None
+    observer = None
+    if view is not None:  # the cell map: an observer of the layout's step hooks, while the server runs
+        observer = CellObserver()
+        plugin_manager().register(observer, name=observer.name)
     worker = Worker(
         lambda stats, heard: job.make_engine(stats, lambda n: None, heard, prefixes),
-        cells, s.max_sequences, s.queue, clear, prefixes,
+        cells, s.max_sequences, s.queue, clear, prefixes, view, observer,
     )
     limits = Limits(
         model_id=model_id_of(cfg),
@@ -102,4 +115,4 @@ def prepare_service(cfg: ServeConfig, loaded=None) -> Service:
         top_p=cfg.sampling.top_p,
         seed=cfg.sampling.seed,
     )
-    return Service(cfg, job, limits.model_id, limits, worker, int(time.time()), notices)
+    return Service(cfg, job, limits.model_id, limits, worker, int(time.time()), notices, observer)

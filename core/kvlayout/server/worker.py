@@ -30,7 +30,12 @@ import attrs
 from kvlayout.engines.prefixes import PrefixCache
 from kvlayout.engines.records import Request, Stats
 from kvlayout.runner.text import SampleText
+from kvlayout.server import cellmap
+from kvlayout.server.observer import CellObserver
 from kvlayout.server.requests import Order
+
+FRAME_EVERY_S = 0.2  # the cell map is redrawn at most five times a second
+RATE_WINDOW_S = 5.0  # tokens/s are over the last five seconds
 
 
 class QueueFull(Exception):
@@ -84,12 +89,22 @@ class Worker:
     """Owns the engine and runs it on its own thread; see the module docstring."""
 
     def __init__(self, make_engine: Callable[[Stats, Callable], Any], cells: Callable[[], tuple[int, int]],
-                 max_sequences: int, queue_limit: int, clear: Callable[[], None], prefixes: PrefixCache | None = None):
+                 max_sequences: int, queue_limit: int, clear: Callable[[], None], prefixes: PrefixCache | None = None,
+                 view: Any = None, observer: CellObserver | None = None):
         """`make_engine(stats, on_token)` builds an engine over the cache; `cells()` answers
         (held, capacity) between steps; `clear()` empties the cache after a step that raised;
-        `prefixes` is the engines' prefix cache, reported by /health.
+        `prefixes` is the engines' prefix cache, reported by /health and /stats; `view` the
+        cache's CellView face and `observer` the plugin hearing its steps (the cell map).
         `run()` must be called on the thread that made the model and the cache."""
         self.make_engine, self.cells, self.clear, self.prefixes = make_engine, cells, clear, prefixes
+        self.view, self.observer = view, observer
+        self.map: cellmap.Snapshot | None = None  # the table at the last frame (any thread reads it)
+        self.frame: dict | None = None
+        self.frame_seq = 0  # bumped with each new frame: /cells streams sends what it has not sent
+        self.frame_at = 0.0
+        self.frame_every = FRAME_EVERY_S
+        self.rates: collections.deque = collections.deque()  # (time, generated, prefilled), RATE_WINDOW_S long
+        self.rates_now = {"tokens_per_s": 0.0, "prefill_tokens_per_s": 0.0}
         self.max_sequences, self.queue_limit = max_sequences, queue_limit
         self.stats = Stats()
         self.engine = make_engine(self.stats, self.heard)
@@ -138,8 +153,9 @@ class Worker:
             commands = []
             if idle:
                 try:  # a timeout, so the main thread running this still hears its signals promptly
-                    commands.append(self.inbox.get(timeout=0.5))
+                    commands.append(self.inbox.get(timeout=FRAME_EVERY_S))
                 except queue.Empty:
+                    self.publish()  # the last change of a burst is drawn too
                     continue
             while True:
                 try:
@@ -155,6 +171,7 @@ class Worker:
                     self.engine.add([ticket.request])
                 else:
                     self.drop(ticket)
+                    self.mark_stale()  # freed cells: no hook tells of a verb
             if self.engine.has_work:
                 self.step()
             self.publish()
@@ -166,6 +183,7 @@ class Worker:
             self.failures += 1
             self.cancel_all(f"the step failed ({type(exc).__name__}: {exc}); the cache was cleared", cancel_in_engine=False)
             self.clear()
+            self.mark_stale()
             self.engine = self.make_engine(self.stats, self.heard)
         self.admit_waiting()
 
@@ -224,8 +242,39 @@ class Worker:
             for ticket in tickets:
                 self.engine.cancel(ticket.request)
 
+    def mark_stale(self) -> None:
+        if self.observer is not None:
+            self.observer.mark_stale()
+
+    def draw(self, now: float) -> None:
+        """A new cell map frame when the table changed, at most one per FRAME_EVERY_S (or ten
+        times what the last one took to draw, when that is longer)."""
+        if self.view is None or now - self.frame_at < self.frame_every or not self.observer.take_stale():
+            return
+        kept = list(self.prefixes.entries) if self.prefixes is not None else []
+        self.map = cellmap.take(self.view, kept)
+        self.frame = cellmap.frame(self.map, self.stats.steps)
+        self.frame_at = time.monotonic()
+        self.frame_seq += 1
+        # A large pool costs more to draw: never spend more than a tenth of the engine thread on it.
+        self.frame_every = max(FRAME_EVERY_S, 10 * (self.frame_at - now))
+
+    def rate(self, now: float) -> tuple[float, float]:
+        """(generated, prefilled) tokens per second over the last RATE_WINDOW_S."""
+        s = self.stats
+        self.rates.append((now, s.generated_tokens, s.prefill_tokens))
+        while len(self.rates) > 2 and now - self.rates[1][0] >= RATE_WINDOW_S:
+            self.rates.popleft()
+        t0, g0, p0 = self.rates[0]
+        span = now - t0
+        return ((s.generated_tokens - g0) / span, (s.prefill_tokens - p0) / span) if span > 0 else (0.0, 0.0)
+
     def publish(self) -> None:
-        """What /health shows, taken on the engine thread between steps (one reference, swapped)."""
+        """What /health and /stats show, taken on the engine thread between steps (one reference,
+        swapped), and the cell map's next frame when it is due."""
+        now = time.monotonic()
+        self.draw(now)
+        generated_s, prefilled_s = self.rate(now)
         s = self.stats
         held, capacity = self.cells()
         with self.lock:
@@ -241,3 +290,4 @@ class Worker:
             "failed_steps": self.failures,
             "prefix_cache": self.prefixes.snapshot() if self.prefixes is not None else None,
         }
+        self.rates_now = {"tokens_per_s": generated_s, "prefill_tokens_per_s": prefilled_s}
