@@ -56,7 +56,9 @@ def test_after_two_requests_sharing_a_prefix_stats_show_it_kept_and_the_tokens_i
         assert s["prefill_tokens"] == a.usage.prompt_tokens + b.usage.prompt_tokens - s["saved_prefill_tokens"]
         assert s["generated_tokens"] == a.usage.completion_tokens + b.usage.completion_tokens
         c = s["cells"]
-        assert c["live_sequences"] == 0 and c["shared"] == 0 and s["queue"] == {"running": 0, "waiting": 0}
+        assert c["live_sequences"] == 0 and c["shared_live"] == 0 and s["queue"] == {"running": 0, "waiting": 0}
+        # The shared prefix is held once for both kept answers: exactly the tokens the second reused.
+        assert c["shared"] == b.usage.prompt_tokens_details.cached_tokens > 0
         assert c["cached"] == c["used"] > 0 and c["used"] + c["free"] == c["capacity"] == 2048
         # Each answer's cells are kept: its prompt and what it fed back, the shared part once.
         fed = [r.usage.prompt_tokens + r.usage.completion_tokens - (r.choices[0].finish_reason == "length")
@@ -95,11 +97,11 @@ def test_forks_of_a_running_request_show_as_shared_cells_of_two_live_sequences(t
         sock = open_stream(live, {"prompt": prompt, "max_tokens": 200, "n": 2, "temperature": 1.0})
         try:
             s = poll(lambda: (x := live.get("/stats")[1])["cells"]["live_sequences"] == 2 and x, "two forks live")
-            assert s["cells"]["shared"] >= len(prompt) - 1  # the prompt, owned by both (and the kept copy)
+            assert s["cells"]["shared_live"] >= len(prompt) - 1  # the prompt, owned by both (and the kept copy)
             frame = first_frame(live)
             cls = classes_of(frame)
             assert np.count_nonzero(cls) == frame["used"] and frame["bucket"] == 1
-            assert np.count_nonzero(cls == cellmap.CLASS_SHARED) == frame["shared"]
+            assert np.count_nonzero(cls == cellmap.CLASS_SHARED) == frame["shared_live"] <= frame["shared"]
             assert {int(c) - cellmap.CLASS_SEQ0 for c in np.unique(cls) if c >= cellmap.CLASS_SEQ0} <= set(frame["live"])
         finally:
             sock.close()
@@ -165,7 +167,7 @@ def test_cell_classes_by_hand():
     classes, counts = cellmap.cell_classes(cellmap.take(view, [3]))
     seq = cellmap.CLASS_SEQ0
     assert classes.tolist() == [seq + 0, cellmap.CLASS_SHARED, seq + 1, cellmap.CLASS_CACHED, 0, seq + 2, 0, 0]
-    assert counts == {"used": 5, "free": 3, "live": [0, 1, 2], "cached": 1, "shared": 1}
+    assert counts == {"used": 5, "free": 3, "live": [0, 1, 2], "cached": 1, "shared": 2, "shared_live": 1}
 
 
 def test_downsampling_keeps_the_most_common_occupied_class_and_never_hides_occupancy():

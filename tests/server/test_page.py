@@ -196,7 +196,9 @@ def classes_of(frame: dict) -> bytes:
 
 def stats_line(frame: dict) -> str:
     return (f"used {frame['used']} of {frame['capacity']} cells · {len(frame['live'])} live sequences · "
-            f"cached {frame['cached']} · shared {frame['shared']} · step {frame['step']}")
+            f"cached {frame['cached']} · held once for several owners {frame['shared']}"
+            + (f" ({frame['shared_live']} by live sequences)" if "shared_live" in frame else "")
+            + f" · step {frame['step']}")
 
 
 # -- the live page
@@ -331,7 +333,7 @@ def test_screenshot_with_four_streaming_clients(driver, tiny_loaded, artifacts):
                 while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
                     state = map_state(driver)
                     frame = state["lastFrame"]
-                    seen.append((len(frame["live"]), frame["shared"]))
+                    seen.append((len(frame["live"]), frame["shared_live"]))
                     if shown is None and len(frame["live"]) >= 2:
                         assert driver.save_screenshot(str(shot))
                         if map_state(driver)["frames"] == state["frames"]:  # no newer frame drawn meanwhile

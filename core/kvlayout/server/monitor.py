@@ -25,9 +25,10 @@ def stats(worker, service) -> dict:
     snap, frame, obs = worker.snapshot, worker.frame, worker.observer
     cells = dict(snap["cells"])
     if frame is not None:
-        cells.update(live_sequences=len(frame["live"]), cached=frame["cached"], shared=frame["shared"])
+        cells.update(live_sequences=len(frame["live"]), cached=frame["cached"], shared=frame["shared"],
+                     shared_live=frame["shared_live"])
     else:  # no cell map (a seq layout): one sequence at a time, nothing kept or shared
-        cells.update(live_sequences=min(snap["requests"]["running"], 1), cached=0, shared=0)
+        cells.update(live_sequences=min(snap["requests"]["running"], 1), cached=0, shared=0, shared_live=0)
     prefix = snap["prefix_cache"]
     return {
         "model": service.model_id,
@@ -63,7 +64,8 @@ class Collector:
             ("kvlayout_cells_used", "Cells some sequence or kept prefix owns", c["used"]),
             ("kvlayout_cells_free", "Cells nobody owns", c["free"]),
             ("kvlayout_cells_cached", "Cells only kept prefixes own", c["cached"]),
-            ("kvlayout_cells_shared", "Cells two or more live sequences own", c["shared"]),
+            ("kvlayout_cells_shared", "Cells two or more owners (sequences or kept prefixes) hold once", c["shared"]),
+            ("kvlayout_cells_shared_live", "Cells two or more live sequences own", c["shared_live"]),
             ("kvlayout_live_sequences", "Sequences generating or prefilling", c["live_sequences"]),
             ("kvlayout_requests_running", "Requests the engine is generating", q["running"]),
             ("kvlayout_requests_waiting", "Requests in the server's queue", q["waiting"]),

@@ -9,7 +9,8 @@ const CELLMAP = (() => {
     : "live sequence " + (c - SEQ0) + (c - SEQ0 === SEQ_CLASSES - 1 ? "+" : "");
   const decode = (b64) => Uint8Array.from(atob(b64 || ""), (ch) => ch.charCodeAt(0));
   const stats = (f) => `used ${f.used} of ${f.capacity} cells · ${f.live.length} live sequences · ` +
-    `cached ${f.cached} · shared ${f.shared} · step ${f.step}`;
+    `cached ${f.cached} · held once for several owners ${f.shared}` +
+    (f.shared_live === undefined ? "" : ` (${f.shared_live} by live sequences)`) + ` · step ${f.step}`;
   const range = (f, i) => { const a = i * f.bucket, b = Math.min(a + f.bucket, f.capacity) - 1; return [a, b]; };
 
   // Squares as large as fit the canvas's box and a height of 60% of the window (14 to 3 px), then
