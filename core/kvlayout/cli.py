@@ -248,18 +248,20 @@ def _run(args: argparse.Namespace) -> int:
         with ctrl_c or contextlib.nullcontext(), watching as watch:
             result = job.generate(progress=watch.progress, stop=stop, save_state=save, on_text=watch.on_text)
     except RunInterrupted as exc:  # Ctrl-C inside a forward (the step was aborted first)
+        if tracing is not None:
+            tracing.finish_quietly(f"{cfg.layout.key} · {job.model_name} (interrupted)")
         if save is None:
             print("kvlayout: interrupted", file=sys.stderr)
             return 130
         return _save_outcome(exc.save_failed, f"interrupted; state saved to {save}; continue with: {again}", 130)
     except KeyboardInterrupt:  # between forwards: a third Ctrl-C, or any without --save-state
+        if tracing is not None:
+            tracing.finish_quietly(f"{cfg.layout.key} · {job.model_name} (interrupted)")
         if save is None:
             print("kvlayout: interrupted", file=sys.stderr)
         else:  # the step it landed in is not whole: nothing of this run is saved
             print(f"kvlayout: interrupted; this run's state was not saved; {resume.holds(Path(save))}", file=sys.stderr)
         return 130
-    if tracing is not None:
-        tracing.finish(f"{cfg.layout.key} · {job.model_name}")
     if args.json:
         extra = {}
         if not result.complete:
@@ -276,6 +278,8 @@ def _run(args: argparse.Namespace) -> int:
     failed = report.failure_line(result)  # a sample that failed is said once, and the exit is 1
     if failed:
         print(f"kvlayout: error: {failed}", file=sys.stderr)
+    if tracing is not None and not tracing.finish(f"{cfg.layout.key} · {job.model_name}"):
+        return 2  # after the report: a trace that cannot be written loses nothing of the run
     if result.complete:
         code = _save_outcome(result.save_failed, None, 0)
     else:
@@ -292,21 +296,36 @@ class _Tracing:
         self.target, self.recorder = target, Recorder(view)
 
     def stop_after(self, stop):
-        """A `stop` for Job.generate that records a frame, then asks `stop` (if any)."""
-        def record_then_ask() -> bool:
+        """A `stop` for Job.generate: asks `stop` (if any), and records a frame before each step that follows."""
+        def ask_then_record() -> bool:
+            if stop is not None and stop():
+                return True  # no step follows: the last frame is taken by finish
             self.recorder.record()
-            return bool(stop()) if stop is not None else False
-        return record_then_ask
+            return False
+        return ask_then_record
 
-    def finish(self, title: str) -> None:
+    def finish(self, title: str) -> bool:
+        """Write the trace (the table after the last step included); False, said in one line, when
+        it cannot be written."""
         from kvlayout.server.trace import write
 
-        self.recorder.record()
+        self.recorder.record_last()
         try:
             write(self.target, self.recorder.frames, title)
         except OSError as exc:
-            raise ConfigError(f"--trace {self.target}: cannot write it ({exc.strerror or exc})") from None
-        print(f"kvlayout: wrote the cell map of {len(self.recorder.frames)} steps to {self.target}", file=sys.stderr)
+            print(f"kvlayout: error: --trace {self.target}: cannot write it ({exc.strerror or exc})", file=sys.stderr)
+            return False
+        frames = self.recorder.frames
+        print(f"kvlayout: wrote the cell map of {frames[-1]['step']} steps ({len(frames)} frames) to {self.target}",
+              file=sys.stderr)
+        return True
+
+    def finish_quietly(self, title: str) -> None:
+        """After a Ctrl-C: write what was recorded, if it can be; a second Ctrl-C skips it."""
+        try:
+            self.finish(title)
+        except (KeyboardInterrupt, Exception):  # noqa: BLE001 - the run's own message comes next
+            pass
 
 
 def _tracer(path: str, job) -> _Tracing:

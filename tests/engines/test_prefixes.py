@@ -109,6 +109,24 @@ def cell_engine(tiny, prefixes: bool, capacity: int = 1024, max_seqs: int = 16, 
                       prefixes=kept), bc, kept
 
 
+def assert_only_entries_hold(engine, bc, kept):
+    """Nothing runs, and the table holds the entries and nothing else: every live id is an entry
+    (the others are free: seq_new hands each out once), every occupied cell owned by entries only,
+    and each entry owns exactly its tokens' positions."""
+    assert not engine.has_work
+    fresh = []
+    while (sid := bc.seq_new()) is not None:
+        fresh.append(sid)
+    assert sorted(fresh) == sorted(set(range(bc.max_seqs)) - set(kept.entries))
+    for sid in fresh:
+        bc.seq_rm(sid)
+    cells, positions, owners = engine.cache.as_cell_view().cell_owners()
+    entry_ids = sorted(kept.entries)
+    assert not owners[:, [i for i in range(bc.max_seqs) if i not in kept.entries]].any()
+    for sid in entry_ids:
+        assert sorted(positions[owners[:, sid]].tolist()) == list(range(len(kept.entries[sid].tokens)))
+
+
 def one_by_one(engine, tok, prompts, max_tokens=6, n=1):
     """Each prompt as its own request, run to the end before the next is added (a server's
     clients, one after another)."""
@@ -167,9 +185,7 @@ def test_under_pressure_kept_prefixes_give_way_and_nothing_generated_changes(tin
     got = one_by_one(engine, tok, prompts, max_tokens=8, n=2)
     assert outputs(got) == outputs(one_by_one(cold, tok, prompts, max_tokens=8, n=2))
     assert kept.evictions > 0 and kept.hits > 0
-    # No live sequence is left: every id still live is an entry, every used cell an entry's.
-    assert sum(bc.seq_len(i) > 0 for i in range(bc.max_seqs)) == len(kept)
-    assert bc.capacity - bc.free_cells <= kept.tokens
+    assert_only_entries_hold(engine, bc, kept)
     # Everything at once as well, through preemption and eviction both.
     engine2, _, _ = cell_engine(tiny, True, capacity=256, max_seqs=4)
     reqs = make_requests([tok.encode(p) for p in prompts], [8] * 10, [2] * 10, 3)
@@ -193,6 +209,28 @@ def test_cancel_ends_a_request_frees_what_it_generated_and_leaves_the_others_alo
     engine.run()
     assert reqs[1].samples[0].generated == oracle_greedy(model, tok.encode(TURNS[1]), 6, frozenset(tok.eos_ids))[0]
     # Held now: the kept prefixes only (request 0's prompt, request 1's whole sequence).
-    assert bc.capacity - bc.free_cells <= kept.tokens
+    assert_only_entries_hold(engine, bc, kept)
+    assert sorted(len(e.tokens) for e in kept.entries.values()) == sorted(
+        [len(tok.encode(TURNS[0])), len(tok.encode(TURNS[1])) + 6 - 1])
     engine.cancel(reqs[0])  # nothing unfinished: nothing changes
     assert [s.finish_reason for s in reqs[0].samples] == ["cancelled", "cancelled"]
+
+
+def test_a_request_finding_its_own_prefill_again_reports_no_cached_tokens(tiny):
+    _, _, tok = tiny
+    engine, bc, kept = cell_engine(tiny, True, max_seqs=2)
+    [r] = make_requests([tok.encode(TURNS[0])], [4], [3], 3)  # 3 samples, 2 ids: the third prefills again
+    engine.add([r])
+    engine.run()
+    assert kept.hits >= 1 and r.cached_tokens == 0  # what it found it had prefilled itself
+    assert all(s.finish_reason in ("stop", "length") for s in r.samples)
+
+
+def test_a_cell_engine_with_a_prefix_cache_refuses_to_save_its_state(tiny):
+    import pytest
+
+    from kvlayout.errors import KVLayoutError
+
+    engine, _, _ = cell_engine(tiny, True)
+    with pytest.raises(KVLayoutError, match="prefix cache"):
+        engine.state()

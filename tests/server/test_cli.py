@@ -110,6 +110,22 @@ def test_in_flight_requests_are_finished_or_cancelled_within_the_grace_period(co
     sock.close()
 
 
+def test_an_open_cell_map_stream_does_not_hold_the_shutdown_for_the_grace_period(config, tmp_path):
+    server = Process([config(grace=20), "--port", "0"], tmp_path)
+    url = server.ready()
+    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30)
+    sock.sendall(b"GET /cells HTTP/1.1\r\nHost: x\r\n\r\n")
+    seen = b""
+    while b"data: " not in seen:
+        seen += sock.recv(65536)
+    started = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    code, said = server.finish()
+    assert code == 0, said
+    assert time.monotonic() - started < 10  # well within the 20 s grace: the map's stream ended at once
+    sock.close()
+
+
 def test_a_port_in_use_is_one_line_and_exit_2(config, tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

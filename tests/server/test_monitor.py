@@ -131,7 +131,7 @@ def test_a_cell_is_looked_up_by_number_and_a_bad_number_is_refused(tiny_loaded):
         assert status == 200 and body["position"] == 0 and body["cached"] and len(body["owners"]) == 1
         status, body = live.get("/cells/at?cell=2047")
         assert status == 200 and body == {"cell": 2047, "position": None, "owners": [], "cached": False}
-        for bad in ("-1", "x", "2048", ""):
+        for bad in ("-1", "x", "2048", "", "%C2%B2", "9" * 5000):  # "²" is a digit to str.isdigit
             status, body = live.get(f"/cells/at?cell={bad}")
             assert status == 400 and body["error"]["param"] == "cell"
 

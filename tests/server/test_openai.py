@@ -75,7 +75,7 @@ def test_n_samples_are_forks_of_one_prefill_and_each_a_choice(live):
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     again = live.client().completions.create(model="tiny", prompt="Q: n?\nA:", max_tokens=6, n=3, temperature=1.0, seed=5)
     assert [c.text for c in r.choices] == [c.text for c in again.choices]  # a seed reproduces the samples
-    assert r.usage.completion_tokens == sum(len(c.text.encode()) for c in r.choices) or r.usage.completion_tokens > 0
+    assert 3 <= r.usage.completion_tokens <= 3 * 6  # each choice generated at least one token, at most max_tokens
 
 
 def test_eight_concurrent_streaming_clients_get_what_kvlayout_run_gives(live, tiny_loaded):

@@ -24,6 +24,7 @@ import pytest
 import kvlayout.server
 from kvlayout.server.monitor import page as assembled
 from tests.server.conftest import Live, serving
+from tests.server.test_monitor import SlowModel
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 WAIT_S = 30  # the longest any wait here may take
@@ -299,16 +300,17 @@ def test_map_draws_the_occupancy_stats_reports(driver, tiny_loaded):
 
 
 def test_screenshot_with_four_streaming_clients(driver, tiny_loaded, artifacts):
-    """A screenshot while four clients stream prompts that share a prefix. A burst of them lasts
-    about half a second here (the page gets a frame at most every 0.2 s), so up to three bursts
-    run (each with its own prefix: a cached one would make it shorter) until the screenshot is
-    taken on a frame with two or more live sequences."""
+    """A screenshot while four clients stream prompts that share a prefix, on a model slowed so a
+    burst outlasts several frames (the page gets one at most every 0.2 s); up to three bursts run
+    (each with its own prefix: a cached one would make it shorter) until the screenshot is taken
+    on a frame with two or more live sequences."""
     shared = ("You are a careful assistant who explains how a paged key-value cache stores the keys and "
               "values of every token of every sequence, and how prompts that begin the same share cells. ")
     asks = ["What is a cell?", "What is a bucket?", "What happens on preemption?", "Why share prefixes?"]
     shot = artifacts / "page-4-clients.png"
     shot.unlink(missing_ok=True)
-    with serving(tiny_loaded, ONE_CELL_PER_BUCKET) as live, opened(driver, live):
+    # Each forward slowed to 30 ms: a burst outlasts several frames on any machine.
+    with serving(tiny_loaded, ONE_CELL_PER_BUCKET, model=SlowModel(tiny_loaded[0], 0.03)) as live, opened(driver, live):
         client = live.client()
         shown, seen = None, []  # the frame the screenshot shows; (live, shared) of the frames polled
         for burst in range(3):

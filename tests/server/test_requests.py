@@ -112,6 +112,10 @@ def test_fields_asking_for_nothing_are_accepted():
         (chat, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", 400),
         (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]", 400),
         (chat, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls", 400),
+        (chat, {"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages[0].name", 400),
+        (text, {"temperature": 10**400}, "temperature", 400),
+        (text, {"top_p": -(10**400)}, "top_p", 400),
+        (text, {"max_tokens": 1e20}, "max_tokens", 400),
         (chat, {"max_tokens": 5, "max_completion_tokens": 5}, "max_completion_tokens", 400),
         (chat, {"max_completion_tokens": 99}, "max_completion_tokens", 400),
         (chat, {"prompt": "x"}, "prompt", 400),  # a text field on the chat endpoint
@@ -161,3 +165,17 @@ def test_any_json_body_is_an_order_or_a_bad_request_never_another_exception(body
     assert order.prompt and all(0 <= t < LIMITS.vocab_size for t in order.prompt)
     assert 1 <= order.n <= LIMITS.max_n and 1 <= order.max_tokens <= LIMITS.max_tokens
     assert len(order.prompt) + order.n * order.max_tokens <= LIMITS.capacity
+
+
+def test_a_chat_a_template_cannot_take_is_refused_naming_messages_not_the_run_config():
+    from kvlayout.models.chat import ChatTemplate
+
+    class Templated(ByteTokenizer):
+        chat_template = ChatTemplate("{{ raise_exception('no system role') }}", {}, "tokenizer_config.json")
+
+    exc = refused(lambda **b: parse_chat({"model": "m", "messages": [{"role": "system", "content": "x"}], **b},
+                                         LIMITS, Templated(), False))
+    assert exc.param == "messages" and "requests[" not in exc.message and "no system role" in exc.message
+    exc = refused(lambda **b: parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **b},
+                                         LIMITS, TOK, False))
+    assert "requests[" not in exc.message and "/v1/completions" in exc.message

@@ -169,7 +169,12 @@ class CellEngine:
                 self.progress(unplanned(sample, request))
 
     def state(self) -> dict:
-        """The running sequences (id, request, samples, tokens, admission, cached) and the queue."""
+        """The running sequences (id, request, samples, tokens, admission, cached) and the queue.
+        KVLayoutError with a prefix cache: its entries' ids are in the table and not in the state,
+        so a restored run would leak them."""
+        if self.prefixes is not None:
+            raise KVLayoutError("a CellEngine with a prefix cache has no state to save (its kept prefixes "
+                                "are not part of it); build the engine without one to save and resume")
         return {
             "kind": "cell",
             "admissions": self._admissions,
@@ -334,13 +339,20 @@ class CellEngine:
         while self.queue:
             w = self.queue[0]
             hit = self._find(w.tokens)
-            if hit is not None and not self._room_for_ids(len(w.samples), hit):
-                hit = None  # the entry it found must give way for ids too
             cached = hit.length if hit is not None else 0
+            sharing = self._sharing_prefill(w.tokens, cached)
+            if sharing is not None:
+                s, common = sharing
+                if s.cached < common:
+                    break  # what it shares is not all in yet: wait for it rather than prefill it again
+                hit, cached = Hit(s.seq_id, common, s.request.index), common  # a clone of the prefill so far
+            # Nothing is evicted before these checks: a request that waits must not empty the cache.
             if len(w.tokens) - cached > 1 and self._budget_left(plan) == 0:
                 break  # this step's prompt budget is spent
-            if self._shares_a_prefill(w.tokens, cached):
-                break  # once that prompt is in, its cells are kept: wait for them rather than prefill them again
+            if hit is not None and not self._room_for_ids(len(w.samples), hit):
+                hit, cached = None, 0  # what it found must give way for ids too
+                if len(w.tokens) > 1 and self._budget_left(plan) == 0:
+                    break
             if not self._room_for_ids(len(w.samples), None):
                 break
             self._stale = True  # a verb after the declaration ends it (see BatchControl)
@@ -353,9 +365,10 @@ class CellEngine:
                 self.queue.popleft()
                 self._admissions += 1
                 plan = self._plan()
-                if hit is not None:
-                    self.prefixes.note_reused(hit)
-                    r = w.request
+                if self.prefixes is not None:
+                    self.prefixes.note_admitted(hit)
+                r = w.request
+                if hit is not None and hit.source != r.index:  # its own prompt, found again, was not reuse
                     r.cached_tokens = max(r.cached_tokens, min(cached, len(r.prompt)))
                 continue
             # Not this step: no prompt budget left, or not enough free cells.
@@ -392,17 +405,20 @@ class CellEngine:
             return None
         return self.prefixes.find(tokens, len(tokens) - 1)  # at least one token is fed: its logits
 
-    def _shares_a_prefill(self, tokens: list[int], cached: int) -> bool:
-        """Whether a prompt still prefilling shares at least a block more of `tokens` than the
-        prefix cache gave (clients sending one system prompt at once: the first prefills it,
-        the others wait a step or two and reuse it)."""
+    def _sharing_prefill(self, tokens: list[int], cached: int) -> tuple[Running, int] | None:
+        """(a prompt still prefilling, how many of `tokens` it shares) when it shares at least a
+        block more than the prefix cache gave; the one sharing most. Clients sending one system
+        prompt at once: the first prefills it, the others clone it as far as it is in, or wait."""
         if self.prefixes is None:
-            return False
-        enough = cached + self.prefixes.block
-        return any(
-            not s.remembered and s.cached < len(s.tokens) and common_length(s.tokens, tokens, len(tokens) - 1) >= enough
-            for s in self.running
-        )
+            return None
+        best, most = None, cached + self.prefixes.block - 1
+        for s in self.running:
+            if s.remembered:
+                continue
+            common = common_length(s.tokens, tokens, len(tokens) - 1)
+            if common > most:
+                best, most = s, common
+        return None if best is None else (best, most)
 
     def _evict(self, spare: Hit | None = None) -> bool:
         """Drop the least recently used kept prefix (not `spare`'s): whether there was one."""
@@ -431,13 +447,13 @@ class CellEngine:
             return
         sid = self.bc.seq_clone(s.seq_id, s.cached)
         if sid is not None:
-            p.keep(sid, tokens)
+            p.keep(sid, tokens, s.request.index)
 
     def _retire(self, s: Running) -> None:
         """`s` finished: its id becomes a kept prefix, or is released (its cells no other sample
         shares are freed)."""
         if self.prefixes is not None:
-            self.prefixes.keep(s.seq_id, s.tokens[: s.cached])
+            self.prefixes.keep(s.seq_id, s.tokens[: s.cached], s.request.index)
         else:
             self.bc.seq_rm(s.seq_id)
 

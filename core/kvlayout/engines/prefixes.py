@@ -27,7 +27,8 @@ one is kept (the new one owns its cells too); a new one that an entry
 already covers is not kept. Eviction is least recently used first, and is
 `seq_rm` of the entry's id: cells that a live sequence (or another entry)
 still owns stay, so eviction never touches what a live sequence reads.
-The engine evicts when it needs ids or cells for live work, never before.
+The engine evicts when live work needs ids or cells, and, to keep a newly
+prefilled prompt when ids are short, the least recently used entry.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Hit:
 
     seq_id: int
     length: int
+    source: int | None = None  # the request whose sequence made the cells (reuse of its own is no reuse)
 
 
 @attrs.define(eq=False)
@@ -55,6 +57,7 @@ class Entry:
     tokens: tuple[int, ...]
     keys: list[int]  # the chain of its whole blocks
     used: int  # the use counter when it was last found or kept: LRU order
+    source: int | None = None  # the request it came from
 
 
 class PrefixCache:
@@ -95,7 +98,6 @@ class PrefixCache:
     def find(self, tokens: Sequence[int], limit: int) -> Hit | None:
         """The longest reuse for `tokens`, at most `limit` of them (a sequence must feed at least
         one token to get logits); None when no entry shares a whole first block."""
-        self.lookups += 1
         best = None
         for key in self.chain(tokens, limit // self.block):
             holders = self.index.get(key)
@@ -110,13 +112,16 @@ class PrefixCache:
                                 for i in best)
         if length == 0:  # a hash collision
             return None
-        self.entries[seq_id].used = next(self.clock)
-        return Hit(seq_id, length)
+        entry = self.entries[seq_id]
+        entry.used = next(self.clock)
+        return Hit(seq_id, length, entry.source)
 
-    def note_reused(self, hit: Hit) -> None:
-        """A sequence was admitted on `hit`: what /health and the bench report."""
-        self.hits += 1
-        self.reused_tokens += hit.length
+    def note_admitted(self, hit: Hit | None) -> None:
+        """A sequence was admitted, on `hit` or with nothing reused: what /health and the bench report."""
+        self.lookups += 1
+        if hit is not None:
+            self.hits += 1
+            self.reused_tokens += hit.length
 
     def covers(self, tokens: Sequence[int]) -> bool:
         """Whether an entry holds all of `tokens` (touching it); the engine then keeps no copy."""
@@ -131,7 +136,7 @@ class PrefixCache:
 
     # -- keeping and dropping
 
-    def keep(self, seq_id: int, tokens: Sequence[int]) -> bool:
+    def keep(self, seq_id: int, tokens: Sequence[int], source: int | None = None) -> bool:
         """Take `seq_id` (which holds exactly `tokens`, positions 0..) as an entry: True. False,
         having released the id, when it is shorter than a block or an entry already covers it.
         Entries that are prefixes of it are dropped: it owns their cells too."""
@@ -145,7 +150,7 @@ class PrefixCache:
             e = self.entries[other]
             if len(e.tokens) <= len(tokens) and common_length(e.tokens, tokens, len(e.tokens)) == len(e.tokens):
                 self.drop(other)
-        self.entries[seq_id] = Entry(tokens, keys, next(self.clock))
+        self.entries[seq_id] = Entry(tokens, keys, next(self.clock), source)
         for k in keys:
             self.index[k].add(seq_id)
         return True

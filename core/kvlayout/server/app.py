@@ -104,7 +104,8 @@ def build_app(service: Service) -> Starlette:
             raise BadRequest(f"the {service.cfg.layout.key} layout has no cells to show (a cell layout has)",
                              status=404, code="no_cell_map")
         raw = request.query_params.get("cell", "")
-        if not raw.isdigit() or int(raw) >= snap.capacity:
+        # ASCII digits only ("²" is a digit to str.isdigit) and short (int() refuses 4300+ digits).
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 18) or int(raw) >= snap.capacity:
             raise BadRequest(f"cell={raw!r}: expected a cell number in [0, {snap.capacity})", "cell")
         return JSONResponse(cellmap.cell_info(snap, int(raw)))
 
@@ -182,7 +183,7 @@ async def cell_frames(worker) -> AsyncIterator[str]:
     """The cell map as server-sent events: the current frame at once, then each new one (the
     worker draws at most five a second); a comment line now and then keeps proxies from closing it."""
     sent, quiet = -1, 0.0
-    while True:
+    while not worker.closing.is_set():
         if worker.frame_seq != sent and worker.frame is not None:
             sent = worker.frame_seq
             quiet = 0.0

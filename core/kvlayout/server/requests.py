@@ -13,6 +13,7 @@ the app answers with OpenAI's error object; nothing of the server changes.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Mapping, Sequence
 
 import attrs
@@ -107,7 +108,11 @@ def parse_chat(body: Any, limits: Limits, tokenizer: Any, plain_chat: bool) -> O
         try:
             ids = build_prompt(0, spec, tokenizer, plain_chat)[0].ids
         except ConfigError as exc:
-            raise BadRequest(str(exc).removeprefix("request.messages: "), "messages") from None
+            # The runner names the field as its config does (requests[0].messages); here it is `messages`.
+            why = re.sub(r"^(requests\[\d+\]|request)\.messages: ", "", str(exc))
+            if tokenizer.chat_template is None:
+                why += "; or send the text to /v1/completions"
+            raise BadRequest(why, "messages") from None
     return _order(body, limits, ids, "messages", limit_field, chat=True)
 
 
@@ -208,7 +213,7 @@ def _messages(value: Any) -> tuple[Message, ...]:
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"{at} must be an object with role and content, not {_show(m)}", at)
-        unknown = [k for k in m if k not in ("role", "content", "name")]
+        unknown = [k for k in m if k not in ("role", "content")]
         if unknown:
             raise BadRequest(f"{at}.{unknown[0]}: unrecognized message field", f"{at}.{unknown[0]}")
         role = m.get("role")
@@ -239,9 +244,10 @@ def _integer(body: Mapping, key: str, default: int, low: int, high: int, limit_k
     if value is None:
         return default
     if type(value) is not int:
-        if isinstance(value, float) and value.is_integer() and low <= value <= high:
-            return int(value)  # JSON has one number type; 2.0 is 2
-        raise BadRequest(f"{key} must be an integer, not {_show(value)}", key)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # JSON has one number type; 2.0 is 2 (and 1e20 is above a maximum, below)
+        else:
+            raise BadRequest(f"{key} must be an integer, not {_show(value)}", key)
     if value < low:
         raise BadRequest(f"{key}={value} is below the minimum {low}", key)
     if value > high:
@@ -254,7 +260,11 @@ def _number(body: Mapping, key: str, default: float, low: float, high: float) ->
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{key} must be a number, not {_show(value)}", key)
+    if isinstance(value, int) and not -1e308 < value < 1e308:  # math.isfinite would overflow on it
+        raise BadRequest(f"{key}={_show(value)} is outside [{low:g}, {high:g}]", key)
+    if not math.isfinite(value):
         raise BadRequest(f"{key} must be a number, not {_show(value)}", key)
     if not low <= value <= high:
         raise BadRequest(f"{key}={value} is outside [{low:g}, {high:g}]", key)

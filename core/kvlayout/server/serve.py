@@ -68,7 +68,7 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
         build_app(service),
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=max(1, round(service.cfg.server.shutdown_grace_s)),
+        timeout_graceful_shutdown=service.cfg.server.shutdown_grace_s,  # seconds, as given (0: none)
         lifespan="on",
     )
     server = Server(config, lambda: on_ready(url))
@@ -83,6 +83,7 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
         if server.should_exit and sig == signal.SIGINT:
             server.force_exit = True  # a second Ctrl-C: no grace
         server.should_exit = True
+        service.worker.close_streams()
 
     thread = threading.Thread(target=http, name="kvlayout-http", daemon=True)
     original = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}

@@ -5,7 +5,9 @@ Between steps (the runner's `stop` question, asked before every step) a
 frame `kvlayout serve` streams (`cellmap.frame`: at most 4096 one-byte
 buckets, 5.4 KB of base64, whatever the capacity); `write` puts them into
 the package's trace template, which replays them with a scrubber. No server
-is needed to look at it.
+is needed to look at it. At most MAX_FRAMES frames are kept (evenly spaced
+over a longer run). Taking a frame happens between steps, so it adds to the
+run's wall time (~0.2 ms for 2k cells, ~5 ms for 16k on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -36,15 +38,32 @@ def check_target(path: str) -> Path:
     return target
 
 
+MAX_FRAMES = 2048  # ~11 MB of page at most; a longer run is kept every 2nd, 4th, ... step
+
+
 class Recorder:
-    """Frames of the table, one per step, taken through `view` (a CellView face)."""
+    """Frames of the table, one per step, taken through `view` (a CellView face); past
+    MAX_FRAMES every other frame is dropped and the stride doubles, so a long run keeps an
+    evenly spaced MAX_FRAMES at most (each frame names its step)."""
 
     def __init__(self, view):
         self.view = view
         self.frames: list[dict] = []
+        self.step = 0  # steps seen (the frame before step k is taken at k)
+        self.stride = 1
 
     def record(self) -> None:
-        self.frames.append(cellmap.frame(cellmap.take(self.view, ()), len(self.frames)))
+        if self.step % self.stride == 0:
+            self.frames.append(cellmap.frame(cellmap.take(self.view, ()), self.step))
+            if len(self.frames) > MAX_FRAMES:
+                self.frames = self.frames[::2]
+                self.stride *= 2
+        self.step += 1
+
+    def record_last(self) -> None:
+        """The table after the last step, whatever the stride."""
+        if not self.frames or self.frames[-1]["step"] != self.step:
+            self.frames.append(cellmap.frame(cellmap.take(self.view, ()), self.step))
 
 
 def write(target: Path, frames: list[dict], title: str) -> None:

@@ -116,6 +116,7 @@ class Worker:
         self.failures = 0  # steps that raised out of the engine
         self.snapshot: dict = {}
         self.stopping = threading.Event()
+        self.closing = threading.Event()  # set first on shutdown: /cells streams end
         self.started = time.time()
         self.publish()
 
@@ -141,8 +142,14 @@ class Worker:
 
     def stop(self) -> None:
         """Stop admitting; `run` cancels what is in flight after its step and returns."""
+        self.closing.set()
         self.stopping.set()
         self.inbox.put(("stop", None))
+
+    def close_streams(self) -> None:
+        """The server is shutting down: the endless streams (the cell map's) end now, so the
+        grace period is the completions' alone."""
+        self.closing.set()
 
     # -- the engine thread
 
@@ -168,7 +175,8 @@ class Worker:
                     self.publish()
                     return
                 if verb == "run":
-                    self.engine.add([ticket.request])
+                    if ticket.failed is None:  # not ended meanwhile by a step that raised
+                        self.engine.add([ticket.request])
                 else:
                     self.drop(ticket)
                     self.mark_stale()  # freed cells: no hook tells of a verb
@@ -181,7 +189,8 @@ class Worker:
             self.engine.step()
         except Exception as exc:  # noqa: BLE001 - whatever a step raises, the server must go on
             self.failures += 1
-            self.cancel_all(f"the step failed ({type(exc).__name__}: {exc}); the cache was cleared", cancel_in_engine=False)
+            self.cancel_all(f"the step failed ({type(exc).__name__}: {exc}); the cache was cleared",
+                            cancel_in_engine=False, queued_too=False)
             self.clear()
             self.mark_stale()
             self.engine = self.make_engine(self.stats, self.heard)
@@ -227,13 +236,16 @@ class Worker:
                 self.active[ticket.request.index] = ticket
                 self.engine.add([ticket.request])
 
-    def cancel_all(self, why: str, cancel_in_engine: bool) -> None:
-        """End every request in flight with `why`; the engine cancels them too when it is still
-        usable (not after a step that raised: the cache is cleared and the engine replaced)."""
+    def cancel_all(self, why: str, cancel_in_engine: bool, queued_too: bool = True) -> None:
+        """End every request in flight with `why` (and those still queued, with `queued_too`:
+        after a step that raised they lost nothing and stay queued); the engine cancels them too
+        when it is still usable (not after a step that raised: the cache is cleared and the
+        engine replaced)."""
         with self.lock:
-            tickets = list(self.active.values()) + list(self.waiting)
+            tickets = list(self.active.values()) + (list(self.waiting) if queued_too else [])
             self.active.clear()
-            self.waiting.clear()
+            if queued_too:
+                self.waiting.clear()
             self.reserved = 0
         for ticket in tickets:
             ticket.failed = why
