@@ -89,7 +89,9 @@ class CellEngine:
     first: their ids and cells are evicted, least recently used first,
     before any admission is refused or any sequence preempted. A queued
     request sharing at least a block more with a prompt still prefilling
-    than the cache gives waits until that prompt is in, then reuses it.
+    than the cache gives is admitted as a clone of that prefill once the
+    shared part is in, and waits until then (clients sending one system
+    prompt at once: the first prefills it, the rest share its cells).
     `state()` does not hold entries: a run that saves its state runs
     without a prefix cache.
 
