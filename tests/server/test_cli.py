@@ -110,6 +110,15 @@ def test_in_flight_requests_are_finished_or_cancelled_within_the_grace_period(co
     sock.close()
 
 
+def test_a_second_ctrl_c_at_once_skips_the_grace_and_still_says_no_traceback(config, tmp_path):
+    server = Process([config(grace=20), "--port", "0"], tmp_path)
+    server.ready()
+    server.proc.send_signal(signal.SIGINT)
+    server.proc.send_signal(signal.SIGINT)  # as a terminal's Ctrl-C reaching both a wrapper and the server does
+    code, said = server.finish()
+    assert code == 0 and "Traceback" not in said and "CancelledError" not in said, said
+
+
 def test_an_open_cell_map_stream_does_not_hold_the_shutdown_for_the_grace_period(config, tmp_path):
     server = Process([config(grace=20), "--port", "0"], tmp_path)
     url = server.ready()

@@ -13,6 +13,7 @@ not wait for the grace period.
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import threading
@@ -73,6 +74,13 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
     )
     server = Server(config, lambda: on_ready(url))
 
+    def not_the_forced_exit(record: logging.LogRecord) -> bool:
+        # A second Ctrl-C cancels the app's lifespan on purpose; uvicorn would log that as a traceback.
+        return not (server.force_exit and "CancelledError" in record.getMessage())
+
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    uvicorn_errors.addFilter(not_the_forced_exit)
+
     def http() -> None:
         try:
             server.run(sockets=[sock])
@@ -96,4 +104,5 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
             signal.signal(sig, handler)
         sock.close()
         service.close()
+        uvicorn_errors.removeFilter(not_the_forced_exit)
     return 0
