@@ -119,6 +119,18 @@ def test_a_second_ctrl_c_at_once_skips_the_grace_and_still_says_no_traceback(con
     assert code == 0 and "Traceback" not in said and "CancelledError" not in said, said
 
 
+def test_a_burst_of_stop_signals_still_ends_the_server_with_exit_0(config, tmp_path):
+    # The handler runs on the engine's thread between any two bytecodes, itself included: one that
+    # took a lock (Event.set) deadlocked when the next signal landed inside it.
+    server = Process([config(grace=1), "--port", "0"], tmp_path)
+    server.ready()
+    for _ in range(400):  # spaced, so some land while the handler of the one before runs
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.0002)
+    code, said = server.finish(timeout=30)
+    assert code == 0 and "Traceback" not in said, said
+
+
 def test_an_open_cell_map_stream_does_not_hold_the_shutdown_for_the_grace_period(config, tmp_path):
     server = Process([config(grace=20), "--port", "0"], tmp_path)
     url = server.ready()

@@ -183,7 +183,7 @@ async def cell_frames(worker) -> AsyncIterator[str]:
     """The cell map as server-sent events: the current frame at once, then each new one (the
     worker draws at most five a second); a comment line now and then keeps proxies from closing it."""
     sent, quiet = -1, 0.0
-    while not worker.closing.is_set():
+    while not worker.closing:
         if worker.frame_seq != sent and worker.frame is not None:
             sent = worker.frame_seq
             quiet = 0.0

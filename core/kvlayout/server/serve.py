@@ -88,6 +88,8 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
             service.worker.stop()
 
     def stop(sig, frame) -> None:
+        # A signal handler: it runs on the main thread (the engine's) between any two bytecodes, so
+        # it only sets flags; taking a lock here could deadlock on one the interrupted code holds.
         if server.should_exit and sig == signal.SIGINT:
             server.force_exit = True  # a second Ctrl-C: no grace
         server.should_exit = True

@@ -116,7 +116,10 @@ class Worker:
         self.failures = 0  # steps that raised out of the engine
         self.snapshot: dict = {}
         self.stopping = threading.Event()
-        self.closing = threading.Event()  # set first on shutdown: /cells streams end
+        # Set first on shutdown: /cells streams end. A plain flag, not an Event: it is set from a
+        # signal handler, which runs on the main thread between any two bytecodes, possibly inside
+        # this thread's own Event.set or lock; taking a lock there deadlocks.
+        self.closing = False
         self.started = time.time()
         self.publish()
 
@@ -142,14 +145,14 @@ class Worker:
 
     def stop(self) -> None:
         """Stop admitting; `run` cancels what is in flight after its step and returns."""
-        self.closing.set()
+        self.closing = True
         self.stopping.set()
         self.inbox.put(("stop", None))
 
     def close_streams(self) -> None:
         """The server is shutting down: the endless streams (the cell map's) end now, so the
-        grace period is the completions' alone."""
-        self.closing.set()
+        grace period is the completions' alone. Safe in a signal handler: it takes no lock."""
+        self.closing = True
 
     # -- the engine thread
 
