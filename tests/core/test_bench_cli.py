@@ -97,3 +97,11 @@ def test_the_serve_row_s_system_prompt_is_as_long_as_asked_and_its_own_per_phase
     tok = ByteTokenizer()
     a, b = system_prompt(tok, 512, 1), system_prompt(tok, 512, 16)
     assert 512 <= len(tok.encode(a)) < 512 + 100 and a[:10] != b[:10]
+
+
+def test_bench_serve_on_a_model_without_a_tokenizer_is_one_line_before_any_server_starts(tmp_path, capsys):
+    assert cli.main(["init-model", str(tmp_path / "tiny"), "--preset", "tiny"]) == 0
+    capsys.readouterr()
+    assert cli.main(["bench", "serve", "--quick", "--model", str(tmp_path / "tiny")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "tokenizer.json" in line and str(tmp_path / "tiny") in line

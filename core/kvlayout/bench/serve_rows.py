@@ -223,6 +223,9 @@ def serve_model(ctx: dict) -> Path:
 def row_serve(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     peers.require("openai", "kvlayout bench serve (its clients)", package="openai")
     model_dir = serve_model(ctx)
+    if not (model_dir / "tokenizer.json").is_file():  # both servers chat through it; the bench counts with it
+        raise ConfigError(f"--model {model_dir}: kvlayout bench serve needs a model directory with a tokenizer.json "
+                          "(a chat model's, e.g. `kvlayout init-model DIR --preset smollm2`)")
     tokenizer = peers.mlx_lm("utils").load_tokenizer(model_dir)
     ks, per_client, tokens, sys_tokens = z["serve_clients"], z["serve_requests"], z["serve_tokens"], z["serve_system"]
     capacity = 16384
