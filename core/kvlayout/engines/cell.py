@@ -24,9 +24,9 @@ from kvlayout.engines.records import (
     Sample,
     Sampling,
     Stats,
+    end_sample,
     ignore_tokens,
     sample_next,
-    unplanned,
 )
 from kvlayout.engines.recovery import ForwardFailed, guarded_forward
 from kvlayout.engines import saved
@@ -166,9 +166,7 @@ class CellEngine:
             self.bc.seq_rm(s.seq_id)
         for sample in request.samples:
             if sample.finish_reason is None:
-                sample.finish_reason = "cancelled"
-                self.on_token(request, sample, None)
-                self.progress(unplanned(sample, request))
+                end_sample(request, sample, "cancelled", self.on_token, self.progress)
 
     def state(self) -> dict:
         """The running sequences (id, request, samples, tokens, admission, cached) and the queue.
@@ -284,9 +282,7 @@ class CellEngine:
         self.running.remove(s)
         self.bc.seq_rm(s.seq_id)
         for sample in s.samples:
-            sample.finish_reason, sample.error = "error", str(exc)
-            self.on_token(s.request, sample, None)
-            self.progress(unplanned(sample, s.request))
+            end_sample(s.request, sample, "error", self.on_token, self.progress, str(exc))
 
     # -- planning
 

@@ -169,6 +169,15 @@ def unplanned(sample: Sample, request: Request) -> int:
     return request.max_tokens - len(sample.generated)
 
 
+def end_sample(request: Request, sample: Sample, reason: str, on_token: OnToken, progress: OnProgress,
+               error: str | None = None) -> None:
+    """End `sample` with no token ("error" with its message, or "cancelled"): `on_token` hears it,
+    and progress settles the tokens it will never generate. One way for every engine."""
+    sample.finish_reason, sample.error = reason, error
+    on_token(request, sample, None)
+    progress(unplanned(sample, request))
+
+
 def sample_next(sample: Sample, row: np.ndarray, request: Request, sampling: Sampling, eos, stats: Stats):
     """Sample the next token from `row` `[V]` and record it: (token, finished, how far progress moves).
 

@@ -16,9 +16,9 @@ from kvlayout.engines.records import (
     Sample,
     Sampling,
     Stats,
+    end_sample,
     ignore_tokens,
     sample_next,
-    unplanned,
 )
 from kvlayout.engines.recovery import ForwardFailed, Interrupted, guarded_forward
 from kvlayout.engines import saved
@@ -110,9 +110,7 @@ class SeqEngine:
             self._resume = None
         for sample in request.samples:
             if sample.finish_reason is None:
-                sample.finish_reason = "cancelled"
-                self.on_token(request, sample, None)
-                self.progress(unplanned(sample, request))
+                end_sample(request, sample, "cancelled", self.on_token, self.progress)
 
     def state(self) -> dict:
         """Which sample the cache holds (request, sample) and how many of its tokens."""
@@ -195,9 +193,7 @@ class SeqEngine:
             if not g.retried and exc.retry:  # a plugin's fault is not retried
                 g.retried = True  # the next step retries it
                 return
-            s.finish_reason, s.error = "error", str(exc)
-            self.on_token(r, s, None)
-            self.progress(unplanned(s, r))
+            end_sample(r, s, "error", self.on_token, self.progress, str(exc))
             self.generating = None
             return
         g.retried = False
