@@ -441,11 +441,14 @@ class CellEngine:
         s.remembered = True
         tokens = s.tokens[: s.cached]
         p = self.prefixes
-        if p is None or len(tokens) < p.block or p.covers(tokens) or not self._room_for_ids(1, None):
+        if p is None or len(tokens) < p.block:
+            return
+        keys = p.chain(tokens, len(tokens) // p.block)  # once, for both questions below
+        if p.covers(tokens, keys) or not self._room_for_ids(1, None):
             return
         sid = self.bc.seq_clone(s.seq_id, s.cached)
         if sid is not None:
-            p.keep(sid, tokens, s.request.index)
+            p.keep(sid, tokens, s.request.index, keys)
 
     def _retire(self, s: Running) -> None:
         """`s` finished: its id becomes a kept prefix, or is released (its cells no other sample

@@ -123,10 +123,11 @@ class PrefixCache:
             self.hits += 1
             self.reused_tokens += hit.length
 
-    def covers(self, tokens: Sequence[int]) -> bool:
-        """Whether an entry holds all of `tokens` (touching it); the engine then keeps no copy."""
+    def covers(self, tokens: Sequence[int], keys: list[int] | None = None) -> bool:
+        """Whether an entry holds all of `tokens` (touching it); the engine then keeps no copy.
+        `keys`: their chain, when the caller has it already."""
         n = len(tokens)
-        keys = self.chain(tokens, n // self.block)
+        keys = self.chain(tokens, n // self.block) if keys is None else keys
         for seq_id in self.index.get(keys[-1], ()) if keys else ():
             entry = self.entries[seq_id]
             if len(entry.tokens) >= n and common_length(entry.tokens, tokens, n) == n:
@@ -136,15 +137,17 @@ class PrefixCache:
 
     # -- keeping and dropping
 
-    def keep(self, seq_id: int, tokens: Sequence[int], source: int | None = None) -> bool:
+    def keep(self, seq_id: int, tokens: Sequence[int], source: int | None = None,
+             keys: list[int] | None = None) -> bool:
         """Take `seq_id` (which holds exactly `tokens`, positions 0..) as an entry: True. False,
         having released the id, when it is shorter than a block or an entry already covers it.
-        Entries that are prefixes of it are dropped: it owns their cells too."""
+        Entries that are prefixes of it are dropped: it owns their cells too. `keys`: the
+        tokens' chain, when the caller has it already."""
         tokens = tuple(tokens)
-        if len(tokens) < self.block or self.covers(tokens):
+        keys = self.chain(tokens, len(tokens) // self.block) if keys is None else keys
+        if len(tokens) < self.block or self.covers(tokens, keys):
             self.bc.seq_rm(seq_id)
             return False
-        keys = self.chain(tokens, len(tokens) // self.block)
         candidates = set().union(*(self.index.get(k, ()) for k in keys))
         for other in candidates:
             e = self.entries[other]

@@ -3,7 +3,7 @@
 Registered with the process's plugin manager while a server runs (the cell
 layout announces steps through `kvlayout_step_placed` and
 `kvlayout_step_aborted`, the hooks meant for "metrics, tracing, pictures").
-It counts what it hears and marks the cell map stale; the worker redraws a
+It counts aborted steps and marks the cell map stale; the worker redraws a
 stale map between steps (the verbs that free or share cells, which have no
 hook, run between steps too, and mark it stale themselves). One server per
 process is the intended use: a second cell cache stepping in the same
@@ -21,12 +21,12 @@ _names = itertools.count()
 
 
 class CellObserver:
-    """Counts of placed steps, placed tokens and aborted steps; `stale` when the table changed."""
+    """Counts aborted steps; `stale` when the table changed."""
 
     def __init__(self) -> None:
         self.name = f"kvlayout-serve-observer-{next(_names)}"
         self.lock = threading.Lock()
-        self.placed_steps = self.placed_tokens = self.aborted_steps = 0
+        self.aborted_steps = 0
         self.stale = True
         # A step is announced once per distinct window of the model's layers, the same windows
         # every step: the first window ever heard stands for the step.
@@ -37,9 +37,6 @@ class CellObserver:
         with self.lock:
             if self.counted_window is None:
                 self.counted_window = window
-            if window == self.counted_window:
-                self.placed_steps += 1
-                self.placed_tokens += len(step.cells)
             self.stale = True
 
     @hookimpl
