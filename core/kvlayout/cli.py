@@ -231,7 +231,11 @@ def _run(args: argparse.Namespace) -> int:
     if save is not None:
         # Before the run, which a bad directory (or a layout that cannot save) would otherwise lose.
         resume.ready_to_save(save, job)
-    tracing = _tracer(args.trace, job) if args.trace is not None else None
+    tracing = None
+    if args.trace is not None:
+        from kvlayout.server.trace import Tracing
+
+        tracing = Tracing.start(args.trace, job.cache, cfg.layout.key)  # refused here, before the run
     # With --save-state, a first Ctrl-C stops the run after its current step and saves it.
     ctrl_c = StopOnCtrlC() if save is not None else None
     stop = tracing.stop_after(ctrl_c) if tracing is not None else ctrl_c
@@ -249,14 +253,14 @@ def _run(args: argparse.Namespace) -> int:
             result = job.generate(progress=watch.progress, stop=stop, save_state=save, on_text=watch.on_text)
     except RunInterrupted as exc:  # Ctrl-C inside a forward (the step was aborted first)
         if tracing is not None:
-            tracing.finish_quietly(f"{cfg.layout.key} · {job.model_name} (interrupted)")
+            _finish_trace_quietly(tracing, f"{cfg.layout.key} · {job.model_name} (interrupted)")
         if save is None:
             print("kvlayout: interrupted", file=sys.stderr)
             return 130
         return _save_outcome(exc.save_failed, f"interrupted; state saved to {save}; continue with: {again}", 130)
     except KeyboardInterrupt:  # between forwards: a third Ctrl-C, or any without --save-state
         if tracing is not None:
-            tracing.finish_quietly(f"{cfg.layout.key} · {job.model_name} (interrupted)")
+            _finish_trace_quietly(tracing, f"{cfg.layout.key} · {job.model_name} (interrupted)")
         if save is None:
             print("kvlayout: interrupted", file=sys.stderr)
         else:  # the step it landed in is not whole: nothing of this run is saved
@@ -278,7 +282,7 @@ def _run(args: argparse.Namespace) -> int:
     failed = report.failure_line(result)  # a sample that failed is said once, and the exit is 1
     if failed:
         print(f"kvlayout: error: {failed}", file=sys.stderr)
-    if tracing is not None and not tracing.finish(f"{cfg.layout.key} · {job.model_name}"):
+    if tracing is not None and not _finish_trace(tracing, f"{cfg.layout.key} · {job.model_name}"):
         return 2  # after the report: a trace that cannot be written loses nothing of the run
     if result.complete:
         code = _save_outcome(result.save_failed, None, 0)
@@ -287,55 +291,22 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if failed and code == 0 else code
 
 
-class _Tracing:
-    """`--trace FILE.html`: a frame of the cell map before every step and after the last."""
-
-    def __init__(self, target: Path, view):
-        from kvlayout.server.trace import Recorder
-
-        self.target, self.recorder = target, Recorder(view)
-
-    def stop_after(self, stop):
-        """A `stop` for Job.generate: asks `stop` (if any), and records a frame before each step that follows."""
-        def ask_then_record() -> bool:
-            if stop is not None and stop():
-                return True  # no step follows: the last frame is taken by finish
-            self.recorder.record()
-            return False
-        return ask_then_record
-
-    def finish(self, title: str) -> bool:
-        """Write the trace (the table after the last step included); False, said in one line, when
-        it cannot be written."""
-        from kvlayout.server.trace import write
-
-        self.recorder.record_last()
-        try:
-            write(self.target, self.recorder.frames, title)
-        except OSError as exc:
-            print(f"kvlayout: error: --trace {self.target}: cannot write it ({exc.strerror or exc})", file=sys.stderr)
-            return False
-        frames = self.recorder.frames
-        print(f"kvlayout: wrote the cell map of {frames[-1]['step']} steps ({len(frames)} frames) to {self.target}",
-              file=sys.stderr)
-        return True
-
-    def finish_quietly(self, title: str) -> None:
-        """After a Ctrl-C: write what was recorded, if it can be; a second Ctrl-C skips it."""
-        try:
-            self.finish(title)
-        except (KeyboardInterrupt, Exception):  # noqa: BLE001 - the run's own message comes next
-            pass
+def _finish_trace(tracing, title: str) -> bool:
+    """Write the run's trace, saying so in one line; False (said in one line) when it cannot be."""
+    try:
+        print(f"kvlayout: {tracing.finish(title)}", file=sys.stderr)
+    except OSError as exc:
+        print(f"kvlayout: error: --trace {tracing.target}: cannot write it ({exc.strerror or exc})", file=sys.stderr)
+        return False
+    return True
 
 
-def _tracer(path: str, job) -> _Tracing:
-    from kvlayout.server.trace import check_target
-
-    target = check_target(path)
-    view = job.cache.as_cell_view() if hasattr(job.cache, "as_cell_view") else None
-    if view is None:
-        raise ConfigError(f"--trace draws the cells of a cell layout; {job.cfg.layout.key} has none (try --layout mlx:cell)")
-    return _Tracing(target, view)
+def _finish_trace_quietly(tracing, title: str) -> None:
+    """After a Ctrl-C: write what was recorded, if it can be; a second Ctrl-C skips it."""
+    try:
+        _finish_trace(tracing, title)
+    except (KeyboardInterrupt, Exception):  # noqa: BLE001 - the run's own message comes next
+        pass
 
 
 def _save_outcome(failed: Exception | None, done: str | None, code: int) -> int:

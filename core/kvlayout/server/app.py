@@ -91,18 +91,20 @@ def build_app(service: Service) -> Starlette:
     async def page(request: Request) -> Response:
         return HTMLResponse(monitor.page("index.html"))
 
+    def no_cell_map() -> BadRequest:
+        return BadRequest(f"the {service.cfg.layout.key} layout has no cells to show (a cell layout has)",
+                          status=404, code="no_cell_map")
+
     async def cells(request: Request) -> Response:
         if worker.view is None:
-            raise BadRequest(f"the {service.cfg.layout.key} layout has no cells to show (a cell layout has)",
-                             status=404, code="no_cell_map")
+            raise no_cell_map()
         return StreamingResponse(cell_frames(worker), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def cell_at(request: Request) -> Response:
         snap = worker.map
         if snap is None:
-            raise BadRequest(f"the {service.cfg.layout.key} layout has no cells to show (a cell layout has)",
-                             status=404, code="no_cell_map")
+            raise no_cell_map()
         raw = request.query_params.get("cell", "")
         # ASCII digits only ("²" is a digit to str.isdigit) and short (int() refuses 4300+ digits).
         if not (raw.isascii() and raw.isdigit() and len(raw) <= 18) or int(raw) >= snap.capacity:

@@ -25,6 +25,13 @@ MAX_BUCKETS = 4096
 SEQ_CLASSES = 256 - CLASS_SEQ0  # ids past this share colors (cycled)
 
 
+def cell_view(cache):
+    """`cache`'s CellView face, or None: a layout without cells (mlx:seq), or one predating the
+    face (no `as_cell_view` of its own nor FacesBase's)."""
+    as_cell_view = getattr(cache, "as_cell_view", None)
+    return as_cell_view() if as_cell_view is not None else None
+
+
 @attrs.frozen(eq=False)
 class Snapshot:
     """The table as the CellView face showed it between two steps (copies: safe to read from

@@ -26,6 +26,7 @@ from kvlayout.engines.prefixes import PrefixCache
 from kvlayout.engines.records import Request, Sample, Sampling
 from kvlayout.registry import plugin_manager
 from kvlayout.runner.job import Job, prepare
+from kvlayout.server import cellmap
 from kvlayout.server.config import ServeConfig
 from kvlayout.server.observer import CellObserver
 from kvlayout.server.requests import Limits, Order
@@ -96,7 +97,7 @@ def prepare_service(cfg: ServeConfig, loaded=None) -> Service:
         if prefixes is not None:
             prefixes.forget()
 
-    view = job.cache.as_cell_view() if hasattr(job.cache, "as_cell_view") else None
+    view = cellmap.cell_view(job.cache)
     observer = None
     if view is not None:  # the cell map: an observer of the layout's step hooks, while the server runs
         observer = CellObserver()

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-from html import escape
 import tempfile
+from html import escape
 from pathlib import Path
 
 from kvlayout.errors import ConfigError
@@ -85,3 +85,37 @@ def write(target: Path, frames: list[dict], title: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class Tracing:
+    """`kvlayout run --trace FILE.html`: a frame before every step, and after the last, written at the end."""
+
+    def __init__(self, target: Path, view):
+        self.target, self.recorder = target, Recorder(view)
+
+    @classmethod
+    def start(cls, path: str, cache, layout_key: str) -> Tracing:
+        """A trace of `cache` into `path`; ConfigError (before the run) when the layout has no cells
+        to draw or the file cannot be written there."""
+        target = check_target(path)
+        view = cellmap.cell_view(cache)
+        if view is None:
+            raise ConfigError(f"--trace draws the cells of a cell layout; {layout_key} has none (try --layout mlx:cell)")
+        return cls(target, view)
+
+    def stop_after(self, stop):
+        """A `stop` for Job.generate: asks `stop` (if any), and records a frame before each step that follows."""
+        def ask_then_record() -> bool:
+            if stop is not None and stop():
+                return True  # no step follows: the last frame is taken by finish
+            self.recorder.record()
+            return False
+        return ask_then_record
+
+    def finish(self, title: str) -> str:
+        """Write the trace (the table after the last step included) and say what was written;
+        OSError when it cannot be."""
+        self.recorder.record_last()
+        frames = self.recorder.frames
+        write(self.target, frames, title)
+        return f"wrote the cell map of {frames[-1]['step']} steps ({len(frames)} frames) to {self.target}"
