@@ -69,6 +69,16 @@ def post(url: str, body: dict, timeout: float = 30) -> dict:
         return json.loads(resp.read())
 
 
+def first_event(url: str, request: bytes) -> socket.socket:
+    """A raw HTTP `request` to the server at `url` whose stream's first event has arrived; left open."""
+    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30)
+    sock.sendall(request)
+    seen = b""
+    while b"data: " not in seen:
+        seen += sock.recv(65536)
+    return sock
+
+
 @pytest.fixture
 def config(tmp_path):
     def write(grace: float = 5) -> str:
@@ -94,14 +104,9 @@ def test_a_stop_signal_ends_the_server_with_exit_0(config, tmp_path, sig):
 def test_in_flight_requests_are_finished_or_cancelled_within_the_grace_period(config, tmp_path):
     server = Process([config(grace=1), "--port", "0"], tmp_path)
     url = server.ready()
-    port = int(url.rsplit(":", 1)[1])
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     raw = json.dumps({"model": "tiny", "prompt": "go on", "max_tokens": 1000, "stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
-    seen = b""
-    while b"data: " not in seen:
-        seen += sock.recv(4096)
+    sock = first_event(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
     started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     code, said = server.finish()
@@ -134,11 +139,7 @@ def test_a_burst_of_stop_signals_still_ends_the_server_with_exit_0(config, tmp_p
 def test_an_open_cell_map_stream_does_not_hold_the_shutdown_for_the_grace_period(config, tmp_path):
     server = Process([config(grace=20), "--port", "0"], tmp_path)
     url = server.ready()
-    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30)
-    sock.sendall(b"GET /cells HTTP/1.1\r\nHost: x\r\n\r\n")
-    seen = b""
-    while b"data: " not in seen:
-        seen += sock.recv(65536)
+    sock = first_event(url, b"GET /cells HTTP/1.1\r\nHost: x\r\n\r\n")
     started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     code, said = server.finish()
