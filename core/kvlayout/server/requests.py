@@ -12,6 +12,7 @@ the app answers with OpenAI's error object; nothing of the server changes.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, Mapping, Sequence
@@ -201,7 +202,7 @@ def _known(body: Mapping, fields: Sequence[str], neutral: Sequence[str]) -> None
                 raise BadRequest(f"user must be a string, not {_show(value)}", key)
             continue
         if not any(type(value) is type(a) and value == a for a in allowed):
-            shown = " or ".join("null" if a is None else _json(a) for a in allowed)
+            shown = " or ".join("null" if a is None else json.dumps(a) for a in allowed)
             raise BadRequest(f"{key}={_show(value)} is not supported by this server (only {shown})", key)
 
 
@@ -304,16 +305,10 @@ def _stream_options(value: Any, stream: bool) -> bool:
     return include
 
 
-def _json(value: Any) -> str:
-    import json
-
-    return json.dumps(value)
-
-
 def _show(value: Any) -> str:
     """A value as the client wrote it, cut short: what an error quotes."""
     try:
-        text = _json(value)
+        text = json.dumps(value)
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -120,7 +120,6 @@ class Worker:
         # signal handler, which runs on the main thread between any two bytecodes, possibly inside
         # this thread's own Event.set or lock; taking a lock there deadlocks.
         self.closing = False
-        self.started = time.time()
         self.publish()
 
     # -- the HTTP side (any thread)
