@@ -98,14 +98,13 @@ def prepare_service(cfg: ServeConfig, loaded=None) -> Service:
             prefixes.forget()
 
     view = cellmap.cell_view(job.cache)
-    observer = None
-    if view is not None:  # the cell map: an observer of the layout's step hooks, while the server runs
-        observer = CellObserver()
-        plugin_manager().register(observer, name=observer.name)
+    observer = CellObserver() if view is not None else None  # the cell map hears the layout's step hooks
     worker = Worker(
         lambda stats, heard: job.make_engine(stats, lambda n: None, heard, prefixes),
         cells, s.max_sequences, s.queue, clear, prefixes, view, observer,
     )
+    if observer is not None:  # registered last: nothing that can fail after it leaves it behind
+        plugin_manager().register(observer, name=observer.name)
     limits = Limits(
         model_id=model_id_of(cfg),
         capacity=cfg.cache.capacity,
