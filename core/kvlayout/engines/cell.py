@@ -63,6 +63,13 @@ class Waiting:
     tokens: list[int]
 
 
+WAIT = object()  # _reuse_for: the shared part of a prefill is not all in yet
+
+
+def reused(hit: Hit | None) -> int:
+    return hit.length if hit is not None else 0
+
+
 class CellEngine:
     """Continuous batching over a BatchControl cache.
 
@@ -336,19 +343,14 @@ class CellEngine:
             return plan
         while self.queue:
             w = self.queue[0]
-            hit = self._find(w.tokens)
-            cached = hit.length if hit is not None else 0
-            sharing = self._sharing_prefill(w.tokens, cached)
-            if sharing is not None:
-                s, common = sharing
-                if s.cached < common:
-                    break  # what it shares is not all in yet: wait for it rather than prefill it again
-                hit, cached = Hit(s.seq_id, common, s.request.index), common  # a clone of the prefill so far
-            # Nothing is evicted before these checks: a request that waits must not empty the cache.
-            if len(w.tokens) - cached > 1 and self._budget_left(plan) == 0:
+            hit = self._reuse_for(w.tokens)
+            if hit is WAIT:
+                break  # what it shares with a prefill is not all in yet: wait rather than prefill it again
+            # Nothing is evicted before the budget check: a request that waits must not empty the cache.
+            if len(w.tokens) - reused(hit) > 1 and self._budget_left(plan) == 0:
                 break  # this step's prompt budget is spent
             if hit is not None and not self._room_for_ids(len(w.samples), hit):
-                hit, cached = None, 0  # what it found must give way for ids too
+                hit = None  # what it found must give way for ids too
                 if len(w.tokens) > 1 and self._budget_left(plan) == 0:
                     break
             if not self._room_for_ids(len(w.samples), None):
@@ -357,6 +359,7 @@ class CellEngine:
             sid = self.bc.seq_new() if hit is None else self.bc.seq_clone(hit.seq_id, hit.length)
             if sid is None:
                 break
+            cached = reused(hit)
             s = Running(sid, w.request, w.samples, list(w.tokens), self._admissions, cached)
             self.running.append(s)
             if self._admit(s):
@@ -398,10 +401,18 @@ class CellEngine:
 
     # -- the prefix cache (engines.prefixes)
 
-    def _find(self, tokens: list[int]) -> Hit | None:
+    def _reuse_for(self, tokens: list[int]) -> Hit | None | object:
+        """The cells a sequence of `tokens` may start from: a kept prefix, or a prompt still
+        prefilling that shares at least a block more (as far as it is in; WAIT while that is not
+        all of what it shares); None for nothing."""
         if self.prefixes is None or len(tokens) < 2:
             return None
-        return self.prefixes.find(tokens, len(tokens) - 1)  # at least one token is fed: its logits
+        hit = self.prefixes.find(tokens, len(tokens) - 1)  # at least one token is fed: its logits
+        sharing = self._sharing_prefill(tokens, reused(hit))
+        if sharing is None:
+            return hit
+        s, common = sharing
+        return WAIT if s.cached < common else Hit(s.seq_id, common, s.request.index)
 
     def _sharing_prefill(self, tokens: list[int], cached: int) -> tuple[Running, int] | None:
         """(a prompt still prefilling, how many of `tokens` it shares) when it shares at least a
