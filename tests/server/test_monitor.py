@@ -145,7 +145,7 @@ def test_a_seq_layout_has_no_map_and_says_so(tiny_loaded):
 
 def test_the_observer_leaves_the_plugin_manager_with_its_server(tiny_loaded):
     with serving(tiny_loaded, SMALL) as live:
-        name = live.service.observer.name
+        name = live.service.worker.observer.name
         assert plugin_manager().has_plugin(name)
     assert not plugin_manager().has_plugin(name)
 

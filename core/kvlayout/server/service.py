@@ -42,13 +42,13 @@ class Service:
     worker: Worker
     created: int
     notices: list[str]
-    observer: CellObserver | None = None
     counter: Any = attrs.field(factory=itertools.count)
 
     def close(self) -> None:
         """The server is done: its observer leaves the plugin manager."""
-        if self.observer is not None and plugin_manager().is_registered(self.observer):
-            plugin_manager().unregister(self.observer)
+        observer = self.worker.observer
+        if observer is not None and plugin_manager().is_registered(observer):
+            plugin_manager().unregister(observer)
 
     @property
     def tokenizer(self):
@@ -115,4 +115,4 @@ def prepare_service(cfg: ServeConfig, loaded=None) -> Service:
         top_p=cfg.sampling.top_p,
         seed=cfg.sampling.seed,
     )
-    return Service(cfg, job, limits.model_id, limits, worker, int(time.time()), notices, observer)
+    return Service(cfg, job, limits.model_id, limits, worker, int(time.time()), notices)
