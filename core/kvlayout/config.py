@@ -18,7 +18,12 @@ import attrs
 from kvlayout.checks import int_scalar, reject_unknown
 from kvlayout.errors import ConfigError
 
-KV_DTYPES = ("float16", "bfloat16", "float32")
+FLOAT_KV_DTYPES = ("float16", "bfloat16", "float32")
+# Affine-quantized K/V (MLX's `mx.quantize`): name -> bits. Every kv_dtype is a name of either.
+QUANTIZED_KV_BITS = {"q8": 8, "q4": 4}
+KV_DTYPES = (*FLOAT_KV_DTYPES, *QUANTIZED_KV_BITS)
+KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantized_matmul implements for affine quantization
+DEFAULT_KV_GROUP_SIZE = 64  # mlx-lm's QuantizedKVCache default
 POLICY_KINDS = ("flat", "ring")
 
 
@@ -117,6 +122,11 @@ class CacheConfig:
 
     `capacity` is the hard cap in cells; pools start at
     `min(initial_capacity, their max)` and grow by doubling.
+
+    `kv_dtype` "q8" or "q4" stores K and V affine-quantized, `kv_group_size`
+    elements (32, 64 or 128) sharing a float16 scale and bias; every layer's
+    head_dim must divide by the group size. A float kv_dtype takes no group
+    size (the default only), so a group size set by mistake is not ignored.
     """
 
     capacity: int = attrs.field(validator=_int_at_least(1))
@@ -126,6 +136,7 @@ class CacheConfig:
     initial_capacity: int = attrs.field(default=512, validator=_int_at_least(0))
     max_write: int | None = attrs.field(default=None, validator=_optional_positive)
     max_seqs: int = attrs.field(default=64, validator=_int_at_least(1))
+    kv_group_size: int = attrs.field(default=DEFAULT_KV_GROUP_SIZE)
 
     @layers.validator
     def _check_layers(self, attribute, value):
@@ -143,6 +154,34 @@ class CacheConfig:
             raise ConfigError(
                 f"CacheConfig.kv_dtype={value!r}: expected one of {', '.join(KV_DTYPES)}"
             )
+
+    @kv_group_size.validator
+    def _check_group_size(self, attribute, value):
+        int_scalar("CacheConfig.kv_group_size", value, ConfigError, numpy=False)
+        if value not in KV_GROUP_SIZES:
+            raise ConfigError(
+                f"CacheConfig.kv_group_size={value!r}: expected one of {', '.join(map(str, KV_GROUP_SIZES))}"
+            )
+        if self.kv_dtype not in QUANTIZED_KV_BITS and value != DEFAULT_KV_GROUP_SIZE:
+            raise ConfigError(
+                f"CacheConfig.kv_group_size={value!r} with kv_dtype={self.kv_dtype!r}: a group size applies "
+                f"to quantized K/V only (kv_dtype {' or '.join(QUANTIZED_KV_BITS)})"
+            )
+        if self.kv_dtype in QUANTIZED_KV_BITS:
+            for i, lc in enumerate(self.layers):
+                if lc.head_dim % value:
+                    which = "every layer" if len(self.layers) == 1 else f"layer {i}"
+                    fits = [str(g) for g in KV_GROUP_SIZES if lc.head_dim % g == 0]
+                    fix = f"a kv_group_size of {' or '.join(fits)}" if fits else "a float kv_dtype (no group size divides it)"
+                    raise ConfigError(
+                        f"CacheConfig.kv_dtype={self.kv_dtype!r} with kv_group_size={value}: {which}'s "
+                        f"head_dim={lc.head_dim} does not divide into groups of {value}; expected {fix}"
+                    )
+
+    @property
+    def kv_bits(self) -> int | None:
+        """Bits per K/V element when quantized ("q8": 8, "q4": 4); None for a float kv_dtype."""
+        return QUANTIZED_KV_BITS.get(self.kv_dtype)
 
     def layer(self, i: int) -> LayerConfig:
         i = int_scalar("layer index", i, ConfigError, 0, self.n_layers - 1, numpy=False)
@@ -171,6 +210,8 @@ class CacheConfig:
             "initial_capacity": self.initial_capacity,
             "max_seqs": self.max_seqs,
         }
+        if self.kv_group_size != DEFAULT_KV_GROUP_SIZE:  # files written before it existed read the same
+            out["kv_group_size"] = self.kv_group_size
         if self.max_write is not None:  # TOML has no null
             out["max_write"] = self.max_write
         return out

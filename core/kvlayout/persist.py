@@ -64,7 +64,7 @@ CONTENTS = ("cache", "sequence")
 # none (numpy has no bfloat16) and is kept as its 2-byte bit patterns.
 _CODE_NUMPY = {
     code: np.dtype(dt)
-    for code, dt in {"F16": "<f2", "F32": "<f4", "I32": "<i4", "I64": "<i8", "U64": "<u8", "U16": "<u2"}.items()
+    for code, dt in {"F16": "<f2", "F32": "<f4", "I32": "<i4", "I64": "<i8", "U64": "<u8", "U32": "<u4", "U16": "<u2"}.items()
 }
 _NUMPY_CODES = {dt.newbyteorder("="): code for code, dt in _CODE_NUMPY.items()}
 DTYPE_SIZES = {"BF16": 2, **{code: dt.itemsize for code, dt in _CODE_NUMPY.items()}}
@@ -87,7 +87,7 @@ class RawTensor:
 
 
 def raw_numpy(a: np.ndarray) -> RawTensor:
-    """A numpy array (float16/32, int32/64, uint16/64) as a RawTensor."""
+    """A numpy array (float16/32, int32/64, uint16/32/64) as a RawTensor."""
     a = np.ascontiguousarray(a)
     code = _NUMPY_CODES.get(a.dtype.newbyteorder("="))
     if code is None:

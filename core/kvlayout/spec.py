@@ -25,6 +25,42 @@ class MaskKind(enum.Enum):
 
 
 @attrs.frozen(eq=False)
+class QuantizedKV:
+    """K or V stored affine-quantized (MLX's `mx.quantize`): the triple `mx.quantized_matmul` reads.
+
+    Element j of a row is `scales[g] * w_j + biases[g]` for its group g of
+    `group_size` elements, `w_j` the `bits`-bit integer packed little end
+    first into the uint32 words of `packed` (`32 // bits` to a word).
+
+    - `packed` uint32 `[..., D * bits / 32]`;
+    - `scales`, `biases` `[..., D / group_size]`, one per group, in the
+      float dtype quantization started from (float16 in kvlayout's pools).
+
+    Its `shape` is the logical one, `[..., D]`, so a spec's `keys.shape`
+    reads `[1, H_kv, S, D]` whether or not they are quantized.
+    """
+
+    packed: Any
+    scales: Any
+    biases: Any
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, words = self.packed.shape
+        return (*lead, words * 32 // self.bits)
+
+    def parts(self) -> tuple[Any, Any, Any]:
+        """(packed, scales, biases), in the order `mx.quantized_matmul` takes them."""
+        return self.packed, self.scales, self.biases
+
+    def map(self, fn) -> QuantizedKV:
+        """The same quantization with `fn` applied to each part (a slice, a gather on a token axis)."""
+        return attrs.evolve(self, packed=fn(self.packed), scales=fn(self.scales), biases=fn(self.biases))
+
+
+@attrs.frozen(eq=False)
 class AttendGroups:
     """A sparse step's tokens in G groups, each with the only cells it may attend.
 
@@ -41,7 +77,9 @@ class AttendGroups:
       grouped query slots (group-major).
     - `keys`/`values` `[1, H_kv, S, D]`, S > every cell: what the cells index.
       Row-contiguous arrays (a layout passes its whole pool buffer) let the
-      gather read them as `[H_kv * S, D]` rows with no copy.
+      gather read them as `[H_kv * S, D]` rows with no copy. QuantizedKV
+      triples are gathered part by part (a paged batch too: its pages'
+      cells are gathered, a quarter to an eighth of float32's bytes).
     - `page` (optional, 0 = off): B > 0 makes `cells` int32 `[G, P]` page
       indices instead, page p being cells `[p * B, (p + 1) * B)`, read in
       place (S must be a multiple of B: the pages are a view of the pool,
@@ -86,8 +124,11 @@ class AttendBatch:
 class AttendSpec:
     """Keys and values a layer attends to, and how to mask them.
 
-    `keys`/`values` are `[1, H_kv, S, D]`; `mask` is a bool `[1, 1, T, S]`
-    array for EXPLICIT only, None otherwise.
+    `keys`/`values` are `[1, H_kv, S, D]`, as float arrays or as QuantizedKV
+    triples of that logical shape (a cache whose kv_dtype is "q8" or "q4";
+    `attend()` then multiplies through `mx.quantized_matmul`, never
+    dequantizing the pool); `mask` is a bool `[1, 1, T, S]` array for
+    EXPLICIT only, None otherwise.
 
     `groups` (optional, additive): when a layout sets it, `attend()` computes
     the same result as the dense EXPLICIT mask by attending each group of

@@ -1,6 +1,30 @@
 """The MLX byte layer every MLX layout shares."""
 
 from kvlayout.mlx.attention import attend
-from kvlayout.mlx.pool import DTYPES, MAX_SLOTS, MLXPool, check_layer_dims, pool_bytes, storage_dtype
+from kvlayout.mlx.pool import (
+    DTYPES,
+    MAX_SLOTS,
+    MLXPool,
+    cell_bytes,
+    check_layer_dims,
+    config_pool_bytes,
+    pool_bytes,
+    slot_bytes,
+    storage_dtype,
+)
+from kvlayout.mlx.quantized import QuantizedPool, kv_pool
 
-__all__ = ["DTYPES", "MAX_SLOTS", "MLXPool", "attend", "check_layer_dims", "pool_bytes", "storage_dtype"]
+__all__ = [
+    "DTYPES",
+    "MAX_SLOTS",
+    "MLXPool",
+    "QuantizedPool",
+    "attend",
+    "cell_bytes",
+    "check_layer_dims",
+    "config_pool_bytes",
+    "kv_pool",
+    "pool_bytes",
+    "slot_bytes",
+    "storage_dtype",
+]

@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvlayout.errors import StepError
-from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
+from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind, QuantizedKV
 
 
 def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:
@@ -21,7 +21,9 @@ def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:
     compute dtype; K/V are cast to q's dtype so the product is computed there.
     MLX's "causal" is lower-right aligned: query i sees keys up to S - T + i.
     A spec with `groups` takes the grouped path (`attend_groups`), which the
-    layout chose because it does less work than the dense mask.
+    layout chose because it does less work than the dense mask. Quantized
+    keys and values (QuantizedKV) go through `quantized_attention`, on every
+    path.
 
     StepError naming the argument for a `spec` that is not an AttendSpec, a
     `q` that is not a floating `[B, H_q, T, D]` mlx array matching the keys
@@ -32,15 +34,48 @@ def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:
     if spec.groups is not None:
         return attend_groups(q, spec.groups, scale)
     keys, values = spec.keys, spec.values
-    if keys.dtype != q.dtype:
-        keys, values = keys.astype(q.dtype), values.astype(q.dtype)
     if spec.mask_kind is MaskKind.NONE:
         mask = None
     elif spec.mask_kind is MaskKind.CAUSAL:
         mask = "causal"
     else:
         mask = spec.mask
+    if isinstance(keys, QuantizedKV):
+        return quantized_attention(q, keys, values, scale, mask)
+    if keys.dtype != q.dtype:
+        keys, values = keys.astype(q.dtype), values.astype(q.dtype)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def quantized_attention(q: mx.array, keys: QuantizedKV, values: QuantizedKV, scale: float, mask: Any) -> mx.array:
+    """Attention of `q` `[B, H_q, T, D]` over quantized `keys`/`values` `[B or 1, H_kv, S, D]`,
+    multiplying the packed triples in place with `mx.quantized_matmul` (nothing is dequantized).
+
+    `mask`: None, "causal" (lower-right aligned, as MLX's) or bool `[B or 1, 1, T, S]`. The
+    order of operations is mlx-lm's quantized SDPA (scale the queries, masked scores at the
+    dtype's lowest finite value, a precise softmax), so one sequence gives mlx-lm's
+    QuantizedKVCache result bit for bit. GQA: a KV head's `H_q / H_kv` query heads share its
+    product, as a broadcast axis, never a copy of the keys.
+    """
+    batch, h_q, t, d = q.shape
+    h_kv = keys.packed.shape[1]
+    rep = h_q // h_kv
+    q = q * scale
+    if rep > 1:
+        q = q.reshape(batch, h_kv, rep, t, d)  # [B, H_kv, rep, T, D]
+        keys, values = (x.map(lambda a: mx.expand_dims(a, -3)) for x in (keys, values))  # [., H_kv, 1, S, .]
+    bits, group = keys.bits, keys.group_size
+    s = mx.quantized_matmul(q, *keys.parts(), transpose=True, group_size=group, bits=bits)  # [B, H_kv, (rep,) T, S]
+    if isinstance(mask, str):  # "causal": query i sees keys up to S - T + i
+        slots = s.shape[-1]
+        mask = mx.arange(slots - t, slots)[:, None] >= mx.arange(slots)[None]  # [T, S]
+    if mask is not None:
+        if rep > 1 and mask.ndim == 4:
+            mask = mx.expand_dims(mask, -3)  # [., 1, 1, T, S]: every query head of a KV head
+        s = mx.where(mask, s, mx.finfo(s.dtype).min)
+    p = mx.softmax(s, axis=-1, precise=True)
+    o = mx.quantized_matmul(p, *values.parts(), transpose=False, group_size=group, bits=bits)  # [B, H_kv, (rep,) T, D]
+    return o.reshape(batch, h_q, t, d).astype(q.dtype)
 
 
 def _check(q: Any, spec: Any, scale: Any) -> None:
@@ -86,20 +121,24 @@ def _attend_batch(q: mx.array, keys: mx.array, values: mx.array, b: AttendBatch,
     """One batch of groups, its outputs group-major `[1, H_q, G * Qg, D]`."""
     slots = keys.shape[2]
     cells = b.cells
+    quantized = isinstance(keys, QuantizedKV)
     if b.page:
         if slots % b.page:
             raise ValueError(f"pages of {b.page} cells do not tile the {slots} slots of keys")
-        if keys.dtype == q.dtype and pages_in_place(keys.dtype):
+        if not quantized and keys.dtype == q.dtype and pages_in_place(keys.dtype):
             return _ungroup(_attend_pages(_group_queries(q, b.tokens), keys, values, b, scale))
         # Storage narrower than q, or pages this device cannot read in place: gather the pages'
         # cells and the tail (casting only those, as dense would); the result is the same.
         cells = (cells[:, :, None] * b.page + mx.arange(b.page, dtype=cells.dtype)).reshape(cells.shape[0], -1)
         if b.tail is not None:
             cells = mx.concatenate([cells, b.tail.astype(cells.dtype)], axis=1)  # [G, P * B + Kt]
+    qg = _group_queries(q, b.tokens)  # [G, H_q, Qg, D]
+    if quantized:  # the triples' rows, a quarter to an eighth of float32's bytes
+        k, v = (x.map(lambda a: _take_rows(a, cells)) for x in (keys, values))  # [G, H_kv, Kg, .] parts
+        return _ungroup(quantized_attention(qg, k, v, scale, b.mask))
     k, v = _gather(keys, values, cells)  # [G, H_kv, Kg, D] each
     if k.dtype != q.dtype:  # cast only what was gathered
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-    qg = _group_queries(q, b.tokens)  # [G, H_q, Qg, D]
     return _ungroup(mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=b.mask))
 
 
@@ -130,13 +169,18 @@ def pages_in_place(dtype: mx.Dtype) -> bool:
 
 def _gather(keys: mx.array, values: mx.array, cells: mx.array) -> tuple[mx.array, mx.array]:
     """Rows of `cells` `[G, K]` from both pools, as `[G, H_kv, K, D]`."""
-    _, h_kv, slots, d = keys.shape  # [1, H_kv, S, D]
-    # Row of (head h, cell c) in keys viewed as [H_kv * S, D]: free when keys is row-contiguous.
-    rows = cells[:, None, :] + (mx.arange(h_kv, dtype=mx.int32) * slots)[None, :, None]  # [G, H_kv, K]
-    k = mx.take(keys.reshape(-1, d), rows, axis=0)  # [G, H_kv, K, D]
+    k = _take_rows(keys, cells)  # [G, H_kv, K, D]
     with mx.stream(_side_stream()):  # V's gather beside K's: a gather runs on one core (the CPU build)
-        v = mx.take(values.reshape(-1, d), rows, axis=0)
+        v = _take_rows(values, cells)
     return k, v
+
+
+def _take_rows(a: mx.array, cells: mx.array) -> mx.array:
+    """Rows of `cells` `[G, K]` from `a` `[1, H, S, W]`, as `[G, H, K, W]`."""
+    _, heads, slots, width = a.shape
+    # Row of (head h, cell c) in `a` viewed as [H * S, W]: free when `a` is row-contiguous.
+    rows = cells[:, None, :] + (mx.arange(heads, dtype=mx.int32) * slots)[None, :, None]  # [G, H, K]
+    return mx.take(a.reshape(-1, width), rows, axis=0)  # [G, H, K, W]
 
 
 def _attend_pages(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:

@@ -15,28 +15,56 @@ import mlx.core as mx
 import numpy as np
 
 from kvlayout.checks import int_array, int_scalar
-from kvlayout.config import check_up_front
+from kvlayout.config import QUANTIZED_KV_BITS, check_up_front
 from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.pool import Pool
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+SCALES = mx.float16  # a quantized pool's scales and biases (kvlayout.mlx.quantized)
 # MLX array dimensions are int32: no pool holds more slots (or heads, or head_dim) than this (a
 # shape past it is an OverflowError in mx.zeros, and cell indices are int32 in every step record).
 MAX_SLOTS = 2**31 - 1
 
 
+# The packed words of a quantized pool (kvlayout.mlx.quantized) are an MLXPool of uint32 too.
+PACKED = mx.uint32
+
+
 def storage_dtype(dtype: Any) -> mx.Dtype:
-    """The MLX dtype for a name from CacheConfig.kv_dtype, or an MLX float dtype."""
+    """The MLX dtype for a float name from CacheConfig.kv_dtype, an MLX float dtype, or uint32."""
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    if dtype in DTYPES.values():
+    if dtype in DTYPES.values() or dtype == PACKED:
         return dtype
     raise KVLayoutError(f"pool dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
 
 
-def pool_bytes(slots: int, n_heads: int, head_dim: int, dtype: Any) -> int:
-    """Bytes an MLXPool holding `slots` slots of `n_heads` x `head_dim` in `dtype` occupies."""
-    return slots * n_heads * head_dim * storage_dtype(dtype).size
+def pool_bytes(slots: int, n_heads: int, head_dim: int, dtype: Any, group_size: int = 64) -> int:
+    """Bytes the pool of one layer's K (or V) holding `slots` slots of `n_heads` x `head_dim`
+    occupies in `dtype`: a float kv_dtype, or "q8"/"q4" (packed words, scales and biases, of
+    `group_size` elements to a group)."""
+    return slots * n_heads * slot_bytes(head_dim, dtype, group_size)
+
+
+def config_pool_bytes(slots: int, n_heads: int, head_dim: int, config: Any) -> int:
+    """Bytes one layer's K (or V) pool of `slots` slots holds under `config` (a CacheConfig)."""
+    return pool_bytes(slots, n_heads, head_dim, config.kv_dtype, config.kv_group_size)
+
+
+def cell_bytes(config: Any, kv_dtype: str | None = None) -> int:
+    """Bytes one token's K and V take across every layer of `config` (a CacheConfig), in its
+    kv_dtype or in `kv_dtype` (what the same cells would take as float16, say)."""
+    dtype = config.kv_dtype if kv_dtype is None else kv_dtype
+    layers = (config.layer(i) for i in range(config.n_layers))
+    return sum(2 * pool_bytes(1, lc.n_kv_heads, lc.head_dim, dtype, config.kv_group_size) for lc in layers)
+
+
+def slot_bytes(head_dim: int, dtype: Any, group_size: int = 64) -> int:
+    """Bytes one head's row of `head_dim` elements takes in a pool of `dtype` (see `pool_bytes`)."""
+    bits = QUANTIZED_KV_BITS.get(dtype) if isinstance(dtype, str) else None
+    if bits is None:
+        return head_dim * storage_dtype(dtype).size
+    return head_dim * bits // 8 + 2 * (head_dim // group_size) * SCALES.size
 
 
 def check_layer_dims(config: Any) -> None:
@@ -128,6 +156,11 @@ class MLXPool(Pool):
         self._grow_to(int(idx.max()) + 1)
         self._buf[:, :, mx.array(idx), :] = update.astype(self._dtype)
 
+    def take(self, cells: Any) -> mx.array:
+        """The slots `cells` (int32 mlx array or list of ints, each < slots), `[1, H, n, D]`: a copy."""
+        idx = cells if isinstance(cells, mx.array) else mx.array(np.asarray(cells, dtype=np.int32))
+        return self._buf[:, :, idx, :]
+
     def evaluate(self) -> None:
         """Finish every write pending on the pool (`mx.eval` of its buffer), creating no array.
 
@@ -150,7 +183,10 @@ class MLXPool(Pool):
     def _check_update(self, update: Any) -> int:
         if not isinstance(update, mx.array):
             raise KVLayoutError(f"update: expected an mlx array, got {type(update).__name__}")
-        if not mx.issubdtype(update.dtype, mx.floating):
+        if self._dtype == PACKED:  # packed words are bits: never cast
+            if update.dtype != PACKED:
+                raise KVLayoutError(f"update dtype {update.dtype}: expected uint32 (packed words)")
+        elif not mx.issubdtype(update.dtype, mx.floating):
             raise KVLayoutError(f"update dtype {update.dtype}: expected a floating dtype")
         shape = tuple(update.shape)
         if len(shape) != 4 or shape[0] != 1 or shape[1] != self._heads or shape[3] != self._dim:

@@ -17,7 +17,7 @@ import attrs
 
 from kvlayout.builder import layout_key, split_layout_key
 from kvlayout.checks import int_scalar, reject_unknown
-from kvlayout.config import KV_DTYPES
+from kvlayout.config import DEFAULT_KV_GROUP_SIZE, KV_DTYPES, KV_GROUP_SIZES, QUANTIZED_KV_BITS
 from kvlayout.errors import ConfigError
 from kvlayout.models.chat import ROLES
 
@@ -36,7 +36,7 @@ kind = "cell"
 
 [cache]
 capacity = 2048
-kv_dtype = "auto"        # float32 on the CPU device, float16 on a GPU
+kv_dtype = "auto"        # float32 on the CPU device, float16 on a GPU; "q8"/"q4": quantized K/V
 
 [model]
 preset = "smollm2"       # SmolLM2-135M-Instruct; see kvlayout.models.smollm2 for where it comes from
@@ -123,6 +123,7 @@ class CacheSection:
     initial_capacity: int = 512
     max_seqs: int = 64
     max_write: int | None = None
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE  # with kv_dtype "q8"/"q4": elements sharing a scale
 
     def __attrs_post_init__(self):
         _int("cache.capacity", self.capacity, 1)
@@ -132,6 +133,11 @@ class CacheSection:
             _int("cache.max_write", self.max_write, 1)
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
             raise _fail("cache.kv_dtype", self.kv_dtype, f"auto or one of {', '.join(KV_DTYPES)}")
+        _int("cache.kv_group_size", self.kv_group_size, 1)
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            raise _fail("cache.kv_group_size", self.kv_group_size, f"one of {', '.join(map(str, KV_GROUP_SIZES))}")
+        if self.kv_group_size != DEFAULT_KV_GROUP_SIZE and self.kv_dtype not in QUANTIZED_KV_BITS:
+            raise _fail("cache.kv_group_size", self.kv_group_size, f"{DEFAULT_KV_GROUP_SIZE} (the default) unless kv_dtype is q8 or q4")
 
 
 @attrs.frozen

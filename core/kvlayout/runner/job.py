@@ -30,7 +30,7 @@ from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.faces import BatchControl, SequenceControl, contract
 from kvlayout.runner.config import ModelSection, RunConfig
 from kvlayout.runner.prompts import Prompt, build_prompts
-from kvlayout.runner.records import OnText, RunResult, SampleResult, TextEvent
+from kvlayout.runner.records import KVBytes, OnText, RunResult, SampleResult, TextEvent
 from kvlayout.runner.text import SampleText
 
 __all__ = ["Job", "RunInterrupted", "RunResult", "load_model_for", "prepare", "run"]
@@ -68,6 +68,7 @@ def cache_config(cfg: RunConfig, args, kv_dtype: str) -> CacheConfig:
         initial_capacity=min(cfg.cache.initial_capacity, cfg.cache.capacity),
         max_write=cfg.cache.max_write,
         max_seqs=cfg.cache.max_seqs,
+        kv_group_size=cfg.cache.kv_group_size,
     )
 
 
@@ -238,7 +239,8 @@ class Job:
         ]
         prompts = [p.text for p in self.built] or [tok.decode(p) for p in self.prompts]
         messages = [p.messages for p in self.built]
-        return RunResult(requests, outputs, stats, prompts, complete, messages, failed)
+        sizes = KVBytes.of(cache_config(cfg, self.args, self.kv_dtype), stats.peak_cells)
+        return RunResult(requests, outputs, stats, prompts, complete, messages, failed, sizes)
 
     def _save(self, directory, requests, engine, stats, complete: bool):
         """Save the run's state (`resume.save_run`); None, or the SaveFailed saying why it was not."""

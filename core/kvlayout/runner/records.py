@@ -7,11 +7,12 @@ turns them into a RunResult.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 
 from kvlayout.engines.records import Request, Stats
+from kvlayout.mlx.pool import cell_bytes
 
 
 @attrs.frozen
@@ -53,6 +54,38 @@ class SampleResult:
 
 
 @attrs.frozen
+class KVBytes:
+    """What the cache's K/V took: bytes a cell holds (every layer's K and V) and at the run's
+    peak, in its kv_dtype and as float16 would hold the same cells."""
+
+    kv_dtype: str
+    per_cell: int
+    float16_per_cell: int
+    peak_cells: int
+
+    @classmethod
+    def of(cls, config: Any, peak_cells: int) -> KVBytes:
+        return cls(config.kv_dtype, cell_bytes(config), cell_bytes(config, "float16"), peak_cells)
+
+    @property
+    def peak(self) -> int:
+        return self.per_cell * self.peak_cells
+
+    @property
+    def float16_peak(self) -> int:
+        return self.float16_per_cell * self.peak_cells
+
+    def to_json(self) -> dict:
+        return {
+            "kv_dtype": self.kv_dtype,
+            "per_cell": self.per_cell,
+            "peak": self.peak,
+            "float16_per_cell": self.float16_per_cell,
+            "float16_peak": self.float16_peak,
+        }
+
+
+@attrs.frozen
 class RunResult:
     requests: list[Request] = attrs.field(repr=False)
     outputs: list[list[SampleResult]]
@@ -63,6 +96,7 @@ class RunResult:
     # With a save_state: None when the state was saved, else the error saying why not and what
     # the directory holds now (resume.SaveFailed); the run's outputs are here all the same.
     save_failed: Exception | None = None
+    kv_bytes: KVBytes | None = None  # None: not measured (a result built outside a Job)
 
     def to_json(self) -> dict:
         return {
@@ -81,4 +115,5 @@ class RunResult:
                 for r in self.requests
             ],
             "stats": self.stats.to_json(),
+            **({"kv_bytes": self.kv_bytes.to_json()} if self.kv_bytes is not None else {}),
         }

@@ -24,7 +24,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kvlayout.engines.records import OnProgress
-from kvlayout.runner.records import OnText, RunResult, TextEvent
+from kvlayout.config import show_bytes
+from kvlayout.runner.records import KVBytes, OnText, RunResult, TextEvent
 
 
 class TokenRate(ProgressColumn):
@@ -157,8 +158,18 @@ def print_report(result: RunResult, console: Console | None = None) -> None:
         f"{st.generated_tokens} generated in {st.wall_s:.2f} s · {st.steps} steps (max batch {st.max_batch}) · "
         f"preemptions {st.preemptions}",
         f"peak cells held {st.peak_cells} vs tokens held {st.peak_tokens}{saving} · kv_dtype {st.kv_dtype}",
+        *([kv_bytes_line(result.kv_bytes)] if result.kv_bytes is not None else []),
     ):
         console.print(line, highlight=False)
+
+
+def kv_bytes_line(sizes: KVBytes) -> str:
+    """The K/V the peak held, next to what float16 would hold for the same cells."""
+    line = f"K/V held at peak {show_bytes(sizes.peak)} ({show_bytes(sizes.per_cell)} a cell)"
+    if sizes.kv_dtype != "float16":
+        ratio = f", {sizes.float16_per_cell / sizes.per_cell:.2f}x" if sizes.per_cell else ""
+        line += f" · as float16 {show_bytes(sizes.float16_peak)}{ratio}"
+    return line
 
 
 def failure_line(result: RunResult) -> str | None:

@@ -34,7 +34,7 @@ import numpy as np
 from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import BatchControl, CellStepper, CellView, FacesBase, face_of
-from kvlayout.mlx import MAX_SLOTS, MLXPool, check_layer_dims, pool_bytes
+from kvlayout.mlx import MAX_SLOTS, check_layer_dims, config_pool_bytes, kv_pool
 from kvlayout.mlx.attention import pages_in_place
 from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
@@ -76,8 +76,8 @@ class CellCache(FacesBase):
         self._cell_stepper = face_of(CellStepper, self.stepper)
         self._cell_view = face_of(CellView, self.stepper)
 
-        def pool(lc):
-            return MLXPool(initial, max_slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype)
+        def pool(lc):  # an MLXPool, or a QuantizedPool for kv_dtype "q8"/"q4"
+            return kv_pool(initial, max_slots, lc.n_kv_heads, lc.head_dim, config)
 
         self.key_pools = [pool(lc) for lc in layers]
         self.value_pools = [pool(lc) for lc in layers]
@@ -255,8 +255,8 @@ class CellCache(FacesBase):
             # Every layer's pool holds as many slots (they take the same cells); the row is this
             # layer's, for every layer of this window (models give them one shape).
             pool = (self.key_pools[layer].slots, lc.n_kv_heads * lc.head_dim)
-            if path == "auto" and not pages_in_place(self.key_pools[layer].dtype):
-                pool = None  # attend() would gather the pages' cells: plan gathered batches
+            if path == "auto" and (self.config.kv_bits or not pages_in_place(self.key_pools[layer].dtype)):
+                pool = None  # attend() would gather the pages' cells (always, when quantized): plan gathered batches
             table = self.stepper.table
             plan = plan_cells(seq_ids, positions, window, step.read_len, table.seq_keys, path, table.held, pool)
             groups = None if plan is None else _as_mx(plan)
@@ -297,7 +297,7 @@ def _check_sizes(config: CacheConfig, layers: list) -> tuple[int, int]:
     initial = min(_tiled(config.initial_capacity), max_slots)
 
     def pools(slots: int) -> int:  # bytes of every layer's K and V pools at `slots` slots
-        return sum(2 * pool_bytes(slots, lc.n_kv_heads, lc.head_dim, config.kv_dtype) for lc in layers)
+        return sum(2 * config_pool_bytes(slots, lc.n_kv_heads, lc.head_dim, config) for lc in layers)
 
     what = f"an mlx:cell cache of capacity={capacity} and max_seqs={max_seqs}"
     check_layer_dims(config)

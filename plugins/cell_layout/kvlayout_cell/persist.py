@@ -4,7 +4,8 @@ A whole cache (`content = "cache"`) keeps only the occupied cells, gathered:
 
 - tensors `cells` (I64 [n], ascending), `pos` (I64 [n]), `owners` (U64
   [n, words], the owner bitset) and, per layer i, `k.i` / `v.i`
-  `[1, H_kv, n, D]` in the storage dtype;
+  `[1, H_kv, n, D]` in the storage dtype (quantized K/V as their triples'
+  parts, `k.i.packed` ..., bit for bit: `kvlayout.mlx.tensors`);
 - state `{"state_version": 1, "live": [ids]}`.
 
 It comes back at the same cell indices, so the restored table is the saved
@@ -31,7 +32,7 @@ import numpy as np
 
 from kvlayout.checks import int_array
 from kvlayout.errors import StateError, StepError
-from kvlayout.mlx.tensors import read_kv, to_raw
+from kvlayout.mlx.tensors import kv_tensors, read_kv
 from kvlayout.persist import StateFile, numpy_of, raw_numpy, read_state, save_state, state_path
 
 LAYOUT = "mlx:cell"
@@ -53,11 +54,8 @@ def _gather(cache: Any, cells: np.ndarray) -> dict:
     idx = mx.array(cells.astype(np.int32))
     for i in range(cache.n_layers):
         for name, pool in (("k", cache.key_pools[i]), ("v", cache.value_pools[i])):
-            if cells.size:
-                part = pool.read(0, int(cells.max()) + 1)[:, :, idx, :]  # [1, H_kv, n, D]
-            else:
-                part = mx.zeros((1, pool.n_heads, 0, pool.head_dim), dtype=pool.dtype)
-            out[f"{name}.{i}"] = to_raw(part)
+            part = pool.take(idx) if cells.size else pool.read(0, 0)  # [1, H_kv, n, D] (or its triple)
+            out.update(kv_tensors(f"{name}.{i}", part))
     return out
 
 
@@ -130,6 +128,8 @@ def _compatible(f: StateFile, saved: Any, config: Any) -> None:
                 why.append(f"layer {i}: {saved.layer(i).to_mapping()} vs {config.layer(i).to_mapping()}")
     if saved.kv_dtype != config.kv_dtype:
         why.append(f"kv_dtype {saved.kv_dtype!r} vs {config.kv_dtype!r}")
+    elif saved.kv_group_size != config.kv_group_size:
+        why.append(f"kv_group_size {saved.kv_group_size} vs {config.kv_group_size}")
     if why:
         raise f.refuse(f"saved from a cache this one cannot take (saved vs this: {'; '.join(why)})")
 

@@ -19,7 +19,8 @@ from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import FacesBase, SequenceControl, face_of
 from kvlayout.spec import AttendSpec, MaskKind
-from kvlayout.mlx import MAX_SLOTS, MLXPool, check_layer_dims, pool_bytes
+from kvlayout.mlx import MAX_SLOTS, check_layer_dims, config_pool_bytes, kv_pool
+from kvlayout.pool import Pool
 
 from kvlayout_seq.bookkeeping import SeqBook, SeqStepPlan, band_mask
 
@@ -49,11 +50,11 @@ class SeqCache(FacesBase):
         )
         self._shapes = [(lc.n_kv_heads, lc.head_dim) for lc in layers]
         initial = _check_sizes(config, self._book)  # the book allocates nothing: check before the pools do
-        self.key_pools: list[MLXPool] = []
-        self.value_pools: list[MLXPool] = []
+        self.key_pools: list[Pool] = []  # MLXPools, or QuantizedPools for kv_dtype "q8"/"q4"
+        self.value_pools: list[Pool] = []
         for (heads, dim), policy, slots in zip(self._shapes, self._book.layers, initial):
-            self.key_pools.append(MLXPool(slots, policy.storage, heads, dim, config.kv_dtype))
-            self.value_pools.append(MLXPool(slots, policy.storage, heads, dim, config.kv_dtype))
+            self.key_pools.append(kv_pool(slots, policy.storage, heads, dim, config))
+            self.value_pools.append(kv_pool(slots, policy.storage, heads, dim, config))
         self._control = face_of(SequenceControl, self)
 
     # SequenceControl
@@ -178,7 +179,7 @@ def _check_sizes(config: CacheConfig, book: SeqBook) -> list[int]:
     initial = [min(config.initial_capacity, p.storage) if p.kind == "flat" else p.storage for p in book.layers]
 
     def pools(slots: list[int]) -> int:  # bytes of every layer's K and V pools at these slots
-        return sum(2 * pool_bytes(n, heads, dim, config.kv_dtype) for n, (heads, dim) in zip(slots, shapes))
+        return sum(2 * config_pool_bytes(n, heads, dim, config) for n, (heads, dim) in zip(slots, shapes))
 
     what = f"an mlx:seq cache of capacity={config.capacity}"
     check_layer_dims(config)
@@ -200,7 +201,7 @@ def _check_sizes(config: CacheConfig, book: SeqBook) -> list[int]:
     return initial
 
 
-def _scatter(pool: MLXPool, plan: SeqStepPlan, x: mx.array) -> None:
+def _scatter(pool: Pool, plan: SeqStepPlan, x: mx.array) -> None:
     """Write the step's tokens `x` `[1, H_kv, T, D]` into the plan's write runs, in order
     (and each again `plan.mirror` slots further, for a mirrored ring)."""
     first = 0  # a ring write that wraps: the head of the step, then the rest from slot 0
@@ -219,7 +220,7 @@ def _band_mask(length: int, read_len: int, window: int) -> mx.array:
     return mx.array(band_mask(length, read_len, window))[None, None]
 
 
-def _gather(pool: MLXPool, plan: SeqStepPlan) -> mx.array:
+def _gather(pool: Pool, plan: SeqStepPlan) -> mx.array:
     """The plan's one read run (flat, or a ring's window in its mirror): a view of the pool."""
     (run,) = plan.reads
     return pool.read(run.slot, run.length)

@@ -2,7 +2,8 @@
 
 One file (`content = "cache"`) holds, per layer i, `k.i` / `v.i`: a flat
 layer's slots `[0, length)`, `[1, H_kv, length, D]`; a ring layer's whole
-ring, `[1, H_kv, slots, D]` (a ring is allocated whole and its slots are
+ring, `[1, H_kv, slots, D]` (quantized K/V as their triples' parts,
+`k.i.packed` ..., bit for bit: `kvlayout.mlx.tensors`) (a ring is allocated whole and its slots are
 recycled, so all of it is kept). The state is
 `{"state_version": 1, "length": L, "retained": [per distinct policy]}`:
 the length and each ring's record of what it still holds, so `floor`, and
@@ -20,7 +21,7 @@ from typing import Any
 
 from kvlayout.checks import int_scalar
 from kvlayout.errors import StepError
-from kvlayout.mlx.tensors import read_kv, to_raw
+from kvlayout.mlx.tensors import kv_tensors, read_kv
 from kvlayout.persist import StateFile, save_state, state_path
 
 LAYOUT = "mlx:seq"
@@ -45,8 +46,8 @@ def save_cache(cache: Any, path: str | os.PathLike) -> Path:
     tensors = {}
     for i, policy in enumerate(book.layers):
         n = _kept(policy, book.length)
-        tensors[f"k.{i}"] = to_raw(cache.key_pools[i].read(0, n))  # [1, H_kv, n, D]
-        tensors[f"v.{i}"] = to_raw(cache.value_pools[i].read(0, n))
+        tensors.update(kv_tensors(f"k.{i}", cache.key_pools[i].read(0, n)))  # [1, H_kv, n, D]
+        tensors.update(kv_tensors(f"v.{i}", cache.value_pools[i].read(0, n)))
     state = {
         "state_version": STATE_VERSION,
         "length": book.length,
