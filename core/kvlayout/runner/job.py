@@ -239,8 +239,11 @@ class Job:
         ]
         prompts = [p.text for p in self.built] or [tok.decode(p) for p in self.prompts]
         messages = [p.messages for p in self.built]
-        sizes = KVBytes.of(cache_config(cfg, self.args, self.kv_dtype), stats.peak_cells)
-        return RunResult(requests, outputs, stats, prompts, complete, messages, failed, sizes)
+        return RunResult(requests, outputs, stats, prompts, complete, messages, failed, self.kv_bytes(stats.peak_cells))
+
+    def kv_bytes(self, cells: int) -> KVBytes:
+        """What `cells` cells of this job's cache hold in K/V, beside float16's figure for them."""
+        return KVBytes.of(cache_config(self.cfg, self.args, self.kv_dtype), cells)
 
     def _save(self, directory, requests, engine, stats, complete: bool):
         """Save the run's state (`resume.save_run`); None, or the SaveFailed saying why it was not."""

@@ -55,33 +55,34 @@ class SampleResult:
 
 @attrs.frozen
 class KVBytes:
-    """What the cache's K/V took: bytes a cell holds (every layer's K and V) and at the run's
-    peak, in its kv_dtype and as float16 would hold the same cells."""
+    """What `cells` cells of a cache hold in K/V (every layer's K and V), in its kv_dtype and as
+    float16 would hold the same cells. A run reports its peak; a server, the cells used now."""
 
     kv_dtype: str
     per_cell: int
     float16_per_cell: int
-    peak_cells: int
+    cells: int
 
     @classmethod
-    def of(cls, config: Any, peak_cells: int) -> KVBytes:
-        return cls(config.kv_dtype, cell_bytes(config), cell_bytes(config, "float16"), peak_cells)
+    def of(cls, config: Any, cells: int) -> KVBytes:
+        return cls(config.kv_dtype, cell_bytes(config), cell_bytes(config, "float16"), cells)
 
     @property
-    def peak(self) -> int:
-        return self.per_cell * self.peak_cells
+    def held(self) -> int:
+        return self.per_cell * self.cells
 
     @property
-    def float16_peak(self) -> int:
-        return self.float16_per_cell * self.peak_cells
+    def float16_held(self) -> int:
+        return self.float16_per_cell * self.cells
 
     def to_json(self) -> dict:
         return {
             "kv_dtype": self.kv_dtype,
+            "cells": self.cells,
             "per_cell": self.per_cell,
-            "peak": self.peak,
+            "held": self.held,
             "float16_per_cell": self.float16_per_cell,
-            "float16_peak": self.float16_peak,
+            "float16_held": self.float16_held,
         }
 
 

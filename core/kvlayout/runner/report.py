@@ -165,10 +165,10 @@ def print_report(result: RunResult, console: Console | None = None) -> None:
 
 def kv_bytes_line(sizes: KVBytes) -> str:
     """The K/V the peak held, next to what float16 would hold for the same cells."""
-    line = f"K/V held at peak {show_bytes(sizes.peak)} ({show_bytes(sizes.per_cell)} a cell)"
+    line = f"K/V held at peak {show_bytes(sizes.held)} ({show_bytes(sizes.per_cell)} a cell)"
     if sizes.kv_dtype != "float16":
         ratio = f", {sizes.float16_per_cell / sizes.per_cell:.2f}x" if sizes.per_cell else ""
-        line += f" · as float16 {show_bytes(sizes.float16_peak)}{ratio}"
+        line += f" · as float16 {show_bytes(sizes.float16_held)}{ratio}"
     return line
 
 

@@ -34,6 +34,7 @@ def stats(worker, service) -> dict:
         "model": service.model_id,
         "layout": service.cfg.layout.key,
         "cells": cells,
+        "kv_bytes": service.job.kv_bytes(cells["used"]).to_json(),  # what the used cells hold now
         "steps": snap["steps"],
         "tokens_per_s": worker.rates_now["tokens_per_s"],
         "prefill_tokens_per_s": worker.rates_now["prefill_tokens_per_s"],
@@ -66,6 +67,7 @@ class Collector:
             ("kvlayout_cells_cached", "Cells only kept prefixes own", c["cached"]),
             ("kvlayout_cells_shared", "Cells two or more owners (sequences or kept prefixes) hold once", c["shared"]),
             ("kvlayout_cells_shared_live", "Cells two or more live sequences own", c["shared_live"]),
+            ("kvlayout_kv_bytes_used", "Bytes of K/V the used cells hold (kv_dtype's)", s["kv_bytes"]["held"]),
             ("kvlayout_live_sequences", "Sequences generating or prefilling", c["live_sequences"]),
             ("kvlayout_requests_running", "Requests the engine is generating", q["running"]),
             ("kvlayout_requests_waiting", "Requests in the server's queue", q["waiting"]),
