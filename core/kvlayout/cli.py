@@ -407,7 +407,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what is not None and args.rows is not None:
         raise ConfigError(f"kvlayout bench {args.what} --rows {args.rows}: give one of them")
     if args.what is not None:
-        rows = [args.what]  # `kvlayout bench serve` is `--rows serve`
+        rows = [args.what]  # `kvlayout bench serve` is `--rows serve` (kvq likewise)
     if args.rows is not None:
         rows = [r.strip() for r in args.rows.split(",") if r.strip()]
         if not rows:
@@ -571,9 +571,10 @@ def make_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="kvlayout beside mlx-lm on the same work (needs the bench extra: pip install 'kvlayout[bench]')"
     )
-    bench.add_argument("what", nargs="?", choices=["serve"],
-                       help="serve: row 10 only, K concurrent clients against kvlayout serve and mlx_lm.server "
-                       "(on --model DIR, else SmolLM2-135M-Instruct)")
+    bench.add_argument("what", nargs="?", choices=["serve", "kvq"],
+                       help="serve: row 10 only, K concurrent clients against kvlayout serve and mlx_lm.server; "
+                       "kvq: row 11 only, quantized K/V cells against float K/V and mlx-lm's QuantizedKVCache "
+                       "(each on --model DIR, else SmolLM2-135M-Instruct)")
     bench.add_argument("--out", type=given, metavar="DIR", help="also write bench.json and bench.png into DIR")
     size = bench.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short smoke-test run (small sizes, 2 repeats)")

@@ -14,6 +14,7 @@ SIZES = {
         model_tokens=8, chat_n=8, chat_tokens=4,
         book_sizes=(4096,), book_dense_max=4096, group_seqs=8, group_len=256, attn_heads=(8, 2, 64),
         serve_clients=(1, 4), serve_requests=1, serve_tokens=8, serve_system=128,
+        kvq_ns=(1, 8), kvq_tokens=4, kvq_single_tokens=8, kvq_server_n=4, kvq_forced=2, kvq_repeats=1,
     ),
     "default": dict(
         repeats=3, write_ctx=(1024, 8192, 32768), write_reps=20, grow=8192, grow_reps=2, gen_tokens=256,
@@ -21,6 +22,7 @@ SIZES = {
         model_tokens=32, chat_n=8, chat_tokens=24,
         book_sizes=(4096, 32768), book_dense_max=4096, group_seqs=32, group_len=1024, attn_heads=(32, 8, 128),
         serve_clients=(1, 4, 16), serve_requests=2, serve_tokens=16, serve_system=512,
+        kvq_ns=(1, 8, 32), kvq_tokens=16, kvq_single_tokens=32, kvq_server_n=16, kvq_forced=8, kvq_repeats=2,
     ),
     "full": dict(
         repeats=5, write_ctx=(1024, 8192, 32768), write_reps=50, grow=32768, grow_reps=2, gen_tokens=256,
@@ -28,6 +30,7 @@ SIZES = {
         model_tokens=128, chat_n=8, chat_tokens=64,
         book_sizes=(4096, 32768, 131072), book_dense_max=32768, group_seqs=32, group_len=1024,
         attn_heads=(32, 8, 128), serve_clients=(1, 4, 16), serve_requests=4, serve_tokens=64, serve_system=512,
+        kvq_ns=(1, 8, 32), kvq_tokens=64, kvq_single_tokens=128, kvq_server_n=16, kvq_forced=32, kvq_repeats=3,
     ),
 }
 

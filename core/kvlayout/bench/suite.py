@@ -15,6 +15,7 @@ import mlx.core as mx
 from kvlayout.bench import peers, plot
 from kvlayout.bench.cell_rows import row_bookkeep, row_grouped
 from kvlayout.bench.dtype_rows import row_fp16
+from kvlayout.bench.kvq_rows import row_kvq
 from kvlayout.bench.model_rows import row_batch, row_generate, row_prefix
 from kvlayout.bench.real_rows import row_chat, row_decode
 from kvlayout.bench.record import Row, Section
@@ -39,9 +40,10 @@ ROWS: dict[str, RowFn] = {
     "decode": row_decode,  # rows 8-9 measure the model of --model DIR
     "chat": row_chat,
     "serve": row_serve,  # row 10: `kvlayout bench serve`, on --model DIR or SmolLM2
+    "kvq": row_kvq,  # row 11: `kvlayout bench kvq`, quantized K/V on a tiny model and --model DIR or SmolLM2
 }
 ON_A_USER_MODEL = ("decode", "chat")
-ON_REQUEST = ("serve",)  # run only when named: it starts two servers and takes minutes
+ON_REQUEST = ("serve", "kvq")  # run only when named: minutes each (two servers; SmolLM2 at 32 sequences)
 MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix", *ON_A_USER_MODEL, *ON_REQUEST)
 
 
@@ -57,7 +59,7 @@ def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | 
 
     Rows default to rows 1-7 (seeded tiny models), or, with `model` (a model
     directory the user has), to rows 8-9 on it (`ON_A_USER_MODEL`). Row 10
-    (`serve`) runs only when named, on `model` or else SmolLM2.
+    (`serve`) and row 11 (`kvq`) run only when named, on `model` or else SmolLM2.
 
     With `out`, also write bench.json and bench.png there. ConfigError (one
     line, before anything runs) for an unknown row; MissingExtra, before anything is measured, when mlx-lm (for

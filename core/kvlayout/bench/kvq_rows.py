@@ -1,0 +1,270 @@
+"""Row 11 (kvq): quantized K/V cells ("q8", "q4") against float K/V and against mlx-lm's QuantizedKVCache.
+
+Two models: the tiny preset with head_dim 64 (its own head_dim of 16 no
+group size divides) and SmolLM2-135M-Instruct (or `--model DIR`). On each:
+
+- bytes a cell takes, measured from the pools of a filled cache, and how
+  many 1k-token sequences a fixed K/V budget holds at each kv_dtype;
+- decode tok/s of 1, 8 and 32 sequences on `mlx:cell`, q8 and q4 against
+  float32 (what kv_dtype "auto" picks on the CPU), the same prompts; how
+  many greedy answers match float's token for token;
+- one sequence on `mlx:seq` at q8/q4 against mlx-lm's generate_step over a
+  QuantizedKVCache of the same bits and group size (decode time);
+- 16 requests on `mlx:cell` at q4, batched, against mlx-lm's quantized
+  server path: `mlx_lm.server --kv-bits` serves one request at a time
+  ("Disables batching"), i.e. one generate_step per request after the other,
+  measured here in process with quantized_kv_start 0 so both quantize from
+  the first token (the server's default 5000 would leave short prompts in
+  float);
+- the largest logit error against float K/V, teacher-forced: the same
+  prompt-and-answer tokens through a float and a quantized cache.
+
+Every sample runs its max_tokens (no EOS), so both sides do the same work.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from kvlayout.bench import peers
+from kvlayout.bench.model_rows import load_both, run_config
+from kvlayout.bench.real_rows import QUESTIONS, chat_ids
+from kvlayout.bench.record import Row
+from kvlayout.bench.timing import interleaved
+from kvlayout.config import CacheConfig, QUANTIZED_KV_BITS
+from kvlayout.mlx import cell_bytes
+
+QUANTIZED = tuple(QUANTIZED_KV_BITS)  # "q8", "q4"
+FLOAT = "float32"  # kv_dtype "auto" on the CPU
+GROUP = 64
+BUDGET = 1 << 30  # the K/V budget the "fits" figures divide
+SEQ_LEN = 1024
+
+
+def kvq_models(ctx: dict) -> list[tuple[str, Path]]:
+    """(name, directory) of both models: the tiny preset at head_dim 64, written once, and SmolLM2 (or --model)."""
+    from kvlayout.bench.serve_rows import serve_model
+    from kvlayout.models.presets import write_preset
+
+    tiny = Path(ctx["model_dir"]).parent / "tiny_d64"
+    if not tiny.exists():
+        write_preset(tiny, "tiny", head_dim=64)
+    real = serve_model(ctx)
+    short = "smollm2" if ctx.get("user_model") is None else real.name[:12]  # the table's case column is narrow
+    return [("tiny-d64", tiny), (short, real)]
+
+
+def prompts_for(tokenizer, n: int, chat: bool) -> list[list[int]]:
+    """`n` prompts: chat-templated questions (a real model's tokenizer), else byte strings of varied length."""
+    if chat:
+        return [chat_ids(tokenizer, q) for q in (QUESTIONS * -(-n // len(QUESTIONS)))[:n]]
+    return [[(7 * j + 11 * i + 3) % 256 for j in range(24 + 5 * (i % 8))] for i in range(n)]
+
+
+def with_kv(cfg, kv_dtype: str):
+    """`cfg` (a RunConfig from `run_config`) with its cache's kv_dtype set."""
+    import attrs
+
+    return attrs.evolve(cfg, cache=attrs.evolve(cfg.cache, kv_dtype=kv_dtype))
+
+
+def measured_cell_bytes(config: CacheConfig, cells: int = 512) -> float:
+    """Bytes a cell takes in a real mlx:cell cache of `config` filled with `cells` cells: the pools'
+    nbytes over their slots (not the formula: what the arrays hold)."""
+    from kvlayout import build
+
+    cache = build("mlx", "cell", config)
+    seq = cache.seq_new()
+    ok = cache.declare_step([seq] * cells)
+    assert ok
+    for i in range(config.n_layers):
+        lc = config.layer(i)
+        x = mx.zeros((1, lc.n_kv_heads, cells, lc.head_dim))
+        spec = cache.update_and_fetch(i, range(cells), x, x)
+        del spec
+    pools = cache.key_pools + cache.value_pools
+    return sum(p.nbytes for p in pools) / pools[0].slots
+
+
+def row_kvq(z: dict, ctx: dict) -> tuple[str, list[Row]]:
+    from kvlayout.runner import job as jobs
+
+    generate_step = peers.mlx_lm("generate").generate_step
+    QuantizedKVCache = peers.mlx_lm("models.cache").QuantizedKVCache
+    out: list[Row] = []
+    notes: list[str] = []
+    for name, model_dir in kvq_models(ctx):
+        print(f"[kvq: {name}]", file=sys.stderr)
+        ours, theirs, tokenizer = load_both(model_dir)
+        chat = (model_dir / "tokenizer.json").is_file()
+        if chat:
+            tokenizer = peers.mlx_lm("utils").load_tokenizer(model_dir)
+        args = ours[1]
+        k = z["kvq_tokens"]
+
+        # Bytes per cell, from the pools; what a fixed budget holds.
+        layers = args.layer_configs()[:1] if len(set(args.layer_configs())) == 1 else args.layer_configs()
+        sizes = {}
+        for dtype in ("float32", "float16", *QUANTIZED):
+            cfg = CacheConfig(capacity=1024, n_layers=args.num_hidden_layers, layers=layers, kv_dtype=dtype,
+                              initial_capacity=512, kv_group_size=GROUP)
+            sizes[dtype] = (measured_cell_bytes(cfg), cell_bytes(cfg))
+        fits = {d: BUDGET // (SEQ_LEN * int(b)) for d, (b, _) in sizes.items()}
+        notes.append(
+            f"{name}: bytes/cell (measured = formula) "
+            + ", ".join(f"{d} {b:.0f}{'' if b == f else f' (formula {f})'}" for d, (b, f) in sizes.items())
+            + f"; 1k-token sequences in {BUDGET >> 20} MiB of K/V: "
+            + ", ".join(f"{d} {n}" for d, n in fits.items())
+            + f" (q4 {fits['q4'] / fits['float16']:.2f}x float16's, q8 {fits['q8'] / fits['float16']:.2f}x)"
+        )
+
+        # Decode of 1, 8 and 32 sequences: quantized against float, the same prompts.
+        answers: dict[tuple[str, int], list[list[int]]] = {}
+        for n in z["kvq_ns"]:
+            prompts = prompts_for(tokenizer, n, chat)
+            reqs = [{"prompt_ids": p, "max_tokens": k} for p in prompts]
+            base = run_config(model_dir, "mlx:cell", reqs, sum(map(len, prompts)) + n * k, chunk=512)
+            prepared = {d: jobs.prepare(with_kv(base, d), loaded=ours) for d in (FLOAT, *QUANTIZED)}
+
+            def side(d):
+                def go():
+                    res = prepared[d].generate()
+                    answers[d, n] = [list(o[0].token_ids) for o in res.outputs]
+                    return res.stats.decode_s
+                return go
+
+            t = interleaved({d: side(d) for d in (FLOAT, *QUANTIZED)}, z["kvq_repeats"])
+            float_tok_s = n * (k - 1) / statistics.median(t[FLOAT])
+            for d in QUANTIZED:
+                tok_s = n * (k - 1) / statistics.median(t[d])
+                same = sum(a == b for a, b in zip(answers[d, n], answers[FLOAT, n]))
+                out.append(Row.from_times(
+                    "11 kvq", f"{name} {n} seq: cell {d} vs {FLOAT}", t, d, FLOAT,
+                    f"{tok_s:.1f} vs {float_tok_s:.1f} decode tok/s ({tok_s / float_tok_s:.2f}x); "
+                    f"{same}/{n} answers identical to float's",
+                    model=name, sequences=n, tok_s=tok_s, baseline_tok_s=float_tok_s, identical_answers=same,
+                ))
+
+        # One sequence: mlx:seq at q8/q4 against mlx-lm's QuantizedKVCache.
+        prompt = prompts_for(tokenizer, 1, chat)[0]
+        n1 = z["kvq_single_tokens"]
+        for d in QUANTIZED:
+            bits = QUANTIZED_KV_BITS[d]
+            cfg = with_kv(run_config(model_dir, "mlx:seq", [{"prompt_ids": prompt, "max_tokens": n1}], len(prompt) + n1), d)
+            prepared_seq = jobs.prepare(cfg, loaded=ours)
+            got: dict[str, list[int]] = {}
+
+            def ours_side():
+                res = prepared_seq.generate()
+                got["ours"] = list(res.outputs[0][0].token_ids)
+                return res.stats.decode_s
+
+            def theirs_side():
+                cache = [QuantizedKVCache(group_size=GROUP, bits=bits) for _ in theirs.layers]
+                ids, first = [], None
+                for token, _ in generate_step(mx.array(prompt), theirs, max_tokens=n1, prompt_cache=cache):
+                    ids.append(int(token))
+                    if first is None:
+                        first = time.perf_counter()
+                got["theirs"] = ids
+                return time.perf_counter() - first
+
+            t = interleaved({"ours": ours_side, "theirs": theirs_side}, z["kvq_repeats"])
+            a, b = (n1 - 1) / statistics.median(t["ours"]), (n1 - 1) / statistics.median(t["theirs"])
+            same = got["ours"] == got["theirs"]
+            out.append(Row(
+                "11 kvq", f"{name} 1 seq: seq {d} vs mlx-lm", f"mlx:seq {d}", f"mlx-lm QuantizedKV {bits}b",
+                t["ours"], t["theirs"],
+                f"{a:.1f} vs {b:.1f} decode tok/s ({a / b:.2f}x); ids {'identical' if same else 'DIFFER'}",
+                {"model": name, "tok_s": a, "baseline_tok_s": b, "identical": same},
+            ))
+
+        # 16 requests at q4: batched cells against mlx-lm's one-at-a-time quantized server path.
+        m = z["kvq_server_n"]
+        prompts = prompts_for(tokenizer, m, chat)
+        reqs = [{"prompt_ids": p, "max_tokens": k} for p in prompts]
+        batched = jobs.prepare(with_kv(run_config(model_dir, "mlx:cell", reqs, sum(map(len, prompts)) + m * k, 512), "q4"),
+                               loaded=ours)
+        got16: dict[str, list[list[int]]] = {}
+
+        def batched_side():
+            t0 = time.perf_counter()
+            res = batched.generate()
+            got16["ours"] = [list(o[0].token_ids) for o in res.outputs]
+            return time.perf_counter() - t0
+
+        def one_at_a_time():
+            t0 = time.perf_counter()
+            got16["theirs"] = []
+            for p in prompts:
+                cache = [QuantizedKVCache(group_size=GROUP, bits=4) for _ in theirs.layers]
+                got16["theirs"].append([int(x) for x, _ in generate_step(mx.array(p), theirs, max_tokens=k, prompt_cache=cache)])
+            return time.perf_counter() - t0
+
+        t = interleaved({"ours": batched_side, "theirs": one_at_a_time}, z["kvq_repeats"])
+        a, b = m * k / statistics.median(t["ours"]), m * k / statistics.median(t["theirs"])
+        same = sum(x == y for x, y in zip(got16["ours"], got16["theirs"]))
+        out.append(Row(
+            "11 kvq", f"{name} {m} req q4: cell vs 1-at-a-time", "mlx:cell q4", "mlx-lm kv_bits=4 serial",
+            t["ours"], t["theirs"],
+            f"{a:.1f} vs {b:.1f} gen tok/s ({a / b:.2f}x throughput, prompts included); "
+            f"{same}/{m} answers identical",
+            {"model": name, "tok_s": a, "baseline_tok_s": b, "identical_answers": same},
+        ))
+
+        # Agreement with float K/V: the largest logit error, teacher-forced over float's answers.
+        n = max(z["kvq_ns"])
+        forced = [p + a for p, a in zip(prompts_for(tokenizer, n, chat), answers[FLOAT, n])][: z["kvq_forced"]]
+        errors = {d: logit_error(ours[0], args, forced, d) for d in QUANTIZED}
+        match = {d: token_match(answers[d, n], answers[FLOAT, n]) for d in QUANTIZED}
+        notes.append(
+            f"{name}: against float K/V over {n} greedy answers of {k} tokens, tokens matching float's "
+            + ", ".join(f"{d} {match[d]:.1%}" for d in QUANTIZED)
+            + f"; largest |logit error| teacher-forced over {len(forced)} sequences "
+            + ", ".join(f"{d} {e:.3g} (mean {m_:.3g})" for d, (e, m_) in errors.items())
+        )
+    work = (
+        f"tiny preset at head_dim 64 and {kvq_models(ctx)[1][0]}: kv_group_size {GROUP}; decode rows: "
+        f"{'/'.join(map(str, z['kvq_ns']))} requests on mlx:cell (chat-templated questions for a chat model, byte "
+        f"strings for the tiny one), {z['kvq_tokens']} tokens each greedy, no EOS, decode time = Stats.decode_s; "
+        f"1-seq rows: {z['kvq_single_tokens']} tokens, time after the first token; the {z['kvq_server_n']}-request "
+        "row: wall time, prompts included, mlx-lm one generate_step after another (mlx_lm.server --kv-bits serves so), "
+        "quantized from the first token. "
+        + " | ".join(notes)
+    )
+    return work, out
+
+
+def logit_error(model, args, sequences: list[list[int]], kv_dtype: str) -> tuple[float, float]:
+    """(largest, mean) |logit difference| over every position of `sequences`, each one prefill through a
+    float32 mlx:seq cache and one through a `kv_dtype` one."""
+    from kvlayout import build
+
+    largest, total, count = 0.0, 0.0, 0
+    for ids in sequences:
+        logits = {}
+        for d in (FLOAT, kv_dtype):
+            layers = args.layer_configs()
+            config = CacheConfig(capacity=len(ids), n_layers=args.num_hidden_layers, layers=layers[:1]
+                                 if len(set(layers)) == 1 else layers, kv_dtype=d,
+                                 initial_capacity=len(ids))
+            logits[d] = np.array(model(ids, range(len(ids)), build("mlx", "seq", config)).astype(mx.float32))
+        diff = np.abs(logits[kv_dtype] - logits[FLOAT])
+        largest, total, count = max(largest, float(diff.max())), total + float(diff.sum()), count + diff.size
+    return largest, total / count
+
+
+def token_match(got: list[list[int]], want: list[list[int]]) -> float:
+    """Share of positions where `got`'s greedy token equals `want`'s, counting to the first difference
+    of each answer (after it, the answers continue from other histories)."""
+    same = total = 0
+    for a, b in zip(got, want):
+        run = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same, total = same + run, total + len(b)
+    return same / total if total else 1.0
