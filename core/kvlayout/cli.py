@@ -400,8 +400,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     # Imported here so the other commands never pay for loading the suite.
-    from kvlayout.bench import suite
+    from kvlayout.bench import blas, suite
 
+    library = args.blas if args.blas is not None else os.environ.get(blas.ENV) or None
+    if library is not None:
+        library = blas.check_library(library)
+        if not blas.preloaded(library):  # before anything is measured: the same command, the library preloaded
+            blas.exec_with(library, sys.argv[1:])
     mode = "quick" if args.quick else "full" if args.full else "default"
     rows = None
     if args.what is not None and args.rows is not None:
@@ -586,6 +591,12 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--model", type=given, metavar="DIR",
         help="a model directory you have: rows 8-9 (decode, chat) measure it beside mlx-lm (the default rows then)",
+    )
+    bench.add_argument(
+        "--blas", type=given, metavar="PATH",
+        help="run with this BLAS preloaded (Linux; e.g. Debian's OpenBLAS, "
+        "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3; also $KVLAYOUT_BLAS): "
+        "MLX's CPU wheel bundles the reference BLAS, ~20x slower",
     )
     bench.set_defaults(func=_bench)
     return parser

@@ -398,11 +398,6 @@ def _disagreeing(n_packed: int, n_groups: int, heads_groups: int = H) -> Quantiz
     return QuantizedKV(packed, sb, sb, 4, 64)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: QuantizedPool._quantized does not check that a QuantizedKV's parts agree; write/write_cells "
-    "store packed words before scales/biases are checked (core/kvlayout/mlx/quantized.py, write/write_cells)",
-)
 @pytest.mark.parametrize(
     "call",
     [

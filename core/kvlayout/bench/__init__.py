@@ -38,6 +38,16 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
               127.0.0.1, on --model DIR or SmolLM2: wall time, req/s,
               gen tok/s, time to first token p50/p99, cached tokens;
               answers compared. Run only when named.           [serve_rows]
+11. kvq       `kvlayout bench kvq`: quantized K/V cells (q8, q4) on a tiny
+              model at head_dim 64 and on --model DIR or SmolLM2: bytes per
+              cell and 1k-token sequences per GiB; decode of 1/8/32
+              sequences vs float32 K/V; one sequence vs mlx-lm's
+              QuantizedKVCache; 16 requests batched vs mlx-lm's one-at-a-time
+              quantized server path; agreement with float (token match, logit
+              error). Run only when named.                        [kvq_rows]
+
+The heading names the BLAS MLX multiplies with (`blas`); `--blas PATH`
+reruns the command with that library preloaded.
 
 Sizes are in `sizes`; timing in `timing`; the table in `table`, the plot in
 `plot`; `suite.run_suite` runs the rows. mlx-lm and matplotlib come with the

@@ -12,7 +12,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from kvlayout.bench import peers, plot
+from kvlayout.bench import blas, peers, plot
 from kvlayout.bench.cell_rows import row_bookkeep, row_grouped
 from kvlayout.bench.dtype_rows import row_fp16
 from kvlayout.bench.kvq_rows import row_kvq
@@ -50,7 +50,7 @@ MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix", *ON_A_USER_MO
 def heading(mode: str) -> str:
     """What the figures were measured with: the table's first line and the plot's title."""
     return (f"kvlayout bench ({mode}) · mlx {mx.__version__} on {mx.default_device()} · "
-            f"mlx-lm {peers.mlx_lm_version()} · {platform.machine()}, {platform.system()}")
+            f"mlx-lm {peers.mlx_lm_version()} · {platform.machine()}, {platform.system()} · BLAS: {blas.in_use()}")
 
 
 def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | None = None,
@@ -95,6 +95,7 @@ def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | 
     print_table(sections)
     payload = {
         "mode": mode, "mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
+        "blas": blas.in_use(),
         "sizes": z,
         "rows": [{"key": s.key, "workload": s.workload, "results": [r.to_json() for r in s.rows]} for s in sections],
     }

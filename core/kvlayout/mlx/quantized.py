@@ -76,8 +76,8 @@ class QuantizedPool(Pool):
 
     def write_cells(self, cells: Sequence[int], update: Any) -> None:
         q = self._quantized(update)
-        self.packed.write_cells(cells, q.packed)  # checks the cells before any part is written
-        self.scales.write_cells(cells, q.scales)
+        self.packed.write_cells(cells, q.packed)  # checks the cells before any part is written (the
+        self.scales.write_cells(cells, q.scales)  # parts' shapes agree: `_quantized` checked them)
         self.biases.write_cells(cells, q.biases)
 
     def read(self, start: int, length: int) -> QuantizedKV:
@@ -106,6 +106,15 @@ class QuantizedPool(Pool):
                 )
             if update.scales.dtype != SCALES or update.biases.dtype != SCALES:
                 raise KVLayoutError(f"update scales of dtype {update.scales.dtype}: expected float16")
+            # Every part checked against this pool before any is written: a refusal changes nothing.
+            n = update.packed.shape[2] if isinstance(update.packed, mx.array) and update.packed.ndim == 4 else None
+            for name, part, pool in zip(("packed", "scales", "biases"), update.parts(), self._parts):
+                shape = tuple(part.shape) if isinstance(part, mx.array) else type(part).__name__
+                if n is None or shape != (1, pool.n_heads, n, pool.head_dim) or part.dtype != pool.dtype:
+                    raise KVLayoutError(
+                        f"update {name} of shape {shape}: expected [1, {pool.n_heads}, n, {pool.head_dim}] "
+                        f"{pool.dtype}, n the packed words' token count"
+                    )
             return update
         if not isinstance(update, mx.array) or not mx.issubdtype(update.dtype, mx.floating):
             got = f"{update.dtype}" if isinstance(update, mx.array) else type(update).__name__
