@@ -217,20 +217,33 @@ def utf8_text(text: str, what: str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     # Imported here so `kvlayout plugins` never pays for loading the model code.
-    from kvlayout.runner import report
+    from kvlayout import distributed
+    from kvlayout.runner import ranks
 
-    from kvlayout.runner import resume
+    world = distributed.current()  # a world of one unless started by mlx.launch
+    try:
+        cfg = ranks.leader_config(world, lambda: _run_config(args))  # rank 0 reads it; every rank gets it
+    except ranks.LeaderRefused:
+        return 2  # rank 0 said why, in its one line
+
+    with ranks.quiet_unless_leader(world):
+        return _run_job(args, cfg, world)
+
+
+def _run_job(args: argparse.Namespace, cfg, world) -> int:
+    from kvlayout.runner import ranks, report, resume
     from kvlayout.runner.interrupt import StopOnCtrlC
     from kvlayout.runner.job import RunInterrupted, prepare
 
-    cfg = _run_config(args)
-    job = prepare(cfg, resume=args.resume)  # every user error surfaces here, before anything is drawn
-    for notice in job.notices:
-        print(f"kvlayout: {notice}", file=sys.stderr)
+    ranks.check_resume_world(args.resume, world)
+    job = prepare(cfg, resume=ranks.rank_dir(args.resume, world), world=world)  # every user error surfaces here
+    if world.leader:
+        for notice in job.notices:
+            print(f"kvlayout: {notice}", file=sys.stderr)
     save = args.save_state
     if save is not None:
         # Before the run, which a bad directory (or a layout that cannot save) would otherwise lose.
-        resume.ready_to_save(save, job)
+        resume.ready_to_save(ranks.rank_dir(save, world), job)
     tracing = None
     if args.trace is not None:
         from kvlayout.server.trace import Tracing
@@ -241,7 +254,9 @@ def _run(args: argparse.Namespace) -> int:
     stop = tracing.stop_after(ctrl_c) if tracing is not None else ctrl_c
     again = continue_command(args, cfg, save) if save is not None else None
     console = Console()
-    if console.is_terminal and not args.json:
+    if not world.leader:
+        watching = contextlib.nullcontext(report.Watch(lambda n: None))
+    elif console.is_terminal and not args.json:
         labels = [report.prompt_label(p.text, p.messages) for p in job.built]
         title = f"{cfg.layout.key} · {job.model_name}"
         samples = [r.n for r in job.cfg.requests]
@@ -250,7 +265,8 @@ def _run(args: argparse.Namespace) -> int:
         watching = report.progress_bar(job.planned_tokens, cfg.layout.key)
     try:
         with ctrl_c or contextlib.nullcontext(), watching as watch:
-            result = job.generate(progress=watch.progress, stop=stop, save_state=save, on_text=watch.on_text)
+            result = job.generate(progress=watch.progress, stop=stop, save_state=ranks.rank_dir(save, world),
+                                  on_text=watch.on_text)
     except RunInterrupted as exc:  # Ctrl-C inside a forward (the step was aborted first)
         if tracing is not None:
             _finish_trace_quietly(tracing, f"{cfg.layout.key} · {job.model_name} (interrupted)")
@@ -266,8 +282,11 @@ def _run(args: argparse.Namespace) -> int:
         else:  # the step it landed in is not whole: nothing of this run is saved
             print(f"kvlayout: interrupted; this run's state was not saved; {resume.holds(Path(save))}", file=sys.stderr)
         return 130
+    extra = {}
+    if world.distributed:  # every rank takes part in gathering the figures; rank 0 prints them
+        extra["ranks"] = ranks.rank_figures(world, result.kv_bytes.per_cell, job.model_bytes())
+        extra["world_size"] = world.size
     if args.json:
-        extra = {}
         if not result.complete:
             extra["stopped"] = "Ctrl-C: the run stopped after its current step; samples left unfinished are 'pending'"
         if save is not None:
@@ -279,8 +298,10 @@ def _run(args: argparse.Namespace) -> int:
         report.print_json(result, extra)
     else:
         report.print_report(result, console)
+        if world.distributed:
+            print(report.ranks_line(extra["ranks"]))
     failed = report.failure_line(result)  # a sample that failed is said once, and the exit is 1
-    if failed:
+    if failed and world.leader:
         print(f"kvlayout: error: {failed}", file=sys.stderr)
     if tracing is not None and not _finish_trace(tracing, f"{cfg.layout.key} · {job.model_name}"):
         return 2  # after the report: a trace that cannot be written loses nothing of the run
@@ -366,6 +387,7 @@ def _init_model(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     # Imported here: the other commands never load the HTTP stack.
+    from kvlayout import distributed
     from kvlayout.server.config import load_serve_config
     from kvlayout.server.serve import bind, serve
     from kvlayout.server.service import prepare_service
@@ -377,20 +399,27 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = cfg.with_layout(args.layout)
     if args.model is not None:
         cfg = cfg.with_model_path(args.model)
+    world = distributed.current()  # a world of one unless started by mlx.launch
+    if not world.leader:  # the same config (checked), no HTTP: replay rank 0's engine
+        service = prepare_service(cfg, world=world)
+        service.follow()
+        return 0
     sock = bind(args.host, args.port)  # before the model loads: a port in use is said at once
     try:
-        service = prepare_service(cfg)
+        service = prepare_service(cfg, world=world)
     except BaseException:
         sock.close()
         raise
     for notice in service.notices:
         print(f"kvlayout: {notice}", file=sys.stderr)
 
+    ranks = f", tensor-parallel over {world.size} ranks" if world.distributed else ""
+
     def ready(url: str) -> None:
         c = service.cfg
         print(
             f"kvlayout: serving {service.model_id} on {url} (layout {c.layout.key}, {c.cache.capacity} cells, "
-            f"up to {c.server.max_sequences} sequences at once); Ctrl-C stops",
+            f"up to {c.server.max_sequences} sequences at once{ranks}); Ctrl-C stops",
             file=sys.stderr,
             flush=True,
         )

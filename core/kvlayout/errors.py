@@ -66,3 +66,8 @@ class StateError(KVLayoutError):
     directory that does not exist, a write the OS refused: nothing was written), or a
     saved one is truncated, corrupted, of another format version, or does not match the
     installed layout or the expected config: nothing was loaded."""
+
+
+class RunEnded(KVLayoutError):
+    """A failure no retry can mend, which ends the run where it happened: the engines abort the
+    step and let it through (a tensor-parallel rank that lost its peers, `kvlayout.distributed`)."""

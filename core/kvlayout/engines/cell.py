@@ -18,15 +18,18 @@ import numpy as np
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.prefixes import Hit, PrefixCache, common_length
 from kvlayout.engines.records import (
+    Agree,
     OnProgress,
     OnToken,
     Request,
     Sample,
     Sampling,
     Stats,
+    draw_token,
     end_sample,
     ignore_tokens,
-    sample_next,
+    record_token,
+    same_tokens,
 )
 from kvlayout.engines.recovery import ForwardFailed, guarded_forward
 from kvlayout.engines import saved
@@ -120,8 +123,10 @@ class CellEngine:
         progress: OnProgress,
         on_token: OnToken = ignore_tokens,
         prefixes: PrefixCache | None = None,
+        agree: Agree = same_tokens,
     ):
         self.model, self.cache, self.bc = model, cache, control
+        self.agree = agree
         self.eos, self.sampling, self.chunk = eos, sampling, chunk
         self.stats, self.progress, self.on_token = stats, progress, on_token
         self.prefixes = prefixes
@@ -503,12 +508,15 @@ class CellEngine:
         for s, k in plan:
             s.cached += k
         self._note_held(len(plan))
+        drawn: list[tuple[Running, int]] = []
         for s, row in zip(completing, logits):
             forks = self._fork(s)
             if not s.remembered:
                 self._remember(s)
-            for fork in forks:
-                self._advance(fork, row)
+            drawn += [(fork, draw_token(fork.samples[0], row, fork.request, self.sampling)) for fork in forks]
+        # One agreement per step (a collective when tensor-parallel), then every token recorded.
+        for (fork, _), token in zip(drawn, self.agree([t for _, t in drawn])):
+            self._advance(fork, token)
         self.stats.account(time.perf_counter() - t0, prefill, decode)
 
     def _fork(self, s: Running) -> list[Running]:
@@ -529,8 +537,8 @@ class CellEngine:
             forks.append(f)
         return forks
 
-    def _advance(self, s: Running, row: np.ndarray) -> None:
-        token, finished, done = sample_next(s.samples[0], row, s.request, self.sampling, self.eos, self.stats)
+    def _advance(self, s: Running, token: int) -> None:
+        finished, done = record_token(s.samples[0], token, s.request, self.eos, self.stats)
         self.on_token(s.request, s.samples[0], token)
         if finished:
             self.running.remove(s)

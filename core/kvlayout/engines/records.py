@@ -178,17 +178,33 @@ def end_sample(request: Request, sample: Sample, reason: str, on_token: OnToken,
     progress(unplanned(sample, request))
 
 
-def sample_next(sample: Sample, row: np.ndarray, request: Request, sampling: Sampling, eos, stats: Stats):
-    """Sample the next token from `row` `[V]` and record it: (token, finished, how far progress moves).
+def draw_token(sample: Sample, row: np.ndarray, request: Request, sampling: Sampling) -> int:
+    """Sample the next token of `sample` from `row` `[V]` (its generator draws once); nothing recorded.
 
     `sampling` is the engine's; a request that brings its own (`Request.sampling`) uses that.
+    """
+    sampling = request.sampling or sampling
+    return sample_token(row, sampling.temperature, sampling.top_p, sample.rng)
+
+
+def record_token(sample: Sample, token: int, request: Request, eos, stats: Stats) -> tuple[bool, int]:
+    """Record `token` as `sample`'s next: (finished, how far progress moves).
 
     A token counts as generated unless it is the EOS that stopped the sample; a finished sample
     also settles the planned tokens it will never generate.
     """
-    sampling = request.sampling or sampling
-    token = sample_token(row, sampling.temperature, sampling.top_p, sample.rng)
     finished = take_token(sample, token, request, eos)
     if token not in eos:
         stats.generated_tokens += 1
-    return token, finished, 1 + (unplanned(sample, request) if finished else 0)
+    return finished, 1 + (unplanned(sample, request) if finished else 0)
+
+
+# How the tokens a step drew become the step's tokens (one call per step, the tokens in the order
+# drawn): as they are, or, tensor-parallel, as rank 0 drew them, reaching every rank through a
+# collective (kvlayout.distributed), so every rank's engine records the same tokens.
+Agree = Callable[[list[int]], list[int]]
+
+
+def same_tokens(tokens: list[int]) -> list[int]:
+    """The Agree of one process: the tokens as drawn."""
+    return tokens

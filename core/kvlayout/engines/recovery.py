@@ -21,8 +21,10 @@ sample the step carried finishes with "error" at once, the message naming
 the plugin and the hook. An observer of the abort itself that raises
 (`kvlayout_step_aborted`) is such a fault too; the abort still happened.
 
-A KeyboardInterrupt during a forward is aborted the same way and comes out
-as `Interrupted`, which tells the caller the engine's state is whole and may
+A `RunEnded` (a tensor-parallel rank whose peers are gone, or whose forward
+failed: one rank cannot retry alone) is aborted the same way and raised as
+it is: the run ends. A KeyboardInterrupt during a forward is aborted the
+same way and comes out as `Interrupted`, which tells the caller the engine's state is whole and may
 be saved (`kvlayout run --save-state`).
 """
 
@@ -33,7 +35,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.errors import PluginError
+from kvlayout.errors import PluginError, RunEnded
 from kvlayout.faces import StepAbort
 
 
@@ -76,6 +78,8 @@ def guarded_forward(model: Any, cache: Any, tokens: Sequence[int], positions: Se
                 exc = late  # the plugin's fault is the one to report
         if isinstance(exc, KeyboardInterrupt):
             raise Interrupted() from exc
+        if isinstance(exc, RunEnded):
+            raise
         if isinstance(exc, Exception):
             raise ForwardFailed(exc) from exc
         raise

@@ -10,15 +10,18 @@ import attrs
 
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.records import (
+    Agree,
     OnProgress,
     OnToken,
     Request,
     Sample,
     Sampling,
     Stats,
+    draw_token,
     end_sample,
     ignore_tokens,
-    sample_next,
+    record_token,
+    same_tokens,
 )
 from kvlayout.engines.recovery import ForwardFailed, Interrupted, guarded_forward
 from kvlayout.engines import saved
@@ -67,8 +70,10 @@ class SeqEngine:
         stats: Stats,
         progress: OnProgress,
         on_token: OnToken = ignore_tokens,
+        agree: Agree = same_tokens,
     ):
         self.model, self.cache, self.control = model, cache, control
+        self.agree = agree
         self.eos, self.sampling = eos, sampling
         self.chunk = min(chunk, control.max_step)  # the layout's rule, whoever drives the engine
         self.stats, self.progress, self.on_token = stats, progress, on_token
@@ -201,7 +206,8 @@ class SeqEngine:
         g.cached = cached + k
         finished = False
         if done:
-            token, finished, moved = sample_next(s, row[0], r, self.sampling, self.eos, self.stats)
+            (token,) = self.agree([draw_token(s, row[0], r, self.sampling)])  # a collective when tensor-parallel
+            finished, moved = record_token(s, token, r, self.eos, self.stats)
             self.on_token(r, s, token)
             if not finished:
                 tokens.append(token)

@@ -445,6 +445,11 @@ def load_config(path: str | Path | None = None) -> RunConfig:
     return RunConfig.from_mapping(data, source=str(path), base_dir=base_dir)
 
 
+def parse_config(text: str, source: str) -> RunConfig:
+    """The config in TOML `text` (what `dump_config` wrote: its model.path is absolute)."""
+    return RunConfig.from_mapping(tomllib.loads(text), source=source)
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     """The table in the TOML file `path`; ConfigError naming the file for each way it can fail to be one."""
     try:

@@ -13,14 +13,17 @@ then generates, telling `on_text` each sample's new text as it comes.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Sequence
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from kvlayout import registry
 from kvlayout.config import CacheConfig
+from kvlayout.distributed import RankedModel, World
 from kvlayout.engines.cell import CellEngine
 from kvlayout.engines.interface import Engine
 from kvlayout.engines.records import OnProgress, OnToken, Sampling, Stats, ignore_tokens, make_requests
@@ -28,6 +31,7 @@ from kvlayout.engines.recovery import Interrupted
 from kvlayout.engines.seq import SeqEngine
 from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.faces import BatchControl, SequenceControl, contract
+from kvlayout.models.shard import check_shardable, local_args, model_bytes, shard_model
 from kvlayout.runner.config import ModelSection, RunConfig
 from kvlayout.runner.prompts import Prompt, build_prompts
 from kvlayout.runner.records import KVBytes, OnText, RunResult, SampleResult, TextEvent
@@ -124,6 +128,8 @@ class Job:
     resumed: Any = None  # a resume.RunState when prepared with resume=DIR
     built: list[Prompt] = attrs.field(factory=list)  # each request's prompt: ids, text, messages
     notices: list[str] = attrs.field(factory=list)
+    # The ranks of a tensor-parallel run (each process runs a Job over its shard); a world of one else.
+    world: World = attrs.field(factory=World)
     _fingerprint: dict | None = attrs.field(default=None, init=False, repr=False)
 
     def fingerprint(self) -> dict:
@@ -154,11 +160,29 @@ class Job:
         sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
         eos = frozenset(self.tokenizer.eos_ids)
         bc = cache.as_batch_control()
+        agree = self.agree_tokens
         if bc is not None:
             return CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token,
-                              prefixes)
+                              prefixes, agree)
         control = cache.as_control()  # the engine keeps its steps within control.max_step
-        return SeqEngine(self.model, cache, control, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token)
+        return SeqEngine(self.model, cache, control, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token,
+                         agree)
+
+    def model_bytes(self) -> int:
+        """Bytes of the model's parameters this process holds (its shard, when tensor-parallel)."""
+        return model_bytes(self.model)
+
+    def agree_tokens(self, tokens: list[int]) -> list[int]:
+        """The engines' Agree: the step's tokens as rank 0 drew them (the tokens as they are in one process)."""
+        return self.world.agree_tokens(tokens, self.table_digest)
+
+    def table_digest(self) -> bytes:
+        """Bytes that change with anything the cache's bookkeeping holds (who owns which cell at which
+        position; a sequence's length): what every rank compares each step with KVLAYOUT_CHECK_RANKS=1."""
+        view = self.cache.as_cell_view()
+        if view is not None:
+            return b"".join(np.ascontiguousarray(a).tobytes() for a in view.cell_owners())
+        return str(self.cache.as_control().length).encode()
 
     def new_requests(self) -> list:
         """The run's requests, fresh: no sample started."""
@@ -275,7 +299,7 @@ def model_source(cfg: RunConfig):
     return cfg.model_dir()
 
 
-def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
+def prepare(cfg: RunConfig, loaded=None, resume=None, world: World | None = None) -> Job:
     """Resolve the layout, load the model, check every request fits, build the cache.
 
     `loaded` reuses a (model, args, tokenizer, name) from `load_model_for`; without it the
@@ -285,13 +309,25 @@ def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
     before anything is generated. `resume` (a directory `generate(save_state=)`
     wrote) loads the cache and the run's state from it instead of starting
     afresh; StateError when it was saved by a run with another config.
+
+    `world` (a tensor-parallel run's, `kvlayout.distributed.current()`): the model is split
+    over its ranks (`models.shard`; ConfigError when its heads do not divide) and the cache
+    holds this rank's KV heads only; every rank's prompts must be rank 0's (DistributedError).
     """
+    world = world or World()
     builder = registry.resolve(cfg.layout.backend, cfg.layout.kind)  # LayoutNotFound before loading
     skipped = registry.notices()  # plugins that failed to load: said once the run's own layout resolved
     notices: list[str] = []
     if loaded is None:
         cfg, loaded, notices = load_with_fallback(cfg)
     model, args, tok, name = loaded
+    if world.distributed:
+        check_shardable(args, world.size, name)
+        if getattr(model, "shards", 1) != world.size:  # a model handed in twice is split once
+            shard_model(model, world.group)
+            model.shards = world.size
+        model = RankedModel(model, world)
+        args = local_args(args, world.size)
     built, joined = build_prompts(cfg, tok, args.vocab_size)
     if joined:  # only where the run asked for it (cfg.plain_chat), and said here
         if notices:
@@ -299,9 +335,10 @@ def prepare(cfg: RunConfig, loaded=None, resume=None) -> Job:
         else:
             notices = [f"{name} has no chat template; chat messages are sent as plain text"]
     prompts = [p.ids for p in built]
+    world.same_everywhere(json.dumps(prompts).encode(), "the prompts' token ids")
     check_capacity(cfg, prompts)
     kv_dtype = default_kv_dtype(model.dtype) if cfg.cache.kv_dtype == "auto" else cfg.cache.kv_dtype
-    job = Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, None, None, built, skipped + notices)
+    job = Job(cfg, builder, model, args, tok, name, prompts, kv_dtype, None, None, built, skipped + notices, world)
     if resume is not None:
         from kvlayout.runner import resume as resuming
 

@@ -172,6 +172,13 @@ def kv_bytes_line(sizes: KVBytes) -> str:
     return line
 
 
+def ranks_line(figures: list[dict]) -> str:
+    """A tensor-parallel run's ranks: what each holds of the model and a cell's K/V."""
+    each = ", ".join(f"{show_bytes(f['model_bytes'])} model + {show_bytes(f['kv_bytes_per_cell'])}/cell K/V"
+                     for f in figures)
+    return f"tensor parallel over {len(figures)} ranks: {each}"
+
+
 def failure_line(result: RunResult) -> str | None:
     """One line saying how many samples failed and why (the first reason; how many others), or None.
 

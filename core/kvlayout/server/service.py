@@ -16,19 +16,23 @@ the main thread and HTTP on a thread of its own (`serve`).
 from __future__ import annotations
 
 import itertools
+import json
+import signal
 import time
 from typing import Any
 
 import attrs
 import numpy as np
 
+from kvlayout.distributed import World
 from kvlayout.engines.prefixes import PrefixCache
-from kvlayout.engines.records import Request, Sample, Sampling
+from kvlayout.engines.records import Request, Sample, Sampling, ignore_tokens
 from kvlayout.registry import plugin_manager
 from kvlayout.runner.job import Job, prepare
 from kvlayout.server import cellmap
 from kvlayout.server.config import ServeConfig
 from kvlayout.server.observer import CellObserver
+from kvlayout.server.replica import Leading, follow
 from kvlayout.server.requests import Limits, Order
 from kvlayout.server.worker import Worker
 
@@ -43,6 +47,16 @@ class Service:
     created: int
     notices: list[str]
     counter: Any = attrs.field(factory=itertools.count)
+
+    def follow(self) -> None:
+        """A tensor-parallel server's rank other than 0: replay rank 0's engine until it stops.
+
+        Ctrl-C reaches every rank of a launch; rank 0 alone decides when the server stops (its
+        grace period, then its last message), so the others ignore it."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        job, prefixes = self.job, self.worker.prefixes
+        follow(job.world, lambda stats: job.make_engine(stats, lambda n: None, ignore_tokens, prefixes),
+               self.worker.clear, job.tokenizer.decode)
 
     def close(self) -> None:
         """The server is done: its observer leaves the plugin manager."""
@@ -73,11 +87,15 @@ def model_id_of(cfg: ServeConfig) -> str:
     return cfg.model_dir().name
 
 
-def prepare_service(cfg: ServeConfig, loaded=None) -> Service:
+def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -> Service:
     """Load and build everything (ConfigError and friends, one line each, before any port is bound).
 
-    `loaded` reuses a (model, args, tokenizer, name), as `runner.job.prepare` takes it."""
-    job = prepare(cfg, loaded)
+    `loaded` reuses a (model, args, tokenizer, name), as `runner.job.prepare` takes it. `world`: a
+    tensor-parallel server's ranks (rank 0 serves; the others `follow`, server.replica); every
+    rank must have read the same config."""
+    world = world or World()
+    world.same_everywhere(json.dumps(attrs.asdict(cfg), sort_keys=True, default=str).encode(), "the server's config")
+    job = prepare(cfg, loaded, world=world)
     cfg = job.cfg  # the fallback's, when the config's model could not be had
     notices = list(job.notices)
     if job.tokenizer.chat_template is None:
@@ -99,9 +117,19 @@ def prepare_service(cfg: ServeConfig, loaded=None) -> Service:
 
     view = cellmap.cell_view(job.cache)
     observer = CellObserver() if view is not None else None  # the cell map hears the layout's step hooks
+    made: list[Any] = []
+
+    def make_engine(stats, heard):
+        engine = job.make_engine(stats, lambda n: None, heard, prefixes)
+        if world.distributed and world.leader:  # the other ranks replay what this engine is asked to do
+            engine = Leading(engine, world, fresh=bool(made))
+        made.append(engine)
+        return engine
+
     worker = Worker(
-        lambda stats, heard: job.make_engine(stats, lambda n: None, heard, prefixes),
-        cells, s.max_sequences, s.queue, clear, prefixes, view, observer,
+        make_engine, cells, s.max_sequences, s.queue, clear, prefixes, view, observer,
+        idle=lambda: made[-1].idle() if world.distributed else None,  # only rank 0's worker runs
+        stopped=lambda: made[-1].finish() if world.distributed else None,
     )
     if observer is not None:  # registered last: nothing that can fail after it leaves it behind
         plugin_manager().register(observer, name=observer.name)

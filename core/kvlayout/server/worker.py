@@ -29,6 +29,7 @@ import attrs
 
 from kvlayout.engines.prefixes import PrefixCache
 from kvlayout.engines.records import Request, Stats
+from kvlayout.errors import RunEnded
 from kvlayout.runner.text import SampleText
 from kvlayout.server import cellmap
 from kvlayout.server.observer import CellObserver
@@ -90,13 +91,18 @@ class Worker:
 
     def __init__(self, make_engine: Callable[[Stats, Callable], Any], cells: Callable[[], tuple[int, int]],
                  max_sequences: int, queue_limit: int, clear: Callable[[], None], prefixes: PrefixCache | None = None,
-                 view: Any = None, observer: CellObserver | None = None):
+                 view: Any = None, observer: CellObserver | None = None,
+                 idle: Callable[[], None] = lambda: None, stopped: Callable[[], None] = lambda: None):
         """`make_engine(stats, on_token)` builds an engine over the cache; `cells()` answers
         (held, capacity) between steps; `clear()` empties the cache after a step that raised;
         `prefixes` is the engines' prefix cache, reported by /health and /stats; `view` the
-        cache's CellView face and `observer` the plugin hearing its steps (the cell map).
-        `run()` must be called on the thread that made the model and the cache."""
+        cache's CellView face and `observer` the plugin hearing its steps (the cell map);
+        `idle()` is called while there is nothing to run (about every FRAME_EVERY_S) and
+        `stopped()` once `run` is done (a tensor-parallel server's heartbeat and last word to its
+        other ranks: server.replica). `run()` must be called on the thread that made the model and
+        the cache."""
         self.make_engine, self.cells, self.clear, self.prefixes = make_engine, cells, clear, prefixes
+        self.idle, self.stopped = idle, stopped
         self.view, self.observer = view, observer
         self.map: cellmap.Snapshot | None = None  # the table at the last frame (any thread reads it)
         self.frame: dict | None = None
@@ -165,6 +171,7 @@ class Worker:
                     commands.append(self.inbox.get(timeout=FRAME_EVERY_S))
                 except queue.Empty:
                     self.publish()  # the last change of a burst is drawn too
+                    self.idle()
                     continue
             while True:
                 try:
@@ -175,6 +182,7 @@ class Worker:
                 if verb == "stop":
                     self.cancel_all("the server is shutting down", cancel_in_engine=True)
                     self.publish()
+                    self.stopped()
                     return
                 if verb == "run":
                     if ticket.failed is None:  # not ended meanwhile by a step that raised
@@ -189,6 +197,8 @@ class Worker:
     def step(self) -> None:
         try:
             self.engine.step()
+        except RunEnded:  # a tensor-parallel rank lost its peers: no step can run any more
+            raise
         except Exception as exc:  # noqa: BLE001 - whatever a step raises, the server must go on
             self.failures += 1
             self.cancel_all(f"the step failed ({type(exc).__name__}: {exc}); the cache was cleared",

@@ -1,0 +1,67 @@
+"""Tensor parallelism: the model split across the ranks of a group, as mlx-lm's `model.shard(group)` splits it.
+
+Each rank keeps 1/N of every layer's attention heads and MLP columns:
+q/k/v and gate/up are "all-to-sharded" (each rank computes its own heads'
+and columns' outputs from the whole hidden state), o_proj and down_proj
+"sharded-to-all" (each rank's part of the product, summed over the group
+with one all_sum per projection). Embeddings, norms and the LM head stay
+whole on every rank, so the hidden state after each layer, and the logits,
+are the same everywhere. Rank r holds query heads [r H/N, (r+1) H/N) and KV
+heads [r H_kv/N, (r+1) H_kv/N): the KV heads its query heads read (GQA),
+so each rank's cache holds only its own heads' K/V.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx.nn.layers.distributed import shard_linear
+from mlx.utils import tree_flatten
+
+from kvlayout.errors import ConfigError
+
+
+def check_shardable(args: Any, ranks: int, source: str) -> None:
+    """ConfigError naming the field when `args` (ModelArgs) does not split over `ranks` ranks."""
+    for field in ("num_key_value_heads", "num_attention_heads", "intermediate_size"):
+        value = getattr(args, field)
+        if value % ranks:
+            fits = [n for n in range(2, value + 1) if all(getattr(args, f) % n == 0 for f in
+                                                           ("num_key_value_heads", "num_attention_heads", "intermediate_size"))]
+            hint = f"run it on {' or '.join(map(str, fits[:4]))} ranks" if fits else "run it in one process"
+            raise ConfigError(f"{source}: {field}={value} does not divide among {ranks} ranks; {hint}")
+
+
+def local_args(args: Any, ranks: int) -> Any:
+    """`args` as one rank's share sees it: its heads (what its cache holds) and MLP columns."""
+    return attrs.evolve(
+        args,
+        num_attention_heads=args.num_attention_heads // ranks,
+        num_key_value_heads=args.num_key_value_heads // ranks,
+        intermediate_size=args.intermediate_size // ranks,
+    )
+
+
+def shard_model(model: Any, group: Any) -> None:
+    """Split `model` (kvlayout.models.llama.Model) in place over `group` (`check_shardable` first).
+    Quantized projections split as they are (mlx's Quantized*Linear), never dequantized."""
+    n = group.size()
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
+        attn.k_proj = shard_linear(attn.k_proj, "all-to-sharded", group=group)
+        attn.v_proj = shard_linear(attn.v_proj, "all-to-sharded", group=group)
+        attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+        attn.n_heads //= n
+        attn.n_kv_heads //= n
+        mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
+        mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+    mx.eval(model.parameters())  # the whole weights go as soon as nothing holds them
+
+
+def model_bytes(model: Any) -> int:
+    """Bytes of the model's parameters in this process."""
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))

@@ -1,0 +1,98 @@
+"""What a tensor-parallel `kvlayout run` does on each rank around the Job.
+
+Rank 0 reads the config (file, flags, `--prompt -` from its stdin) and
+hands it to every other rank as TOML through a collective; each rank then
+loads the model and keeps its shard, renders and tokenizes the same
+requests (checked equal to rank 0's), and runs the same engine over its
+own cache. Only rank 0 prints; the others' stdout is discarded. Saved state
+goes to one directory per rank under the one named (`rank-R-of-N`), and a
+resume finds its own: another world size is refused, naming what the
+directory holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from kvlayout.distributed import DistributedError, World
+from kvlayout.errors import KVLayoutError, StateError
+from kvlayout.runner.config import RunConfig, dump_config, parse_config
+
+RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
+
+
+class LeaderRefused(KVLayoutError):
+    """Rank 0 refused the run (its message was said there); the other ranks stop with it."""
+
+
+def leader_config(world: World, make: Callable[[], RunConfig]) -> RunConfig:
+    """Rank 0's config on every rank: `make()` runs on rank 0 only; a KVLayoutError there reaches the
+    others as LeaderRefused (so every rank stops, rank 0 saying why)."""
+    if world.leader:
+        try:
+            cfg = make()
+        except KVLayoutError as exc:
+            world.json_from_leader({"refused": str(exc)}, "the run's config")
+            raise
+        world.json_from_leader({"toml": dump_config(cfg)}, "the run's config")
+        return cfg
+    got = world.json_from_leader(None, "the run's config")
+    if "refused" in got:
+        raise LeaderRefused(f"{world.label()}: stopped: rank 0 refused the run ({got['refused']})")
+    return parse_config(got["toml"], "rank 0's config")
+
+
+@contextlib.contextmanager
+def quiet_unless_leader(world: World) -> Iterator[None]:
+    """Rank 0 prints; every other rank's stdout goes nowhere for the run (its errors still reach stderr)."""
+    if world.leader:
+        yield
+        return
+    saved = sys.stdout
+    with open(os.devnull, "w") as devnull:
+        sys.stdout = devnull
+        try:
+            yield
+        finally:
+            sys.stdout = saved
+
+
+def rank_dir(directory: str | None, world: World) -> str | None:
+    """Where this rank saves or resumes: `directory` in one process, its `rank-R-of-N` inside it else."""
+    if directory is None or not world.distributed:
+        return directory
+    return str(Path(directory) / f"rank-{world.rank}-of-{world.size}")
+
+
+def check_resume_world(directory: str | None, world: World) -> None:
+    """StateError when `directory` was saved by a run of another world size than this one's."""
+    if directory is None or not Path(directory).is_dir():
+        return
+    sizes = sorted({int(m.group(2)) for p in Path(directory).iterdir() if (m := RANK_DIR.fullmatch(p.name))})
+    if not sizes and world.distributed:
+        raise StateError(
+            f"--resume {directory}: saved by a run in one process; this run has {world.size} ranks "
+            "(resume it without mlx.launch)"
+        )
+    if sizes and sizes != [world.size]:
+        held = " and ".join(f"{n} ranks" for n in sizes)
+        now = f"{world.size} ranks" if world.distributed else "one process"
+        raise StateError(
+            f"--resume {directory}: saved by a run of {held}; this run has {now} "
+            f"(resume it with mlx.launch -n {sizes[0]})"
+        )
+
+
+def rank_figures(world: World, kv_bytes_per_cell: int, model_bytes: int) -> list[dict[str, Any]]:
+    """Every rank's K/V bytes a cell and model bytes (a collective: every rank calls it)."""
+    every = world.gather_ints([kv_bytes_per_cell, model_bytes], "each rank's K/V and model bytes")
+    return [{"rank": r, "kv_bytes_per_cell": kv, "model_bytes": mb} for r, (kv, mb) in enumerate(every)]
+
+
+__all__ = ["DistributedError", "LeaderRefused", "check_resume_world", "leader_config", "quiet_unless_leader",
+           "rank_dir", "rank_figures"]
