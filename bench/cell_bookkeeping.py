@@ -30,7 +30,8 @@ import mlx.core as mx
 import numpy as np
 
 import common
-from kvlayout.registry import plugin_manager
+from kvlayout.registry import make_plugin_manager
+from kvlayout_cell.plugin import LowestFree
 from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
 
@@ -49,7 +50,9 @@ COLUMNS = [
 
 
 def filled_stepper(used_end: int) -> Stepper:
-    stepper = Stepper(CellTable(used_end + 2 * N_SEQS, N_SEQS), [0], plugin_manager())
+    pm = make_plugin_manager()
+    pm.register(LowestFree())  # the interleaved table below is lowest-free's layout
+    stepper = Stepper(CellTable(used_end + 2 * N_SEQS, N_SEQS), [0], pm)
     for _ in range(N_SEQS):
         stepper.seq_new()
     cells = np.arange(used_end, dtype=np.int64)

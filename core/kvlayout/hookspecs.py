@@ -51,19 +51,51 @@ def kvlayout_builders() -> list[Builder]:
 
 
 @hookspec(firstresult=True)
-def kvlayout_choose_cells(free: np.ndarray, count: int) -> np.ndarray | None:
+def kvlayout_choose_cells(
+    free: np.ndarray, count: int, seq_ids: np.ndarray, positions: np.ndarray, prev_cells: np.ndarray
+) -> np.ndarray | None:
     """Called by a cell layout when the first layer of a step places its tokens
     (and when `load_seq` places a restored sequence's).
 
     `free` is the ascending int array of free cells (at least `count` of
     them); return `count` distinct cells taken from it, in token order, or
     None to let the next implementation decide. The first non-None answer
-    wins. The cell plugin's own answer (the lowest free cells) is `trylast`,
-    so any installed policy overrides it. Attention results never depend on
-    the answer: masks key off positions and owners, never cell indices.
-    `free` is read-only. An answer that is not `count` distinct integers from
-    `free`, or an implementation that raises, refuses the step
-    (PluginStepError quoting the answer as a list); nothing is placed.
+    wins.
+
+    What a stateless policy needs to keep a sequence together, one entry per
+    token (int64 `[count]`): `seq_ids[i]` is token i's sequence and
+    `positions[i]` its position (a sequence's positions rise in token order);
+    `prev_cells[i]` is the cell holding the newest position token i's
+    sequence held before this step, or -1 when it held none. Every token of
+    one sequence carries the same `prev_cells` value: where its 2nd..nth
+    tokens go follows from the cells the policy gives its earlier ones. A
+    fork shares its source's cells, so a fork and its source (both in the
+    step) may carry the same previous cell. `load_seq` places a sequence
+    under the id it is about to get, with every `prev_cells` -1.
+
+    pluggy lets an implementation take any subset of these arguments: one
+    written for `(free, count)` is called with just those and still wins.
+
+    The cell plugin's own answer is `trylast`, so any installed policy
+    overrides it. It keeps each sequence in aligned pages of
+    `kvlayout_cell.groups.PLACEMENT_PAGE` (128) cells of its own, so the
+    paged attention path reads them in place, in three passes:
+
+    1. continue: a sequence whose previous cell is followed, within that
+       cell's page, by free cells takes them for its first tokens (forks
+       sharing a previous cell: the first in token order does);
+    2. fresh pages: each sequence's other tokens, sequences in the order of
+       their first token, fill pages all of whose cells are free, each from
+       its first cell: the page right after the one its last cell is in
+       when that page is, else the lowest;
+    3. fallback: tokens still without a cell (no such page left) take the
+       lowest free cells left, in token order.
+
+    Attention results never depend on the answer: masks key off positions
+    and owners, never cell indices. The arrays are read-only. An answer that
+    is not `count` distinct integers from `free`, or an implementation that
+    raises, refuses the step (PluginStepError quoting the answer as a list);
+    nothing is placed.
     """
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvlayout import hookimpl
 from kvlayout.registry import make_plugin_manager
+from kvlayout_cell.plugin import own_pages
 from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
 
@@ -12,6 +14,25 @@ from kvlayout_cell.table import CellTable
 def stepper(capacity=16, windows=(0, 0), max_seqs=64, pm=None) -> Stepper:
     """A neutral cell stepper (two flat layers by default) on a fresh plugin manager."""
     return Stepper(CellTable(capacity, max_seqs), windows, make_plugin_manager() if pm is None else pm)
+
+
+class PagePolicy:
+    """The cell plugin's default placement over pages of `page` cells: pages in a small table."""
+
+    def __init__(self, page: int):
+        self.page = page
+
+    @hookimpl
+    def kvlayout_choose_cells(self, free, seq_ids, prev_cells):
+        return own_pages(free, seq_ids, prev_cells, self.page)
+
+
+def placement_manager(page: int | None = None):
+    """A fresh plugin manager placing by the default rule, over pages of `page` cells when given."""
+    pm = make_plugin_manager()
+    if page is not None:
+        pm.register(PagePolicy(page))
+    return pm
 
 
 def rows(mask) -> list[str]:
@@ -39,3 +60,53 @@ def snapshot(table) -> tuple:
     """Everything a caller can observe about the table's bookkeeping."""
     per_id = tuple((table.seq_len(s), table.next_pos(s)) for s in range(table.max_seqs))
     return table.free_cells, table.used_end, per_id
+
+
+def naive_placement(free, tokens, page: int) -> list[int]:
+    """The default placement's rule as the `kvlayout_choose_cells` hookspec states it, the slow and
+    obvious way (sets and loops, no code shared with the plugin).
+
+    `free`: the free cells; `tokens`: `[(seq, prev_cell), ...]` in token order, prev_cell the cell
+    of the sequence's newest position before the step (-1: none). A cell per token.
+    """
+    free, taken, cells = set(free), set(), [None] * len(tokens)
+    order = list(dict.fromkeys(s for s, _ in tokens))  # sequences by first token
+    mine = {s: [i for i, (t, _) in enumerate(tokens) if t == s] for s in order}
+    last = {s: tokens[mine[s][0]][1] for s in order}
+    # 1. continue after the previous cell, within its page; a shared previous cell: the first sequence
+    continued_from = set()
+    for s in order:
+        prev = last[s]
+        if prev < 0 or prev in continued_from:
+            continue
+        continued_from.add(prev)
+        for i in mine[s]:
+            cell = last[s] + 1
+            if cell // page != prev // page or cell not in free or cell in taken:
+                break
+            cells[i], last[s] = cell, cell
+            taken.add(cell)
+
+    # 2. fresh pages, from their first cell: the one after the last cell's page, else the lowest
+    def fresh(p):
+        return all(c in free and c not in taken for c in range(p * page, (p + 1) * page))
+
+    for s in order:
+        left = [i for i in mine[s] if cells[i] is None]
+        while left:
+            if last[s] >= 0 and fresh(last[s] // page + 1):
+                p = last[s] // page + 1
+            else:
+                p = next((q for q in sorted({c // page for c in free}) if fresh(q)), None)
+            if p is None:
+                break
+            for j, i in enumerate(left[:page]):
+                cells[i] = last[s] = p * page + j
+                taken.add(cells[i])
+            left = left[page:]
+    # 3. the lowest free cells left, in token order
+    rest = sorted(free - taken)
+    for i in range(len(tokens)):
+        if cells[i] is None:
+            cells[i] = rest.pop(0)
+    return cells

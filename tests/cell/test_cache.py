@@ -109,12 +109,13 @@ def test_a_freed_cell_refills_below_a_live_one():
     serve(c, [a] * 3, [0, 1, 2])
     serve(c, [b], [0], seed=1)
     c.seq_rm(a)
-    assert c.declare_step([b])
+    d = c.seq_new()  # new: nothing to continue, and the table is smaller than a page: the lowest free cell
+    assert c.declare_step([d])
     k, v = kv(1, seed=2)
-    spec = c.update_and_fetch(0, [1], k, v)
-    assert c.as_cell_stepper().place_step(1, [1]).cells.tolist() == [0]
+    spec = c.update_and_fetch(0, [0], k, v)
+    assert c.as_cell_stepper().place_step(1, [0]).cells.tolist() == [0]
     assert spec.keys.shape[2] == 4
-    assert np.array(spec.mask)[0, 0, 0].tolist() == [True, False, False, True]
+    assert np.array(spec.mask)[0, 0, 0].tolist() == [True, False, False, False]
     assert np.array_equal(np.array(spec.keys)[:, :, 0], np.array(k)[:, :, 0])
     assert np.array_equal(np.array(spec.keys)[:, :, 3], np.array(kv(1, seed=1)[0])[:, :, 0])
 

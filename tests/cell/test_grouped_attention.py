@@ -16,7 +16,7 @@ from kvlayout import CacheConfig, ConfigError, LayerConfig, LayerPolicy
 from kvlayout.mlx import attend
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
-from kvlayout_cell.groups import choose, dense_cost, grouped_cost, page_batch, plan_groups
+from kvlayout_cell.groups import PLACEMENT_PAGE, choose, dense_cost, grouped_cost, page_batch, plan_groups
 
 H_Q, H_KV, D = 4, 2, 8
 SCALE = D**-0.5
@@ -291,7 +291,8 @@ def test_a_grouped_step_builds_its_dense_mask_only_when_read_even_after_the_tabl
         assert c.declare_step([b])
         c.update_and_fetch(0, [2], mx.zeros((1, H_KV, 1, D)), mx.zeros((1, H_KV, 1, D)))
     want = np.array(specs["dense"].mask)
-    assert want[0, 0].tolist() == [[True, True, False, True, False], [False, False, True, False, True]]
+    # b continued after its cell 2 into 3; a, whose next cell was b's, took the lowest free, 4
+    assert want[0, 0].tolist() == [[True, True, False, False, True], [False, False, True, True, False]]
     assert [2, 1] not in built  # the grouped path never built this step's dense mask
     np.testing.assert_array_equal(np.array(specs["grouped"].mask), want)  # built now, from the cells as they were
     assert built.count([2, 1]) == 1
@@ -336,8 +337,9 @@ def test_the_forced_paged_path_reads_half_full_pages_where_a_size_tiles_the_pool
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_sequences_prefilled_in_turns_decode_by_pages_with_the_dense_result(rng, kv_dtype):
-    # Four sequences, 64-token chunks written in turn (each owns two aligned runs of 64 cells), over
-    # rows of H_kv * D = 256 elements: "auto" reads the decode step by pages, as "paged" does --
+    # Four sequences, 64-token chunks written in turn (the default placement continues each
+    # sequence's second chunk in its page: each owns one aligned page of PLACEMENT_PAGE = 128 cells),
+    # over rows of H_kv * D = 256 elements: "auto" reads the decode step by pages, as "paged" does --
     # in float32; float16 storage, which the CPU's gather_mm cannot read, "auto" gathers.
     h_kv, d = 2, 128
     config = CacheConfig(capacity=1024, n_layers=1, layers=[LayerConfig(h_kv, d)], kv_dtype=kv_dtype, max_seqs=8)
@@ -361,7 +363,7 @@ def test_sequences_prefilled_in_turns_decode_by_pages_with_the_dense_result(rng,
         if spec.groups is not None:
             paged = path == "paged" or kv_dtype == "float32"
             pages = [b.page for b in spec.groups.batches()]
-            assert pages == ([64] if paged else [0]) and (spec.groups.tail is not None) == paged  # + the new token
+            assert pages == ([PLACEMENT_PAGE] if paged else [0]) and (spec.groups.tail is not None) == paged  # + the new token
         outs[path] = np.array(attend(q, spec, d**-0.5))
     for path in ("paged", "auto"):
         np.testing.assert_allclose(outs[path], outs["dense"], atol=1e-5, rtol=1e-5)

@@ -14,6 +14,7 @@ import pytest
 from kvlayout import CacheConfig, LayerConfig, LayerPolicy, hookimpl
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
+from kvlayout_cell.plugin import LowestFree
 from tests.helpers import TinyStack
 
 STACK = TinyStack(n_layers=3)
@@ -62,14 +63,14 @@ class Shuffled:
 
 
 def managers():
-    pms = {"lowest-free": make_plugin_manager()}
-    for name, policy in (("highest-free", HighestFree()), ("shuffled", Shuffled(7))):
+    pms = {"default": make_plugin_manager()}  # the cell plugin's own: pages of their own
+    for name, policy in (("lowest-free", LowestFree()), ("highest-free", HighestFree()), ("shuffled", Shuffled(7))):
         pms[name] = make_plugin_manager()
         pms[name].register(policy)
     return pms
 
 
-@pytest.mark.parametrize("policy", ["lowest-free", "highest-free", "shuffled"])
+@pytest.mark.parametrize("policy", ["default", "lowest-free", "highest-free", "shuffled"])
 def test_two_prefills_and_a_batched_decode_equal_each_solo_run(policy):
     cache = make_cache(managers()[policy])
     a, b = STACK.tokens(6, seed=1), STACK.tokens(4, seed=2)
@@ -82,7 +83,7 @@ def test_two_prefills_and_a_batched_decode_equal_each_solo_run(policy):
     close(out_b, solo(b)[:, 3:])
 
 
-@pytest.mark.parametrize("policy", ["lowest-free", "shuffled"])
+@pytest.mark.parametrize("policy", ["default", "lowest-free", "shuffled"])
 def test_a_fork_continues_its_trunk_exactly(policy):
     cache = make_cache(managers()[policy])
     trunk = STACK.tokens(5, seed=3)
@@ -135,7 +136,7 @@ def test_mixed_windows_match_a_sliding_window_reference():
 
 
 @pytest.mark.parametrize("path", ["dense", "grouped", "paged"])
-@pytest.mark.parametrize("policy", ["lowest-free", "shuffled"])
+@pytest.mark.parametrize("policy", ["default", "lowest-free", "shuffled"])
 def test_every_attention_path_decodes_several_sequences_as_each_solo_run(path, policy):
     # Prompts written in turn, then decodes side by side: under "paged" the groups read pages where
     # they hold half of one and gather the rest; the result is each sequence's cache-free forward.

@@ -58,8 +58,9 @@ def test_a_stale_position_is_refused_and_the_corrected_retry_needs_no_new_declar
         t.place_step(0, [1, 0])
     assert snapshot(t) == before
     st = t.place_step(0, [1, 1])
-    assert st.cells.tolist() == [2, 3]
-    assert rows(st.mask) == ["1.1.", ".1.1"]
+    # s1 continues after its cell 1; s0's next cell is s1's and the table is smaller than a page: the lowest free
+    assert st.cells.tolist() == [3, 2]
+    assert rows(st.mask) == ["1..1", ".11."]
 
 
 def test_later_layers_reuse_the_placement_and_a_layer_served_twice_is_refused():
@@ -92,8 +93,8 @@ def test_a_ring_layer_sees_only_its_window_of_each_sequence():
     s0, s1 = t.seq_new(), t.seq_new()
     fill(t, s0, range(3))
     st = step(t, [(s1, 0), (s0, 3)])
-    assert st.cells.tolist() == [3, 4]
-    assert rows(st.mask) == ["...1.", "..1.1"]
+    assert st.cells.tolist() == [4, 3]  # s0 continues after its cell 2 first; s1 takes the lowest left
+    assert rows(st.mask) == ["....1", "..11."]
 
 
 @pytest.mark.parametrize(
@@ -121,9 +122,12 @@ def test_layers_of_different_windows_get_their_own_masks_over_one_placement():
 
 def test_a_freed_cell_refills_below_live_ones_and_the_mask_follows_positions():
     t = stepper()
-    s0 = t.seq_new()
+    s0, s1 = t.seq_new(), t.seq_new()
     fill(t, s0, range(4))
     t.seq_rm(s0, 0, 2)
-    st = fill(t, s0, [4, 5])
-    assert st.cells.tolist() == [0, 1]
-    assert rows(st.mask) == ["1.11", "1111"]
+    st = step(t, [(s1, 0), (s1, 1), (s0, 4)])
+    assert st.cells.tolist() == [0, 1, 4]  # s0 continues after its cell 3; s1, new, refills the lowest
+    assert rows(st.mask) == ["1....", "11...", "..111"]
+    st = fill(t, s1, [2])
+    assert st.cells.tolist() == [5]  # 2 is s0's: s1 has no page to continue in, 5 is the lowest free
+    assert rows(st.mask) == ["11...1"]

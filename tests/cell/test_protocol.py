@@ -169,7 +169,7 @@ def test_an_occupied_cell_is_a_bad_answer():
     assert t.declare_step([s0, s0])
     with pytest.raises(StepError, match=r"answered \[1, 2\]"):
         t.place_step(0, [2, 3])
-    policy.answer = None  # fall through to lowest free
+    policy.answer = None  # fall through to the default: s0 continues after its cell 1
     assert t.place_step(0, [2, 3]).cells.tolist() == [2, 3]
 
 
@@ -182,10 +182,10 @@ def test_a_manager_where_no_plugin_chooses_cells_refuses_the_step():
     assert t.free_cells == 16
 
 
-def test_a_third_party_policy_wins_over_lowest_free():
+def test_a_third_party_policy_wins_over_the_default_even_with_the_hooks_old_arguments():
     class HighestFirst:
         @hookimpl
-        def kvlayout_choose_cells(self, free, count):
+        def kvlayout_choose_cells(self, free, count):  # written before seq_ids, positions, prev_cells
             return free[::-1][:count]
 
     pm = make_plugin_manager()

@@ -66,6 +66,13 @@ def test_an_id_stays_live_while_it_owns_a_cell():
     assert t.seq_new() == 0
 
 
+def only_their_own(cells, read_len):
+    """bool [T, read_len]: token i sees cells[i] alone."""
+    mask = np.zeros((len(cells), read_len), dtype=bool)
+    mask[np.arange(len(cells)), cells] = True
+    return mask
+
+
 def test_two_hundred_sequences_each_see_only_their_own_cell():
     t = stepper(capacity=256, max_seqs=200)
     ids = [t.seq_new() for _ in range(200)]
@@ -73,7 +80,7 @@ def test_two_hundred_sequences_each_see_only_their_own_cell():
     assert t.declare_step(ids)
     st = t.place_step(0, [0] * 200)
     assert st.mask.shape == (200, 200)
-    assert np.array_equal(st.mask, np.eye(200, dtype=bool))
+    assert np.array_equal(st.mask, only_their_own(st.cells, 200))
 
 
 def test_a_thousand_sequences_fit_in_one_table():
@@ -82,15 +89,17 @@ def test_a_thousand_sequences_fit_in_one_table():
     assert ids[-1] == 999 and t.seq_new() is None
     assert t.declare_step(ids)
     st = t.place_step(0, [0] * 1000)
-    assert np.array_equal(st.mask, np.eye(1000, dtype=bool))
+    assert np.array_equal(st.mask, only_their_own(st.cells, 1000))
     t.place_step(1, [0] * 1000)  # the forward's last layer
     t.seq_rm(999)
     fork = t.seq_clone(998)
     assert fork == 999 and t.seq_len(fork) == 1
+    shared = int(t.table.seq_cells(998)[0][0])
     st = step(t, [(998, 1), (999, 1)])
-    # each sees the shared cell 998 and its own new one
-    assert [r[998] for r in rows(st.mask)] == ["1", "1"]
-    assert rows(st.mask)[0][-2:] == "1." and rows(st.mask)[1][-2:] == ".1"
+    # each sees the shared cell and its own new one
+    mine, theirs = st.cells.tolist(), st.cells.tolist()[::-1]
+    assert [r[shared] for r in rows(st.mask)] == ["1", "1"]
+    assert [(r[c], r[o]) for r, c, o in zip(rows(st.mask), mine, theirs)] == [("1", "."), ("1", ".")]
 
 
 def test_removing_the_middle_and_the_tail_keeps_length_and_next_position_current():

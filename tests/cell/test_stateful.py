@@ -1,7 +1,9 @@
 """The cell table, model-checked: random verbs and steps against a deliberately naive model.
 
 The model is a dict from cell to (position, set of owners) and loops over
-everything, straight from docs/design.md: a step takes the lowest free cells, and
+everything, straight from docs/design.md: a step's cells follow the default
+placement's rule (`support.naive_placement`, over pages of 4, 8 or the
+plugin's own PLACEMENT_PAGE cells, so a small table has pages too), and
 query i attends cell j iff j is occupied, shares i's sequence, is no newer
 than i and, on a ring layer of window w, no older than `pos_i - w + 1`. It
 shares no code with the layout.
@@ -15,8 +17,8 @@ and every verb but clear while a placed step is half served (a forward in
 progress: clear aborts it and clears).
 Each refusal must leave every observable number as it was, and the standing
 declaration must still serve. After every rule the free count, used_end and
-each id's seq_len and next_pos equal the model's; every placed step's cells
-and full mask are compared when it is served.
+each id's seq_len, next_pos and newest cell equal the model's; every placed
+step's cells and full mask are compared when it is served.
 
 Example counts come from the hypothesis profile (tests/conftest.py).
 """
@@ -31,22 +33,23 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvlayout.errors import SequenceError, StepError
-from kvlayout.registry import make_plugin_manager
+from kvlayout_cell.groups import PLACEMENT_PAGE
 from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
+from tests.cell.support import naive_placement, placement_manager
 
 
 @functools.cache
-def plugin_manager():
-    """One fresh manager for every example: these tests register no hooks."""
-    return make_plugin_manager()
+def plugin_manager(page):
+    """One fresh manager per page size for every example: it places by the default rule."""
+    return placement_manager(None if page == PLACEMENT_PAGE else page)
 
 
 class NaiveCells:
     """The design's rules, written the slow and obvious way."""
 
-    def __init__(self, capacity: int, max_seqs: int):
-        self.capacity, self.max_seqs = capacity, max_seqs
+    def __init__(self, capacity: int, max_seqs: int, page: int):
+        self.capacity, self.max_seqs, self.page = capacity, max_seqs, page
         self.clear()
 
     def clear(self):
@@ -100,8 +103,11 @@ class NaiveCells:
             self.live.discard(s)
         self.end_step()
 
+    def newest_cell(self, s):
+        return max(self.owned(s), key=lambda cell_pos: cell_pos[1], default=(-1, -1))[0]
+
     def place(self, tokens):
-        cells = self.free()[: len(tokens)]
+        cells = naive_placement(self.free(), [(s, self.newest_cell(s)) for s, _ in tokens], self.page)
         for c, (s, p) in zip(cells, tokens):
             self.cells[c] = (p, {s})
         return cells
@@ -127,13 +133,14 @@ def rows(mask) -> list[str]:
 
 WINDOWS = st.lists(st.sampled_from([0, 0, 1, 2, 3, 5]), min_size=1, max_size=4)
 MAX_SEQS = st.sampled_from([3, 5, 66])  # 66: owner bits span two 64-bit words
+PAGES = st.sampled_from([4, 8, PLACEMENT_PAGE])  # the placement's page: the plugin's own fits no table here
 
 
 class CellTableMachine(RuleBasedStateMachine):
-    @initialize(capacity=st.integers(4, 32), max_seqs=MAX_SEQS, windows=WINDOWS)
-    def setup(self, capacity, max_seqs, windows):
-        self.t = Stepper(CellTable(capacity, max_seqs), windows, plugin_manager())
-        self.m = NaiveCells(capacity, max_seqs)
+    @initialize(capacity=st.integers(4, 32), max_seqs=MAX_SEQS, windows=WINDOWS, page=PAGES)
+    def setup(self, capacity, max_seqs, windows, page):
+        self.t = Stepper(CellTable(capacity, max_seqs), windows, plugin_manager(page))
+        self.m = NaiveCells(capacity, max_seqs, page)
         self.windows = windows
 
     # -- helpers -------------------------------------------------------------
@@ -236,7 +243,7 @@ class CellTableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.m.declared is not None)
     @rule(data=st.data())
     def place(self, data):
-        """The first layer served places the step: lowest free cells, one per token."""
+        """The first layer served places the step: the default placement's cells, one per token."""
         ids = self.m.declared
         positions = self.positions_for(data, ids)
         layer = data.draw(st.integers(0, len(self.windows) - 1), label="layer")
@@ -364,8 +371,10 @@ class CellTableMachine(RuleBasedStateMachine):
         assert t.table.free_list().tolist() == free
         assert t.used_end == m.used_end()
         assert t.can_extend(len(free)) and not t.can_extend(len(free) + 1)
+        newest_cells = t.table.newest_cells(np.arange(m.max_seqs)).tolist()
         for s in range(m.max_seqs):
             assert (t.seq_len(s), t.next_pos(s)) == (m.seq_len(s), m.next_pos(s)), f"seq {s}"
+            assert newest_cells[s] == m.newest_cell(s), f"seq {s}"  # where the placement continues it
 
 
 TestCellTable = CellTableMachine.TestCase

@@ -17,6 +17,7 @@ EXPECTED_BASES = {
     "CapacityError": (),
     "SequenceError": (ValueError,),
     "StateError": (),
+    "RunEnded": (),
 }
 
 

@@ -56,24 +56,70 @@ def pm():
 FREE = np.array([2, 3, 7, 9, 12])
 
 
+def choose(pm, count, free=FREE, seq_ids=None, positions=None, prev_cells=None):
+    """The hook called as a cell layout calls it: every argument, by name (one new sequence by default)."""
+    return pm.hook.kvlayout_choose_cells(
+        free=free,
+        count=count,
+        seq_ids=np.zeros(count, np.int64) if seq_ids is None else seq_ids,
+        positions=np.arange(count) if positions is None else positions,
+        prev_cells=np.full(count, -1) if prev_cells is None else prev_cells,
+    )
+
+
 def test_choose_cells_is_firstresult_and_the_trylast_default_loses(pm):
     assert pm.hook.kvlayout_choose_cells.spec.opts["firstresult"] is True
     pm.register(LowestFree())
-    assert pm.hook.kvlayout_choose_cells(free=FREE, count=2).tolist() == [2, 3]
+    assert choose(pm, 2).tolist() == [2, 3]
     pm.register(HighestFree())  # registered later, but the default is trylast either way
-    assert pm.hook.kvlayout_choose_cells(free=FREE, count=2).tolist() == [12, 9]
+    assert choose(pm, 2).tolist() == [12, 9]
 
 
 def test_choose_cells_skips_a_policy_that_answers_none(pm):
     abstains = Abstains()
     pm.register(LowestFree())
     pm.register(abstains)
-    assert pm.hook.kvlayout_choose_cells(free=FREE, count=3).tolist() == [2, 3, 7]
+    assert choose(pm, 3).tolist() == [2, 3, 7]
     assert abstains.asked == [3]
 
 
+def test_an_implementation_hears_only_the_arguments_it_declares(pm):
+    heard = {}
+
+    class OldSignature:  # written when the hook was kvlayout_choose_cells(free, count)
+        @hookimpl
+        def kvlayout_choose_cells(self, free, count):
+            heard["old"] = (free.tolist(), count)
+            return None
+
+    class Subset:
+        @hookimpl
+        def kvlayout_choose_cells(self, prev_cells, seq_ids, free):
+            heard["subset"] = (prev_cells.tolist(), seq_ids.tolist(), free.tolist())
+            return None
+
+    pm.register(LowestFree())
+    pm.register(OldSignature())
+    pm.register(Subset())
+    answer = choose(pm, 2, seq_ids=np.array([4, 5]), positions=np.array([7, 0]), prev_cells=np.array([6, -1]))
+    assert answer.tolist() == [2, 3]
+    assert heard == {"old": (FREE.tolist(), 2), "subset": ([6, -1], [4, 5], FREE.tolist())}
+
+
+def test_an_old_signature_policy_wins_over_the_cell_plugins_default():
+    class OldHighest:
+        @hookimpl
+        def kvlayout_choose_cells(self, free, count):
+            return free[::-1][:count]
+
+    pm = make_plugin_manager()  # with kvlayout-cell's own (trylast) placement
+    assert choose(pm, 2, free=np.arange(200)).tolist() == [0, 1]  # a new sequence: its fresh page's first cells
+    pm.register(OldHighest())
+    assert choose(pm, 2, free=np.arange(200)).tolist() == [199, 198]
+
+
 def test_choose_cells_with_no_plugin_answers_none(pm):
-    assert pm.hook.kvlayout_choose_cells(free=FREE, count=1) is None
+    assert choose(pm, 1) is None
 
 
 def test_step_placed_reaches_every_observer(pm):
@@ -147,7 +193,7 @@ def test_a_policy_that_raises_is_named_with_its_hook_and_the_exception_chained(p
     pm.register(LowestFree())
     pm.register(Raises(ValueError("no room at the inn")), name="raiser")
     with pytest.raises(PluginStepError) as info:
-        pm.hook.kvlayout_choose_cells(free=FREE, count=2)
+        choose(pm, 2)
     assert str(info.value) == "plugin 'raiser': kvlayout_choose_cells raised ValueError: no room at the inn"
     assert (info.value.plugin, info.value.hook) == ("raiser", "kvlayout_choose_cells")
     assert isinstance(info.value.__cause__, ValueError)
@@ -157,7 +203,7 @@ def test_a_policy_that_raises_is_named_with_its_hook_and_the_exception_chained(p
 def test_an_unnamed_plugin_instance_is_named_by_its_class(pm):
     pm.register(Raises(KeyError(3)))
     with pytest.raises(PluginStepError, match=r"^plugin 'Raises': kvlayout_choose_cells raised KeyError: 3$"):
-        pm.hook.kvlayout_choose_cells(free=FREE, count=1)
+        choose(pm, 1)
 
 
 @pytest.mark.parametrize(
@@ -178,7 +224,7 @@ def test_an_unnamed_plugin_instance_is_named_by_its_class(pm):
 def test_a_bad_placement_answer_is_refused_quoting_it_as_a_list(pm, answer, why):
     pm.register(Answer(answer), name="policy")
     with pytest.raises(PluginStepError) as info:
-        pm.hook.kvlayout_choose_cells(free=FREE, count=2)
+        choose(pm, 2)
     assert str(info.value) == (
         f"plugin 'policy': kvlayout_choose_cells answered {answer_text(answer)}: "
         f"expected 2 distinct cells from the free list ({why})"
@@ -209,7 +255,7 @@ def test_a_long_bad_answer_is_quoted_short():
 @pytest.mark.parametrize("answer", [[12, 3], np.array([9, 2], np.int32), (7, 9)])
 def test_a_good_answer_in_any_order_or_integer_type_passes_the_guard_unchanged(pm, answer):
     pm.register(Answer(answer))
-    assert pm.hook.kvlayout_choose_cells(free=FREE, count=2) is answer
+    assert choose(pm, 2) is answer
 
 
 class Heard:
@@ -252,4 +298,4 @@ def test_a_wrapper_is_not_guarded_and_still_wraps(pm):
 
     pm.register(LowestFree())
     pm.register(Wrapper())
-    assert pm.hook.kvlayout_choose_cells(free=FREE, count=2).tolist() == [2, 3] and seen == [[2, 3]]
+    assert choose(pm, 2).tolist() == [2, 3] and seen == [[2, 3]]

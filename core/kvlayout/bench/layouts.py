@@ -17,10 +17,15 @@ from kvlayout.registry import make_plugin_manager
 
 
 def cell_cache(config: CacheConfig) -> Any:
-    """A CellCache under a fresh plugin manager: the installed placement (lowest free by default)."""
+    """A CellCache under a fresh plugin manager placing by lowest free cells: rows 5 and 6 build
+    their interleaved tables (sequence s in cells s, s + n, ...) with one step, which only that
+    placement lays out so (the default keeps each sequence in pages of its own)."""
     from kvlayout_cell.cache import CellCache
+    from kvlayout_cell.plugin import LowestFree
 
-    return CellCache(config, make_plugin_manager())
+    pm = make_plugin_manager()
+    pm.register(LowestFree())
+    return CellCache(config, pm)
 
 
 def seq_cache(config: CacheConfig) -> Any:

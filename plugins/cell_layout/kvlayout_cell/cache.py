@@ -288,7 +288,7 @@ def _check_sizes(config: CacheConfig, layers: list) -> tuple[int, int]:
     MLX pool can span or a cache whose up-front allocations exceed the machine's memory.
 
     Up front: the cell table's arrays (`CellTable.footprint`: 16 B a cell plus 8 B a cell per 64
-    ids, 17 B an id) and every layer's K and V pool at its initial slots. The pools grow lazily
+    ids, 25 B an id) and every layer's K and V pool at its initial slots. The pools grow lazily
     past that, by doubling, up to capacity (their size there is stated, not refused: a cache
     need not fill).
     """

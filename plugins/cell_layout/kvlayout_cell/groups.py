@@ -76,6 +76,18 @@ PAGE_PAIRS = 8
 PAGED_MIN_ROW = 256
 # Page sizes tried, each only where it divides the pool's slots (the pages are then a view of it).
 PAGE_SIZES = (256, 128, 64, 32, 16, 8, 4)
+# The pages the cell plugin's default placement keeps each sequence in (`kvlayout_cell.plugin`).
+# A decode group reads a page of B cells in place when it holds more than (B + PAGE_PAIRS) / 2 of
+# them (`_keeps`), so 4 and 8 never are; a sequence of L cells in pages of its own costs about
+# L * (1 + PAGE_PAIRS / B) pairs read that way (16: 1.5 L, 128: 1.06 L) against 2 L gathered. The
+# planner takes one B per batch, the cheapest, and 256 wins wherever prompts ran on over aligned
+# 256-cell pages: decode pages of 64 were then gathered until ~100 (1k prompts) to ~440 (4k)
+# tokens each had been decoded, while 128 beats 256 after ~130 (bench/placement.py, 1k prompts:
+# 0.80 of the last step's cells read in place at 64, 0.995 at 128 and 256). Each live sequence,
+# and each fork that leaves its source's page, keeps up to B - 1 free cells of its partly filled
+# page out of the others' way while fresh pages last: 4k cells at 32 sequences, where 256 would
+# keep 8k for no more read in place. Pools tile 256-slot pages, so 128 divides every pool past one.
+PLACEMENT_PAGE = 128
 # Groups are binned by cells seen on a 2**(1/4) scale before batching: within a bin, padding
 # wastes at most ~19% of a group's keys.
 BINS_PER_OCTAVE = 4

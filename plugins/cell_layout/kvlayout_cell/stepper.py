@@ -8,7 +8,9 @@ open step ends. One forward is one step:
 1. `declare_step(seq_ids)` names the sequence of each token (the admission
    gate: False when the free cells are too few);
 2. the first layer served calls `place_step(layer, positions)`: the cells come
-   from the `kvlayout_choose_cells` hook and are claimed all together;
+   from the `kvlayout_choose_cells` hook (told each token's sequence, position
+   and the cell its sequence's newest position is in) and are claimed all
+   together;
 3. every later layer reuses that placement; the CellStep (cells + mask) is
    built once per distinct window and announced through
    `kvlayout_step_placed`, then shared by every layer with that window.
@@ -296,13 +298,15 @@ class Stepper:
         pos = int_array("positions", positions, StepError)
         if pos.size and (pos.min() < 0 or (np.diff(pos) <= 0).any()):
             raise StepError(f"positions {pos.tolist()!r:.80}: expected ascending distinct positions >= 0")
-        if pos.size > self.table.free_cells or self.table.live_ids().size >= self.table.max_seqs:
+        next_id = self.table.next_id()
+        if pos.size > self.table.free_cells or next_id is None:
             return None
-        cells = self._choose(pos.size) if pos.size else np.zeros(0, dtype=np.int64)  # may refuse: before any change
+        seq_ids = np.full(pos.size, next_id, dtype=np.int64)  # the id it is about to get, holding nothing yet
+        cells = self._choose(seq_ids, pos) if pos.size else np.zeros(0, dtype=np.int64)  # may refuse: before any change
         self._keep_masks()
         seq_id = self.table.seq_new()
         if pos.size:
-            placed = self._claim(np.full(pos.size, seq_id, dtype=np.int64), pos, cells, set(range(self.n_layers)))
+            placed = self._claim(seq_ids, pos, cells, set(range(self.n_layers)))
             try:
                 for window in sorted(set(self._windows)):
                     self._step(placed, window)
@@ -365,7 +369,7 @@ class Stepper:
         """Check the tokens, claim cells for them from the hook; the open step. Refuses (StepError,
         SequenceError) before anything changes."""
         self.table.check_tokens(seq_ids, pos)
-        return self._claim(seq_ids, pos, self._choose(pos.size), served)
+        return self._claim(seq_ids, pos, self._choose(seq_ids, pos), served)
 
     def _claim(self, seq_ids: np.ndarray, pos: np.ndarray, cells: np.ndarray, served: set[int]) -> _Placed:
         """Occupy `cells` (checked free) with the tokens; the open step, undoable by abort_step."""
@@ -376,10 +380,21 @@ class Stepper:
         self._placed = placed
         return placed
 
-    def _choose(self, count: int) -> np.ndarray:
-        """`count` distinct free cells from the hook; StepError quoting a bad answer."""
+    def _choose(self, seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """A distinct free cell for each token from the hook; StepError quoting a bad answer.
+
+        The hook hears each token's sequence, position and the cell its sequence's newest position
+        is in (-1: none; ids not yet live hold none), read-only copies a policy cannot disturb."""
+        count = positions.size
         free = self.table.free_list()
-        answer = self._pm.hook.kvlayout_choose_cells(free=free, count=count)
+        prev_cells = self.table.newest_cells(seq_ids)  # ids checked in range; one not live holds none: -1
+        answer = self._pm.hook.kvlayout_choose_cells(
+            free=free,
+            count=count,
+            seq_ids=_read_only(seq_ids),
+            positions=_read_only(positions),
+            prev_cells=_read_only(prev_cells),
+        )
         expected = f"expected {count} distinct cells from the free list"
         if answer is None:
             raise StepError(f"kvlayout_choose_cells: no plugin answered; {expected}")
@@ -425,6 +440,14 @@ class Stepper:
         return step
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """An int64 copy no policy can write: the step keeps its own arrays, the hook sees these."""
+    out = np.array(a, dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
 def lowest_free(free: np.ndarray, count: int) -> np.ndarray:
-    """The default placement: the lowest free cells, so a freed cell refills before the table grows."""
+    """The lowest free cells, so a freed cell refills before the table grows: the default placement
+    before pages of their own (`kvlayout_cell.plugin.LowestFree` answers it)."""
     return free[:count]

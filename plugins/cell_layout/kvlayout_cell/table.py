@@ -9,8 +9,9 @@ Invariants every verb keeps:
 - a cell is free iff `pos[c] == -1` iff it has no owner bit set;
 - every occupied cell is in `[0, used_end)`, and `used_end` is 0 or one past
   the last occupied cell;
-- `count[s]` is the number of cells s owns and `newest[s]` the largest
-  position among them (-1 when it owns none);
+- `count[s]` is the number of cells s owns, `newest[s]` the largest
+  position among them and `newest_cell[s]` the cell holding it (-1 when it
+  owns none);
 - an id is live from `seq_new`/`seq_clone` until a `seq_rm` leaves it owning
   no cell; an id that is not live owns nothing.
 
@@ -56,13 +57,13 @@ class CellTable:
         is allocated: the constructor refuses a table larger than the machine's memory).
 
         Per cell: its position (int64), its owner words (one uint64 per 64 ids) and a free-list
-        entry (int64, built at the first placement). Per id: a count, a newest position (int64
-        each) and a live flag (bool).
+        entry (int64, built at the first placement). Per id: a count, a newest position and the
+        cell holding it (int64 each) and a live flag (bool).
         """
         per_cell = 16 + 8 * ((max_seqs + 63) // 64)
         return {
             f"cell table ({per_cell} B a cell: position, owner words, free list)": capacity * per_cell,
-            "per-id arrays (17 B an id)": max_seqs * 17,
+            "per-id arrays (25 B an id)": max_seqs * 25,
         }
 
     # -- state ---------------------------------------------------------------
@@ -73,6 +74,7 @@ class CellTable:
         self._owners = np.zeros((self._capacity, self._words), dtype=np.uint64)  # [capacity, words] bitset
         self._count = np.zeros(self._max_seqs, dtype=np.int64)  # cells owned, per id
         self._newest = np.full(self._max_seqs, -1, dtype=np.int64)  # newest position held, per id
+        self._newest_cell = np.full(self._max_seqs, -1, dtype=np.int64)  # the cell holding it, per id
         self._live = np.zeros(self._max_seqs, dtype=bool)
         self._used_end = 0
         self._n_free = self._capacity
@@ -124,6 +126,10 @@ class CellTable:
         ids = np.flatnonzero(~self._live)
         return int(ids[0]) if ids.size else None
 
+    def next_id(self) -> int | None:
+        """The id `seq_new` would make live now; None when all are in use."""
+        return self._lowest_free_id()
+
     def held(self, ids: np.ndarray) -> np.ndarray:
         """Cells each of `ids` (checked by the caller) owns: `seq_len` for many ids at once."""
         return self._count[ids]
@@ -135,6 +141,11 @@ class CellTable:
     def next_pos(self, seq_id: int) -> int:
         """One past the newest position `seq_id` holds (0 when it holds none)."""
         return int(self._newest[self._check_id("seq_id", seq_id)]) + 1
+
+    def newest_cells(self, ids: np.ndarray) -> np.ndarray:
+        """The cell holding each of `ids`' (checked by the caller) newest position, -1 for an id
+        holding none: where a placement policy continues a sequence (a copy)."""
+        return self._newest_cell[ids]
 
     def seq_new(self) -> int | None:
         """The lowest id not live, now live and empty; None when all are in use."""
@@ -162,7 +173,7 @@ class CellTable:
             take &= self._pos[:end] < upto
         self._owners[:end, dst >> 6] |= take.astype(np.uint64) << np.uint64(dst & 63)
         self._count[dst] = np.count_nonzero(take)
-        self._newest[dst] = self._pos[:end][take].max(initial=-1)
+        self._newest[dst], self._newest_cell[dst] = self._newest_of(take)
         self._live[dst] = True
         self._touch()
         return dst
@@ -197,15 +208,24 @@ class CellTable:
                     self._used_end = int(occupied[-1]) + 1 if occupied.size else 0
             newest = self._newest[s]
             if newest >= p0 and (p1 is None or newest < p1):  # the newest position went
-                self._newest[s] = self._pos[: self._used_end][self._owned(s, self._used_end)].max(initial=-1)
+                self._newest[s], self._newest_cell[s] = self._newest_of(self._owned(s, self._used_end))
         if self._count[s] == 0:
             self._live[s] = False
-            self._newest[s] = -1
+            self._newest[s] = self._newest_cell[s] = -1
         self._touch()
 
     def _owned(self, s: int, end: int) -> np.ndarray:
         """bool [end]: which of the cells [0, end) s owns."""
         return _owns(self._owners[:end], s)
+
+    def _newest_of(self, held: np.ndarray) -> tuple[int, int]:
+        """(newest position, its cell) among the cells `held` (bool [end], end <= used_end) marks;
+        (-1, -1) when it marks none. A sequence holds a position once, so the cell is unique."""
+        cells = np.flatnonzero(held)
+        if not cells.size:
+            return -1, -1
+        at = int(np.argmax(self._pos[cells]))
+        return int(self._pos[cells[at]]), int(cells[at])
 
     # -- placement primitives (the step protocol lives in stepper.py) --------
 
@@ -287,7 +307,7 @@ class CellTable:
         # Each cell is distinct and had no owner, so plain fancy assignment sets one bit per cell.
         self._owners[cells, seq_ids >> 6] = _ONE << (seq_ids & 63).astype(np.uint64)
         self._count += np.bincount(seq_ids, minlength=self._max_seqs)
-        np.maximum.at(self._newest, seq_ids, positions)
+        self._raise_newest(cells, seq_ids, positions)
         self._used_end = max(self._used_end, int(cells.max()) + 1)
         self._n_free -= cells.size
         if self._free is not None:  # cells are a subset of the ascending free list
@@ -300,6 +320,17 @@ class CellTable:
                 free.flags.writeable = False
                 self._free = free
         self._touch()
+
+    def _raise_newest(self, cells: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> None:
+        """Keep `newest`/`newest_cell` of the ids just given `cells`: each id's newest among its
+        new tokens, where newer than what it held (check_tokens makes it so for a step)."""
+        order = np.lexsort((positions, seq_ids))  # by id, then position
+        ids = seq_ids[order]
+        last = np.flatnonzero(np.r_[ids[1:] != ids[:-1], True])  # each id's newest new token
+        ids, pos, at = ids[last], positions[order][last], cells[order][last]
+        newer = pos > self._newest[ids]
+        self._newest[ids[newer]] = pos[newer]
+        self._newest_cell[ids[newer]] = at[newer]
 
     def visible(
         self,
@@ -374,7 +405,7 @@ class CellTable:
         The free list is held by reference: `occupy` replaces it, never edits it.
         """
         ids = np.unique(seq_ids)
-        return ids, self._newest[ids].copy(), self._used_end, self._free
+        return ids, self._newest[ids].copy(), self._newest_cell[ids].copy(), self._used_end, self._free
 
     def release(self, cells: np.ndarray, seq_ids: np.ndarray, before: tuple) -> None:
         """Undo `occupy(cells, seq_ids, ...)`, given `before_occupy(seq_ids)` from just before it.
@@ -385,11 +416,12 @@ class CellTable:
         count and the free list return to what they were. Liveness is
         untouched: occupy never changes it. The epoch moves on.
         """
-        ids, newest, used_end, free = before
+        ids, newest, newest_cell, used_end, free = before
         self._pos[cells] = -1
         self._owners[cells] = 0
         self._count -= np.bincount(seq_ids, minlength=self._max_seqs)
         self._newest[ids] = newest
+        self._newest_cell[ids] = newest_cell
         self._used_end = used_end
         self._n_free += cells.size
         self._free = free
@@ -438,6 +470,7 @@ class CellTable:
         is_live[live] = True
         count = np.zeros(self._max_seqs, dtype=np.int64)
         newest = np.full(self._max_seqs, -1, dtype=np.int64)
+        newest_cell = np.full(self._max_seqs, -1, dtype=np.int64)
         any_owner = np.zeros(n, dtype=bool)
         for s in range(self._words * 64):  # every bit of the owner words, in range or not
             owned = _owns(owners, s)
@@ -448,14 +481,15 @@ class CellTable:
             held = pos[owned]
             if np.unique(held).size != held.size:
                 raise error(f"sequence {s} holds one position in two cells")
-            count[s], newest[s] = held.size, held.max()
+            at = int(np.argmax(held))
+            count[s], newest[s], newest_cell[s] = held.size, held[at], cells[owned][at]
             any_owner |= owned
         if not any_owner.all():
             raise error("owners: every occupied cell needs an owner")
         self.clear()
         self._pos[cells] = pos
         self._owners[cells] = owners
-        self._count, self._newest, self._live = count, newest, is_live
+        self._count, self._newest, self._newest_cell, self._live = count, newest, newest_cell, is_live
         self._used_end = int(cells.max()) + 1 if n else 0
         self._n_free = self._capacity - n
         self._free = None
