@@ -63,6 +63,10 @@ def own_pages(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, pag
     """
     free = np.asarray(free, dtype=np.int64)
     prev_cells = np.asarray(prev_cells, dtype=np.int64)
+    if prev_cells.size == 1:  # one sequence decoding alone, the commonest step: pass 1 in a few ops
+        after = int(prev_cells[0]) + 1
+        if after > 0 and after % page and _in(free, np.array([after]))[0]:
+            return np.array([after], dtype=np.int64)
     cells = np.full(prev_cells.size, -1, dtype=np.int64)  # [T]; -1: no cell yet
     taken = np.zeros(free.size, dtype=bool)  # by index into free: given to a token of this step
     order, starts, counts = _by_sequence(np.asarray(seq_ids, dtype=np.int64))
