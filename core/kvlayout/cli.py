@@ -282,6 +282,8 @@ def _run_job(args: argparse.Namespace, cfg, world) -> int:
         else:  # the step it landed in is not whole: nothing of this run is saved
             print(f"kvlayout: interrupted; this run's state was not saved; {resume.holds(Path(save))}", file=sys.stderr)
         return 130
+    if world.distributed and save is not None:  # a run is saved only when every rank saved its shard
+        result = ranks.agree_on_save(world, result, save)
     extra = {}
     if world.distributed:  # every rank takes part in gathering the figures; rank 0 prints them
         extra["ranks"] = ranks.rank_figures(world, result.kv_bytes.per_cell, job.model_bytes())

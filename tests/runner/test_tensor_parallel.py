@@ -23,7 +23,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from kvlayout.models import smollm2
-from kvlayout.models.presets import build_preset
+from kvlayout.models.presets import build_preset, write_preset
 from tests.helpers import cli_env, kvlayout
 
 LAUNCH = shutil.which("mlx.launch")
@@ -145,6 +145,15 @@ def test_a_killed_rank_ends_the_other_with_an_error_naming_it_within_a_bound(tmp
     procs[1].communicate()
     assert procs[0].returncode != 0 and took < 5 + 10
     assert "kvlayout: error: rank 0 of 2:" in err and out == ""
+
+
+def test_a_prompt_for_a_model_without_a_chat_template_runs_on_two_ranks(tmp_path):
+    # --prompt sends plain text to such a model (the config's plain_chat, no TOML key): every rank must.
+    model = write_preset(tmp_path / "tiny", "tiny")
+    argv = ("run", "--model", str(model), "--prompt", "hello there", "--max-tokens", "6")
+    done = launched(2, *argv, "--json")
+    assert "exited with code" not in done.stderr, done.stderr
+    assert token_ids(json.loads(done.stdout)) == token_ids(one_process(*argv))
 
 
 def test_a_config_rank_0_refuses_stops_every_rank_said_once(tmp_path):

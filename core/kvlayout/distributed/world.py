@@ -31,7 +31,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import RunEnded
 
 LAUNCHED_BY = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE")  # mlx.launch's ring/jaccl backends; MPI
 TIMEOUT_ENV = "KVLAYOUT_COLLECTIVE_TIMEOUT_S"
@@ -40,8 +40,10 @@ CHECK_ENV = "KVLAYOUT_CHECK_RANKS"  # "1": compare every rank's table checksum e
 EXIT_STALLED = 75
 
 
-class DistributedError(KVLayoutError):
-    """The ranks disagree (inputs, tables, world size) or one of them is gone; the message names the rank."""
+class DistributedError(RunEnded):
+    """The ranks disagree (inputs, model, tables) or one of them is gone; the message names the rank.
+    A RunEnded: the engines let it through, so it ends the run on this rank, and, at their next
+    collective, on the others."""
 
 
 def launched() -> bool:
@@ -131,6 +133,21 @@ class World:
             return tokens
         got = np.array(self.all_sum(mx.array(mine), "the step's sampled tokens")).astype(int).tolist()
         return got
+
+    def leaders_stop(self, stop: Callable[[], bool] | None) -> Callable[[], bool] | None:
+        """`stop` (asked before each step) as rank 0 answers it, on every rank: one small all_sum a
+        step, so every rank stops after the same step (a Ctrl-C reaches the ranks at different
+        moments, and a rank that stopped alone would leave the others waiting in a forward)."""
+        if not self.distributed or stop is None:
+            return stop
+
+        def agreed() -> bool:
+            mine = 1 if (self.leader and stop()) else 0
+            if not self.leader:
+                stop()  # a rank's own Ctrl-C is noted, not acted on: rank 0 decides
+            return bool(self.all_sum(mx.array([mine], dtype=mx.int32), "rank 0's word to stop or go on").item())
+
+        return agreed
 
     def same_everywhere(self, data: bytes, what: str) -> None:
         """DistributedError naming the ranks whose `data` (hashed) differs from rank 0's."""

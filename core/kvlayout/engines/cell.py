@@ -508,15 +508,24 @@ class CellEngine:
         for s, k in plan:
             s.cached += k
         self._note_held(len(plan))
-        drawn: list[tuple[Running, int]] = []
-        for s, row in zip(completing, logits):
+        # Every sample's token is drawn first (its own generator: forking does not change it), agreed
+        # once (a collective when tensor-parallel), then each sequence forks, is kept and advances in
+        # turn as before: one retiring frees its id before the next one forks.
+        samples = [(s.request, sample, row) for s, row in zip(completing, logits) for sample in s.samples]
+        # A fork _fork cannot clone is queued again and must draw anew then: its generator's state
+        # before this draw (only forks: a sequence's first sample always advances).
+        before = {(s.request.index, x.index): x.rng.bit_generator.state for s in completing for x in s.samples[1:]}
+        drawn = [draw_token(sample, row, request, self.sampling) for request, sample, row in samples]
+        token_of = {(r.index, x.index): t for (r, x, _), t in zip(samples, self.agree(drawn))}
+        for s in completing:
             forks = self._fork(s)
             if not s.remembered:
                 self._remember(s)
-            drawn += [(fork, draw_token(fork.samples[0], row, fork.request, self.sampling)) for fork in forks]
-        # One agreement per step (a collective when tensor-parallel), then every token recorded.
-        for (fork, _), token in zip(drawn, self.agree([t for _, t in drawn])):
-            self._advance(fork, token)
+            for fork in forks:
+                self._advance(fork, token_of.pop((fork.request.index, fork.samples[0].index)))
+        for (r_index, x_index), _ in token_of.items():  # a sample _fork queued again draws anew later
+            sample = next(x for r, x, _ in samples if (r.index, x.index) == (r_index, x_index))
+            sample.rng.bit_generator.state = before[r_index, x_index]
         self.stats.account(time.perf_counter() - t0, prefill, decode)
 
     def _fork(self, s: Running) -> list[Running]:

@@ -23,15 +23,30 @@ from mlx.utils import tree_flatten
 from kvlayout.errors import ConfigError
 
 
-def check_shardable(args: Any, ranks: int, source: str) -> None:
-    """ConfigError naming the field when `args` (ModelArgs) does not split over `ranks` ranks."""
-    for field in ("num_key_value_heads", "num_attention_heads", "intermediate_size"):
+def check_shardable(args: Any, ranks: int, source: str, model: Any = None) -> None:
+    """ConfigError naming the field when `args` (ModelArgs) does not split over `ranks` ranks, or
+    when a quantized projection of `model` would split inside one of its groups."""
+    fields = ("num_key_value_heads", "num_attention_heads", "intermediate_size")
+    for field in fields:
         value = getattr(args, field)
         if value % ranks:
-            fits = [n for n in range(2, value + 1) if all(getattr(args, f) % n == 0 for f in
-                                                           ("num_key_value_heads", "num_attention_heads", "intermediate_size"))]
+            fits = [n for n in range(2, value + 1) if all(getattr(args, f) % n == 0 for f in fields)]
             hint = f"run it on {' or '.join(map(str, fits[:4]))} ranks" if fits else "run it in one process"
             raise ConfigError(f"{source}: {field}={value} does not divide among {ranks} ranks; {hint}")
+    if model is None:
+        return
+    # A sharded-to-all projection splits its inputs: each rank's share must be whole groups.
+    for i, layer in enumerate(model.model.layers):
+        for name, proj in (("self_attn.o_proj", layer.self_attn.o_proj), ("mlp.down_proj", layer.mlp.down_proj)):
+            group = getattr(proj, "group_size", None)
+            if group is None:
+                continue
+            inputs = proj.weight.shape[-1] * 32 // proj.bits  # packed words back to elements
+            if (inputs // ranks) % group:
+                raise ConfigError(
+                    f"{source}: layer {i} {name} has {inputs} inputs quantized in groups of {group}: "
+                    f"{ranks} ranks would split a group ({inputs // ranks} inputs each); run it on fewer ranks"
+                )
 
 
 def local_args(args: Any, ranks: int) -> Any:

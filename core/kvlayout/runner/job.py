@@ -242,7 +242,7 @@ class Job:
                 self.resumed.restore_engine(engine, requests)
             else:
                 engine.add(requests)
-            complete = engine.run(stop)
+            complete = engine.run(self.world.leaders_stop(stop))  # tensor-parallel: rank 0's Ctrl-C stops all
         except Interrupted as exc:
             failed = None
             if save_state is not None:
@@ -322,7 +322,11 @@ def prepare(cfg: RunConfig, loaded=None, resume=None, world: World | None = None
         cfg, loaded, notices = load_with_fallback(cfg)
     model, args, tok, name = loaded
     if world.distributed:
-        check_shardable(args, world.size, name)
+        # A rank that loaded another model (its own fallback, another directory) would pair its
+        # all_sums with the others' and compute garbage, or wait forever: said here, naming it.
+        world.same_everywhere(json.dumps([name, attrs.asdict(args)], sort_keys=True, default=str).encode(),
+                              f"the model ({name}, as its config.json reads)")
+        check_shardable(args, world.size, name, model)
         if getattr(model, "shards", 1) != world.size:  # a model handed in twice is split once
             shard_model(model, world.group)
             model.shards = world.size
@@ -345,6 +349,9 @@ def prepare(cfg: RunConfig, loaded=None, resume=None, world: World | None = None
         job.resumed, job.cache = resuming.load_run(
             resume, job.fingerprint(), cache_config(cfg, args, kv_dtype), args.vocab_size, tok.eos_ids, name
         )
+        # Each rank resumes its own directory: they must hold one run, saved at one step.
+        world.same_everywhere(json.dumps([job.resumed.data["samples"], job.resumed.data["engine"]],
+                                         sort_keys=True, default=str).encode(), "the saved run's samples and engine state")
     else:
         job.cache = builder.build(cache_config(cfg, args, kv_dtype))
     check_faces(f"{builder.key} ({builder.provider()})", job.cache)

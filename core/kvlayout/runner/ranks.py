@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import attrs
+
 from kvlayout.distributed import DistributedError, World
 from kvlayout.errors import KVLayoutError, StateError
 from kvlayout.runner.config import RunConfig, dump_config, parse_config
@@ -39,12 +41,13 @@ def leader_config(world: World, make: Callable[[], RunConfig]) -> RunConfig:
         except KVLayoutError as exc:
             world.json_from_leader({"refused": str(exc)}, "the run's config")
             raise
-        world.json_from_leader({"toml": dump_config(cfg)}, "the run's config")
+        # plain_chat is no TOML key (a --prompt run's, or a fallback's): it goes beside the text.
+        world.json_from_leader({"toml": dump_config(cfg), "plain_chat": cfg.plain_chat}, "the run's config")
         return cfg
     got = world.json_from_leader(None, "the run's config")
     if "refused" in got:
         raise LeaderRefused(f"{world.label()}: stopped: rank 0 refused the run ({got['refused']})")
-    return parse_config(got["toml"], "rank 0's config")
+    return attrs.evolve(parse_config(got["toml"], "rank 0's config"), plain_chat=got["plain_chat"])
 
 
 @contextlib.contextmanager
@@ -86,6 +89,19 @@ def check_resume_world(directory: str | None, world: World) -> None:
             f"--resume {directory}: saved by a run of {held}; this run has {now} "
             f"(resume it with mlx.launch -n {sizes[0]})"
         )
+
+
+def agree_on_save(world: World, result: Any, directory: str) -> Any:
+    """`result` (a RunResult), its `save_failed` set when another rank could not save its shard
+    (each rank says its own reason on its stderr): `directory` then holds no whole run."""
+    every = world.gather_ints([0 if result.save_failed is None else 1], "whether each rank saved its state")
+    lost = [r for r, (failed,) in enumerate(every) if failed and r != world.rank]
+    if not lost or result.save_failed is not None:
+        return result
+    which = ", ".join(map(str, lost))
+    why = KVLayoutError(f"rank(s) {which} could not save their shard (said on their stderr); {directory} "
+                        "does not hold a whole run: resume from it is refused")
+    return attrs.evolve(result, save_failed=why)
 
 
 def rank_figures(world: World, kv_bytes_per_cell: int, model_bytes: int) -> list[dict[str, Any]]:

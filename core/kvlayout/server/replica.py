@@ -22,6 +22,7 @@ import numpy as np
 
 from kvlayout.distributed import World
 from kvlayout.engines.records import Request, Sample, Sampling, Stats
+from kvlayout.errors import RunEnded
 from kvlayout.runner.text import SampleText
 
 HEARTBEAT_S = 1.0
@@ -64,6 +65,7 @@ class Leading:
     def __init__(self, engine: Any, world: World, fresh: bool = False):
         self.engine, self.world = engine, world
         self.notes: list[list] = [["reset"]] if fresh else []
+        self.added: set[int] = set()  # requests this engine was given: only their cancels are news
         self.sent_at = time.monotonic()
 
     def __getattr__(self, name: str) -> Any:
@@ -71,10 +73,12 @@ class Leading:
 
     def add(self, requests: list[Request]) -> None:
         self.notes += [["add", request_record(r)] for r in requests]
+        self.added.update(r.index for r in requests)
         self.engine.add(requests)
 
     def cancel(self, request: Request) -> None:
-        self.notes.append(["cancel", request.index])
+        if request.index in self.added:  # a ticket still queued at shutdown never reached the engine
+            self.notes.append(["cancel", request.index])
         self.engine.cancel(request)
 
     def step(self) -> bool:
@@ -97,7 +101,11 @@ class Leading:
 
 
 def follow(world: World, make_engine: Callable[[Stats], Any], clear: Callable[[], None], decode: Callable) -> None:
-    """Replay rank 0's engine on this rank until it says stop (see the module)."""
+    """Replay rank 0's engine on this rank until it says stop (see the module).
+
+    A step that raises here raised on rank 0 too (the same engine, the same inputs; a forward's
+    failure is a RunEnded and ends the run instead): rank 0's worker then clears its cache and
+    starts a fresh engine, which its next message says ("reset"); until then this rank waits."""
     engine = make_engine(Stats())
     requests: dict[int, Request] = {}
     while True:
@@ -108,12 +116,19 @@ def follow(world: World, make_engine: Callable[[Stats], Any], clear: Callable[[]
                 requests[request.index] = request
                 engine.add([request])
             elif verb == "cancel":
-                engine.cancel(requests[note[1]])
+                if note[1] in requests:  # one already finished here is finished on rank 0: nothing to end
+                    engine.cancel(requests[note[1]])
             elif verb == "reset":
                 clear()
+                requests.clear()
                 engine = make_engine(Stats())
             elif verb == "step":
-                engine.step()
+                try:
+                    engine.step()
+                except RunEnded:
+                    raise
+                except Exception:  # noqa: BLE001 - as Worker.step: rank 0 recovers and says "reset"
+                    pass
             elif verb == "stop":
                 return
         done = [i for i, r in requests.items() if all(s.finish_reason is not None for s in r.samples)]

@@ -94,7 +94,9 @@ def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -
     tensor-parallel server's ranks (rank 0 serves; the others `follow`, server.replica); every
     rank must have read the same config."""
     world = world or World()
-    world.same_everywhere(json.dumps(attrs.asdict(cfg), sort_keys=True, default=str).encode(), "the server's config")
+    # Where a rank started (base_dir) may differ; what it serves may not.
+    shape = attrs.asdict(cfg, filter=lambda a, v: a.name != "base_dir")
+    world.same_everywhere(json.dumps(shape, sort_keys=True, default=str).encode(), "the server's config")
     job = prepare(cfg, loaded, world=world)
     cfg = job.cfg  # the fallback's, when the config's model could not be had
     notices = list(job.notices)
