@@ -45,6 +45,11 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
               QuantizedKVCache; 16 requests batched vs mlx-lm's one-at-a-time
               quantized server path; agreement with float (token match, logit
               error). Run only when named.                        [kvq_rows]
+12. shapes    a decode step's attention, and the step as a whole (declare,
+              place, write, plan, attend), against the per-sequence ideal
+              for H_kv x D = 1x32, 2x64, 3x64, 8x128, 8 and 32 sequences,
+              fresh or after 256 interleaved decode steps with forks and
+              frees. Run only when named.                       [shape_rows]
 
 The heading names the BLAS MLX multiplies with (`blas`); `--blas PATH`
 reruns the command with that library preloaded.

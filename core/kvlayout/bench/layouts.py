@@ -16,15 +16,16 @@ from kvlayout import CacheConfig
 from kvlayout.registry import make_plugin_manager
 
 
-def cell_cache(config: CacheConfig) -> Any:
-    """A CellCache under a fresh plugin manager placing by lowest free cells: rows 5 and 6 build
-    their interleaved tables (sequence s in cells s, s + n, ...) with one step, which only that
-    placement lays out so (the default keeps each sequence in pages of its own)."""
+def cell_cache(config: CacheConfig, lowest_free: bool = True) -> Any:
+    """A CellCache under a fresh plugin manager, placing by lowest free cells (`lowest_free`): rows 5
+    and 6 build their interleaved tables (sequence s in cells s, s + n, ...) with one step, which
+    only that placement lays out so; else by the cell plugin's default (pages of their own)."""
     from kvlayout_cell.cache import CellCache
     from kvlayout_cell.plugin import LowestFree
 
     pm = make_plugin_manager()
-    pm.register(LowestFree())
+    if lowest_free:
+        pm.register(LowestFree())
     return CellCache(config, pm)
 
 

@@ -15,6 +15,7 @@ SIZES = {
         book_sizes=(4096,), book_dense_max=4096, group_seqs=8, group_len=256, attn_heads=(8, 2, 64),
         serve_clients=(1, 4), serve_requests=1, serve_tokens=8, serve_system=128,
         kvq_ns=(1, 8), kvq_tokens=4, kvq_single_tokens=8, kvq_server_n=4, kvq_forced=2, kvq_repeats=1,
+        shape_seqs=(8,), shape_prompt=32, shape_steps=64,
     ),
     "default": dict(
         repeats=3, write_ctx=(1024, 8192, 32768), write_reps=20, grow=8192, grow_reps=2, gen_tokens=256,
@@ -23,6 +24,7 @@ SIZES = {
         book_sizes=(4096, 32768), book_dense_max=4096, group_seqs=32, group_len=1024, attn_heads=(32, 8, 128),
         serve_clients=(1, 4, 16), serve_requests=2, serve_tokens=16, serve_system=512,
         kvq_ns=(1, 8, 32), kvq_tokens=16, kvq_single_tokens=32, kvq_server_n=16, kvq_forced=8, kvq_repeats=2,
+        shape_seqs=(8, 32), shape_prompt=64, shape_steps=256,
     ),
     "full": dict(
         repeats=5, write_ctx=(1024, 8192, 32768), write_reps=50, grow=32768, grow_reps=2, gen_tokens=256,
@@ -31,6 +33,7 @@ SIZES = {
         book_sizes=(4096, 32768, 131072), book_dense_max=32768, group_seqs=32, group_len=1024,
         attn_heads=(32, 8, 128), serve_clients=(1, 4, 16), serve_requests=4, serve_tokens=64, serve_system=512,
         kvq_ns=(1, 8, 32), kvq_tokens=64, kvq_single_tokens=128, kvq_server_n=16, kvq_forced=32, kvq_repeats=3,
+        shape_seqs=(8, 32), shape_prompt=256, shape_steps=256,
     ),
 }
 

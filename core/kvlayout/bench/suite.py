@@ -20,6 +20,7 @@ from kvlayout.bench.model_rows import row_batch, row_generate, row_prefix
 from kvlayout.bench.real_rows import row_chat, row_decode
 from kvlayout.bench.record import Row, Section
 from kvlayout.bench.serve_rows import row_serve
+from kvlayout.bench.shape_rows import row_shapes
 from kvlayout.bench.sizes import SIZES
 from kvlayout.bench.table import print_table
 from kvlayout.bench.write_rows import row_write
@@ -41,9 +42,10 @@ ROWS: dict[str, RowFn] = {
     "chat": row_chat,
     "serve": row_serve,  # row 10: `kvlayout bench serve`, on --model DIR or SmolLM2
     "kvq": row_kvq,  # row 11: `kvlayout bench kvq`, quantized K/V on a tiny model and --model DIR or SmolLM2
+    "shapes": row_shapes,  # row 12: decode attention vs the ideal for every head shape and history
 }
 ON_A_USER_MODEL = ("decode", "chat")
-ON_REQUEST = ("serve", "kvq")  # run only when named: minutes each (two servers; SmolLM2 at 32 sequences)
+ON_REQUEST = ("serve", "kvq", "shapes")  # run only when named: minutes each (two servers; SmolLM2 at 32 sequences)
 MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix", *ON_A_USER_MODEL, *ON_REQUEST)
 
 
