@@ -47,14 +47,16 @@ class TinyStack:
         rng = np.random.default_rng(1000 + seed)
         return mx.array(rng.normal(0, 1, (1, n, self.d_model)).astype(np.float32))
 
-    def _qkv(self, p, x):
+    def project_qkv(self, p, x):
+        """Layer `p`'s q, k, v of `x` `[1, T, d]` (tests that attend themselves use it too)."""
         T = x.shape[1]
         q = (x @ p["wq"]).reshape(1, T, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)  # [1, Hq, T, D]
         k = (x @ p["wk"]).reshape(1, T, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)  # [1, Hkv, T, D]
         v = (x @ p["wv"]).reshape(1, T, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         return q, k, v
 
-    def _out(self, p, x, o):
+    def project_out(self, p, x, o):
+        """The layer's output: `x` plus its projected attention output `o` `[1, Hq, T, D]`."""
         T = x.shape[1]
         o = o.transpose(0, 2, 1, 3).reshape(1, T, self.n_heads * self.head_dim)
         return x + mx.tanh(o @ p["wo"])
@@ -62,10 +64,20 @@ class TinyStack:
     def forward_cached(self, cache, x: mx.array, positions: Sequence[int]) -> mx.array:
         """Run `x` `[1, T, d]` through every layer via `cache.update_and_fetch`."""
         for layer, p in enumerate(self.layers):
-            q, k, v = self._qkv(p, x)
+            q, k, v = self.project_qkv(p, x)
             spec = cache.update_and_fetch(layer, list(positions), k, v)
-            x = self._out(p, x, attend(q, spec, self.scale))
+            x = self.project_out(p, x, attend(q, spec, self.scale))
         return x
+
+    def forward_parts(self, cache, parts) -> list[mx.array]:
+        """One step over `[(seq, x [1, n, d], first_pos), ...]` through a cell cache (declared here);
+        each part's output rows."""
+        seqs = [s for s, x, _ in parts for _ in range(x.shape[1])]
+        positions = [p + i for _, x, p in parts for i in range(x.shape[1])]
+        assert cache.declare_step(seqs)
+        out = self.forward_cached(cache, mx.concatenate([x for _, x, _ in parts], axis=1), positions)
+        splits = np.cumsum([x.shape[1] for _, x, _ in parts])[:-1].tolist()
+        return mx.split(out, splits, axis=1) if splits else [out]
 
     def forward_reference(self, x: mx.array, windows: Sequence[int] = ()) -> mx.array:
         """Cache-free forward over a whole sequence; windows[l] > 0 makes layer l sliding-window."""
@@ -77,13 +89,13 @@ class TinyStack:
             allowed = j <= i
             if w:
                 allowed &= j >= i - w + 1
-            q, k, v = self._qkv(p, x)
+            q, k, v = self.project_qkv(p, x)
             k = mx.repeat(k, self.n_heads // self.n_kv_heads, axis=1)
             v = mx.repeat(v, self.n_heads // self.n_kv_heads, axis=1)
             scores = (q @ k.transpose(0, 1, 3, 2)) * self.scale  # [1, Hq, T, T]
             scores = mx.where(mx.array(allowed), scores, -mx.inf)
             o = mx.softmax(scores, axis=-1) @ v
-            x = self._out(p, x, o)
+            x = self.project_out(p, x, o)
         return x
 
 

@@ -180,9 +180,9 @@ def forward_failing_at(stack: TinyStack, cache, x, positions, fail_layer: int):
     for layer, p in enumerate(stack.layers):
         if layer == fail_layer:
             raise Boom(f"layer {layer}")
-        q, k, v = stack._qkv(p, x)
+        q, k, v = stack.project_qkv(p, x)
         spec = cache.update_and_fetch(layer, list(positions), k, v)
-        x = stack._out(p, x, attend(q, spec, stack.scale))
+        x = stack.project_out(p, x, attend(q, spec, stack.scale))
         mx.eval(x)
     return x
 

@@ -29,14 +29,7 @@ def make_cache(pm=None, windows=(0, 0, 0), capacity=64) -> CellCache:
     return CellCache(config, make_plugin_manager() if pm is None else pm)
 
 
-def run_step(cache, parts):
-    """One forward over `[(seq, x [1, n, d], first_pos), ...]`; each part's output rows."""
-    seqs = [s for s, x, _ in parts for _ in range(x.shape[1])]
-    positions = [p + i for _, x, p in parts for i in range(x.shape[1])]
-    assert cache.declare_step(seqs)
-    out = STACK.forward_cached(cache, mx.concatenate([x for _, x, _ in parts], axis=1), positions)
-    splits = np.cumsum([x.shape[1] for _, x, _ in parts])[:-1].tolist()
-    return mx.split(out, splits, axis=1) if splits else [out]
+run_step = STACK.forward_parts  # one step over [(seq, x, first_pos), ...]; each part's rows
 
 
 def solo(x, windows=()):

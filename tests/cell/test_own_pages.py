@@ -240,13 +240,7 @@ def test_outputs_equal_each_sequences_solo_run_with_forks_and_frees(path):
     assert any(pages) == (path == "paged")  # "auto" gathers rows this narrow (16 elements)
 
 
-def run_step(cache, parts):
-    seqs = [s for s, x, _ in parts for _ in range(x.shape[1])]
-    positions = [p + i for _, x, p in parts for i in range(x.shape[1])]
-    assert cache.declare_step(seqs)
-    out = STACK.forward_cached(cache, mx.concatenate([x for _, x, _ in parts], axis=1), positions)
-    splits = np.cumsum([x.shape[1] for _, x, _ in parts])[:-1].tolist()
-    return mx.split(out, splits, axis=1) if splits else [out]
+run_step = STACK.forward_parts  # one step over [(seq, x, first_pos), ...]; each part's rows
 
 
 def close(a, b):

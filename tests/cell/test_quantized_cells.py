@@ -161,7 +161,7 @@ class Trio:
         self.all("declare_step", seqs)
         h = self.history
         for layer, p in enumerate(self.stack.layers):
-            q, k, v = self.stack._qkv(p, x)
+            q, k, v = self.stack.project_qkv(p, x)
             for t, (kr, vr) in enumerate(zip(rows_of(k, h.bits, h.group), rows_of(v, h.bits, h.group))):
                 h.seqs[seqs[t]][layer][positions[t]] = (kr, vr)
             outs = {}
@@ -177,7 +177,7 @@ class Trio:
             for path, o in outs.items():
                 np.testing.assert_allclose(np.array(o), want, atol=1e-5, rtol=1e-5, err_msg=f"{path} layer {layer}")
                 np.testing.assert_allclose(np.array(o), np.array(outs["dense"]), atol=1e-5, rtol=1e-5)
-            x = self.stack._out(p, x, outs["dense"])
+            x = self.stack.project_out(p, x, outs["dense"])
         for c in self.caches.values():
             assert_holds(c, h)
         return np.array(x)
@@ -409,7 +409,7 @@ def seq_run(stack: TinyStack, cache: SeqCache, x: mx.array, start: int, history:
     t = x.shape[1]
     positions = list(range(start, start + t))
     for layer, p in enumerate(stack.layers):
-        q, k, v = stack._qkv(p, x)
+        q, k, v = stack.project_qkv(p, x)
         for i, (kr, vr) in enumerate(zip(rows_of(k, bits, group), rows_of(v, bits, group))):
             history[layer][positions[i]] = (kr, vr)
         o = attend(q, cache.update_and_fetch(layer, positions, k, v), stack.scale)
@@ -417,7 +417,7 @@ def seq_run(stack: TinyStack, cache: SeqCache, x: mx.array, start: int, history:
         h.seqs[0] = history
         want = h.attention(layer, windows[layer], np.array(q), [0] * t, positions, stack.scale)
         np.testing.assert_allclose(np.array(o), want, atol=1e-5, rtol=1e-5)
-        x = stack._out(p, x, o)
+        x = stack.project_out(p, x, o)
     return np.array(x)
 
 

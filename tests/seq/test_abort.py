@@ -157,9 +157,9 @@ def run_stack(stack, cache, x, start, fail_layer=None):
     for layer, p in enumerate(stack.layers):
         if layer == fail_layer:
             raise Boom(f"layer {layer}")
-        q, k, v = stack._qkv(p, x)
+        q, k, v = stack.project_qkv(p, x)
         spec = cache.update_and_fetch(layer, positions, k, v)
-        x = stack._out(p, x, attend(q, spec, stack.scale))
+        x = stack.project_out(p, x, attend(q, spec, stack.scale))
         mx.eval(x)
     return x
 

@@ -38,9 +38,9 @@ def book(cache: SeqCache) -> tuple:
 def run(stack, cache, x, start):
     positions = list(range(start, start + x.shape[1]))
     for layer, p in enumerate(stack.layers):
-        q, k, v = stack._qkv(p, x)
+        q, k, v = stack.project_qkv(p, x)
         spec = cache.update_and_fetch(layer, positions, k, v)
-        x = stack._out(p, x, attend(q, spec, stack.scale))
+        x = stack.project_out(p, x, attend(q, spec, stack.scale))
     return np.array(x)
 
 
