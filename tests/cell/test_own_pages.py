@@ -23,7 +23,7 @@ from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
 from kvlayout_cell.groups import PLACEMENT_PAGE, plan_cells
 from kvlayout_cell.plugin import LowestFree, own_pages
-from tests.cell.support import naive_placement, placement_manager, stepper
+from tests.cell.support import naive_placement, stepper
 from tests.helpers import TinyStack
 
 B = PLACEMENT_PAGE

@@ -34,7 +34,7 @@ import numpy as np
 
 from kvlayout.bench import peers
 from kvlayout.bench.model_rows import load_both, run_config
-from kvlayout.bench.real_rows import QUESTIONS, chat_ids
+from kvlayout.bench.real_rows import QUESTIONS, chat_ids, decode_after_first
 from kvlayout.bench.record import Row
 from kvlayout.bench.timing import interleaved
 from kvlayout.config import CacheConfig, QUANTIZED_KV_BITS
@@ -167,13 +167,8 @@ def row_kvq(z: dict, ctx: dict) -> tuple[str, list[Row]]:
 
             def theirs_side():
                 cache = [QuantizedKVCache(group_size=GROUP, bits=bits) for _ in theirs.layers]
-                ids, first = [], None
-                for token, _ in generate_step(mx.array(prompt), theirs, max_tokens=n1, prompt_cache=cache):
-                    ids.append(int(token))
-                    if first is None:
-                        first = time.perf_counter()
-                got["theirs"] = ids
-                return time.perf_counter() - first
+                got["theirs"], dt = decode_after_first(generate_step, prompt, theirs, n1, prompt_cache=cache)
+                return dt
 
             t = interleaved({"ours": ours_side, "theirs": theirs_side}, z["kvq_repeats"])
             a, b = (n1 - 1) / statistics.median(t["ours"]), (n1 - 1) / statistics.median(t["theirs"])

@@ -58,6 +58,17 @@ def chat_ids(tokenizer, question: str) -> list[int]:
     return list(tokenizer.encode(f"{SYSTEM}\n{question}\n"))
 
 
+def decode_after_first(generate_step, prompt: list[int], model, n: int, **kwargs) -> tuple[list[int], float]:
+    """mlx-lm's `generate_step` over `prompt` for `n` tokens: (token ids, seconds from the first
+    sampled token, the prompt in, to the last): its decode time."""
+    ids, first = [], None
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=n, **kwargs):
+        ids.append(int(token))
+        if first is None:
+            first = time.perf_counter()
+    return ids, time.perf_counter() - first
+
+
 def row_decode(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     from kvlayout.runner import job as jobs
 
@@ -80,13 +91,7 @@ def row_decode(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         return go
 
     def theirs_side():
-        ids, first = [], None
-        for token, _ in generate_step(mx.array(prompt), m["theirs"], max_tokens=n):
-            ids.append(int(token))
-            if first is None:
-                first = time.perf_counter()  # the prompt is in and the first token sampled
-        dt = time.perf_counter() - first
-        got["mlx-lm"] = ids
+        got["mlx-lm"], dt = decode_after_first(generate_step, prompt, m["theirs"], n)
         return dt
 
     t = interleaved({"mlx:seq": ours_side("mlx:seq"), "mlx:cell": ours_side("mlx:cell"), "mlx-lm": theirs_side},

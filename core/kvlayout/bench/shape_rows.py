@@ -67,74 +67,78 @@ def history(n: int, h_kv: int, d: int, kind: str, rng: np.random.Generator, prom
     return cache, ids
 
 
+def ideal_inputs(cache, spec, ids: list[int], q: mx.array):
+    """(q [N, Hq, 1, D], K, V [N, H_kv, Lmax, D] each sequence's own, contiguous, key mask [N, 1, 1, Lmax],
+    lengths [N]): what the per-sequence ideal attends, taken from the pool the spec reads."""
+    owned = [cell_table(cache).seq_cells(s)[0] for s in ids]  # each sequence's cells by position
+    lengths = np.array([c.size for c in owned])
+    longest = int(lengths.max())
+    idx = mx.array(np.stack([np.pad(c, (0, longest - c.size)) for c in owned]).reshape(-1).astype(np.int32))
+    _, h_kv, _, d = spec.keys.shape
+    n = len(ids)
+    pools = (spec.groups.keys, spec.groups.values) if spec.groups is not None else (spec.keys, spec.values)
+    ik, iv = (mx.contiguous(mx.take(a, idx, axis=2).reshape(h_kv, n, longest, d).transpose(1, 0, 2, 3)) for a in pools)
+    kmask = mx.array((np.arange(longest)[None] < lengths[:, None])[:, None, None, :])
+    qi = mx.contiguous(q.transpose(2, 1, 0, 3))
+    mx.eval(ik, iv, kmask, qi)
+    return qi, ik, iv, kmask, lengths
+
+
+def one_case(z: dict, rng: np.random.Generator, h_kv: int, d: int, n: int, kind: str) -> list[Row]:
+    """The two lines of one shape, sequence count and history."""
+    h_q, scale = h_kv * REP[d], d**-0.5
+    cache, ids = history(n, h_kv, d, kind, rng, z["shape_prompt"], z["shape_steps"])
+    control = cache.as_batch_control()
+    positions = [control.next_pos(s) for s in ids]
+    k1 = mx.array(rng.normal(size=(1, h_kv, n, d)).astype(np.float32))
+    q = mx.array(rng.normal(size=(1, h_q, n, d)).astype(np.float32))  # [1, Hq, T, D]
+    mx.eval(q, k1)
+
+    def place():
+        assert control.declare_step(ids)
+        return cache.update_and_fetch(0, positions, k1, k1 * 0.5)
+
+    spec = place()
+    qi, ik, iv, kmask, lengths = ideal_inputs(cache, spec, ids, q)
+
+    def ideal():
+        return timed(lambda: mx.eval(mx.fast.scaled_dot_product_attention(qi, ik, iv, scale=scale, mask=kmask)))
+
+    def layout():
+        return timed(lambda: mx.eval(attend(q, spec, scale)))
+
+    def whole():  # the step for one layer: declare, place, write, plan, attend; then taken back
+        t0 = time.perf_counter()
+        mx.eval(attend(q, place(), scale))
+        dt = time.perf_counter() - t0
+        cache.abort_step()
+        return dt
+
+    want = mx.fast.scaled_dot_product_attention(qi, ik, iv, scale=scale, mask=kmask).transpose(2, 1, 0, 3)
+    err = float(np.abs(np.array(attend(q, spec, scale)) - np.array(want)).max())
+    batches = spec.groups.batches() if spec.groups is not None else ()
+    pages = sorted({b.page for b in batches if b.page})
+    share = sum(b.cells.size * b.page for b in batches if b.page) / int(lengths.sum())
+    t = interleaved({"layout": layout, "ideal": ideal}, 3 * z["repeats"])
+    cache.abort_step()
+    tw = interleaved({"whole step": whole, "ideal": ideal}, 3 * z["repeats"])
+    chose = f"paged {'/'.join(map(str, pages))}" if pages else ("gathered" if batches else "dense")
+    case = f"{h_kv}x{d} N={n} {kind}"
+    keys = dict(h_kv=h_kv, d=d, n=n, history=kind)
+    return [
+        Row.from_times("12 shapes", f"{case}: attn/ideal", t, "layout", "ideal",
+                       f"{chose}, {share:.0%} of cells read in place; max |layout - ideal| {err:.1e}",
+                       in_place=share, **keys),
+        Row.from_times("12 shapes", f"{case}: step/ideal", tw, "whole step", "ideal",
+                       "goal <= 1.3 (attention <= 1.2)", **keys),
+    ]
+
+
 def row_shapes(z: dict, ctx: dict) -> tuple[str, list[Row]]:
-    out: list[Row] = []
     rng = np.random.default_rng(12)
+    out = [row for h_kv, d in SHAPES for n in z["shape_seqs"] for kind in ("fresh", "interleaved")
+           for row in one_case(z, rng, h_kv, d, n, kind)]
     prompt, steps = z["shape_prompt"], z["shape_steps"]
-    for h_kv, d in SHAPES:
-        h_q = h_kv * REP[d]
-        scale = d**-0.5
-        for n in z["shape_seqs"]:
-            for kind in ("fresh", "interleaved"):
-                cache, ids = history(n, h_kv, d, kind, rng, prompt, steps)
-                control = cache.as_batch_control()
-                positions = [control.next_pos(s) for s in ids]
-                k1 = mx.array(rng.normal(size=(1, h_kv, n, d)).astype(np.float32))
-                q = mx.array(rng.normal(size=(1, h_q, n, d)).astype(np.float32))
-                assert control.declare_step(ids)
-                spec = cache.update_and_fetch(0, positions, k1, k1 * 0.5)
-                table = cell_table(cache)
-                owned = [table.seq_cells(s)[0] for s in ids]  # each sequence's cells by position
-                longest = max(c.size for c in owned)
-                pad = np.stack([np.pad(c, (0, longest - c.size)) for c in owned])  # [N, Lmax]
-                idx = mx.array(pad.reshape(-1).astype(np.int32))
-                keys = spec.groups.keys if spec.groups is not None else spec.keys
-                values = spec.groups.values if spec.groups is not None else spec.values
-                ik = mx.contiguous(mx.take(keys, idx, axis=2).reshape(h_kv, n, longest, d).transpose(1, 0, 2, 3))
-                iv = mx.contiguous(mx.take(values, idx, axis=2).reshape(h_kv, n, longest, d).transpose(1, 0, 2, 3))
-                lengths = np.array([c.size for c in owned])
-                kmask = mx.array((np.arange(longest)[None] < lengths[:, None])[:, None, None, :])  # [N, 1, 1, Lmax]
-                qi = mx.contiguous(q.transpose(2, 1, 0, 3))  # [N, Hq, 1, D]
-                mx.eval(q, ik, iv, kmask, qi)
-
-                def ideal():
-                    return timed(lambda: mx.eval(mx.fast.scaled_dot_product_attention(qi, ik, iv, scale=scale,
-                                                                                      mask=kmask)))
-
-                def layout():
-                    return timed(lambda: mx.eval(attend(q, spec, scale)))
-
-                err = float(np.abs(np.array(attend(q, spec, scale))
-                                   - np.array(mx.fast.scaled_dot_product_attention(
-                                       qi, ik, iv, scale=scale, mask=kmask).transpose(2, 1, 0, 3))).max())
-                pages = [b.page for b in spec.groups.batches()] if spec.groups is not None else []
-                read = sum(b.cells.size * b.page for b in spec.groups.batches() if b.page) if pages else 0
-                share = read / max(int(lengths.sum()), 1)
-                del spec
-                cache.abort_step()
-
-                def whole():  # the step for one layer: declare, place, write, plan, attend
-                    t0 = time.perf_counter()
-                    assert control.declare_step(ids)
-                    s = cache.update_and_fetch(0, positions, k1, k1 * 0.5)
-                    mx.eval(attend(q, s, scale))
-                    dt = time.perf_counter() - t0
-                    cache.abort_step()
-                    return dt
-
-                assert control.declare_step(ids)
-                spec = cache.update_and_fetch(0, positions, k1, k1 * 0.5)
-                t = interleaved({"layout": layout, "ideal": ideal}, 3 * z["repeats"])
-                del spec
-                cache.abort_step()
-                tw = interleaved({"whole step": whole, "ideal": ideal}, 3 * z["repeats"])
-                case = f"{h_kv}x{d} N={n} {kind}"
-                note = (f"{'paged ' + '/'.join(map(str, sorted(set(p for p in pages if p)))) if any(pages) else ('gathered' if pages else 'dense')}"
-                        f", {share:.0%} of cells read in place; max |layout - ideal| {err:.1e}")
-                out.append(Row.from_times("12 shapes", f"{case}: attn/ideal", t, "layout", "ideal", note,
-                                          h_kv=h_kv, d=d, n=n, history=kind, in_place=share))
-                out.append(Row.from_times("12 shapes", f"{case}: step/ideal", tw, "whole step", "ideal",
-                                          "goal <= 1.3 (attention <= 1.2)", h_kv=h_kv, d=d, n=n, history=kind))
     work = (f"one layer, float32, H_q = H_kv x (2 at D 32, 3 at D 64, 4 at D 128); fresh = a {prompt + steps}-token "
             f"prompt each then one decode step; interleaved = a {prompt}-token prompt each, then {steps} decode "
             "steps of every sequence (a free and a fork every 32), under the default placement; attn = attend() "

@@ -514,18 +514,18 @@ class CellEngine:
         samples = [(s.request, sample, row) for s, row in zip(completing, logits) for sample in s.samples]
         # A fork _fork cannot clone is queued again and must draw anew then: its generator's state
         # before this draw (only forks: a sequence's first sample always advances).
-        before = {(s.request.index, x.index): x.rng.bit_generator.state for s in completing for x in s.samples[1:]}
+        before = {id(x): (x, x.rng.bit_generator.state) for s in completing for x in s.samples[1:]}
         drawn = [draw_token(sample, row, request, self.sampling) for request, sample, row in samples]
-        token_of = {(r.index, x.index): t for (r, x, _), t in zip(samples, self.agree(drawn))}
+        token_of = {id(x): t for (_, x, _), t in zip(samples, self.agree(drawn))}
         for s in completing:
             forks = self._fork(s)
             if not s.remembered:
                 self._remember(s)
             for fork in forks:
-                self._advance(fork, token_of.pop((fork.request.index, fork.samples[0].index)))
-        for (r_index, x_index), _ in token_of.items():  # a sample _fork queued again draws anew later
-            sample = next(x for r, x, _ in samples if (r.index, x.index) == (r_index, x_index))
-            sample.rng.bit_generator.state = before[r_index, x_index]
+                before.pop(id(fork.samples[0]), None)
+                self._advance(fork, token_of[id(fork.samples[0])])
+        for sample, state in before.values():  # queued again by _fork: it draws anew when it runs
+            sample.rng.bit_generator.state = state
         self.stats.account(time.perf_counter() - t0, prefill, decode)
 
     def _fork(self, s: Running) -> list[Running]:

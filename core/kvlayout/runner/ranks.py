@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import attrs
 
-from kvlayout.distributed import DistributedError, World
+from kvlayout.distributed import World
 from kvlayout.errors import KVLayoutError, StateError
 from kvlayout.runner.config import RunConfig, dump_config, parse_config
 
@@ -108,7 +108,3 @@ def rank_figures(world: World, kv_bytes_per_cell: int, model_bytes: int) -> list
     """Every rank's K/V bytes a cell and model bytes (a collective: every rank calls it)."""
     every = world.gather_ints([kv_bytes_per_cell, model_bytes], "each rank's K/V and model bytes")
     return [{"rank": r, "kv_bytes_per_cell": kv, "model_bytes": mb} for r, (kv, mb) in enumerate(every)]
-
-
-__all__ = ["DistributedError", "LeaderRefused", "check_resume_world", "leader_config", "quiet_unless_leader",
-           "rank_dir", "rank_figures"]
