@@ -219,3 +219,13 @@ def test_serve_on_two_ranks_answers_as_one_process_and_stops_on_ctrl_c(tmp_path)
         outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "tensor-parallel over 2 ranks" in outs[0][1]
+
+
+def test_a_launch_whose_hostfile_is_no_host_list_is_refused_in_one_line(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text("")
+    done = kvlayout("run", str(run_toml(tmp_path)), env=cli_env(MLX_RANK="0", MLX_HOSTFILE=str(hosts)))
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvlayout: error: cannot join the other ranks (MLX_RANK=0, "
+                                                   f"MLX_HOSTFILE={hosts}): ")

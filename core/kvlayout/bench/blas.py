@@ -59,12 +59,13 @@ def check_library(path: str) -> str:
         raise ConfigError(f"--blas {path}: macOS builds of MLX use Accelerate; there is no BLAS to preload")
     if not Path(path).is_file():
         hint = f" (Debian: apt-get install libopenblas0-pthread gives {DEBIAN_OPENBLAS})"
-        raise ConfigError(f"--blas {path}: no such file{hint}")
+        what = "a directory, not a library file" if Path(path).is_dir() else "no such file"
+        raise ConfigError(f"--blas {path}: {what}{hint}")
     try:
-        ctypes.CDLL(path)
+        library = ctypes.CDLL(path)
     except OSError as exc:
         raise ConfigError(f"--blas {path}: not a loadable shared library ({exc})") from None
-    if not hasattr(ctypes.CDLL(path), "sgemm_"):
+    if not hasattr(library, "sgemm_"):
         raise ConfigError(f"--blas {path}: has no sgemm_ symbol; expected a BLAS (libblas.so.3)")
     return str(Path(path).resolve())
 

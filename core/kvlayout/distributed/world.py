@@ -224,7 +224,11 @@ def current() -> World:
 
 def _join() -> World:
     timeout = _timeout()
-    group = mx.distributed.init()
+    try:
+        group = mx.distributed.init()
+    except RuntimeError as exc:  # a hostfile that is missing or not a host list, a port taken, ...
+        launch = ", ".join(f"{name}={os.environ[name]}" for name in (*LAUNCHED_BY, "MLX_HOSTFILE") if name in os.environ)
+        raise DistributedError(f"cannot join the other ranks ({launch}): {exc}") from None
     if group.size() < 2:
         return World(timeout_s=timeout)
     return World(group.rank(), group.size(), group, timeout, os.environ.get(CHECK_ENV) == "1")
