@@ -59,6 +59,12 @@ def local_args(args: Any, ranks: int) -> Any:
     )
 
 
+def shards_of(model: Any) -> int:
+    """The ranks `model` is split over (1: whole), read from its first query projection."""
+    group = getattr(model.model.layers[0].self_attn.q_proj, "group", None) if model.model.layers else None
+    return 1 if group is None else group.size()
+
+
 def shard_model(model: Any, group: Any) -> None:
     """Split `model` (kvlayout.models.llama.Model) in place over `group` (`check_shardable` first).
     Quantized projections split as they are (mlx's Quantized*Linear), never dequantized."""

@@ -31,7 +31,7 @@ from kvlayout.engines.recovery import Interrupted
 from kvlayout.engines.seq import SeqEngine
 from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.faces import BatchControl, SequenceControl, contract
-from kvlayout.models.shard import check_shardable, local_args, model_bytes, shard_model
+from kvlayout.models.shard import check_shardable, local_args, model_bytes, shard_model, shards_of
 from kvlayout.runner.config import ModelSection, RunConfig
 from kvlayout.runner.prompts import Prompt, build_prompts
 from kvlayout.runner.records import KVBytes, OnText, RunResult, SampleResult, TextEvent
@@ -327,9 +327,8 @@ def prepare(cfg: RunConfig, loaded=None, resume=None, world: World | None = None
         world.same_everywhere(json.dumps([name, attrs.asdict(args)], sort_keys=True, default=str).encode(),
                               f"the model ({name}, as its config.json reads)")
         check_shardable(args, world.size, name, model)
-        if getattr(model, "shards", 1) != world.size:  # a model handed in twice is split once
+        if shards_of(model) != world.size:  # a model handed in twice is split once
             shard_model(model, world.group)
-            model.shards = world.size
         model = RankedModel(model, world)
         args = local_args(args, world.size)
     built, joined = build_prompts(cfg, tok, args.vocab_size)
