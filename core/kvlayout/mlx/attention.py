@@ -34,8 +34,8 @@ def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:
     if spec.groups is not None:
         return attend_groups(q, spec.groups, scale)
     keys, values = spec.keys, spec.values
-    if spec.mask_kind is MaskKind.NONE:
-        mask = None
+    if spec.mask_kind is MaskKind.NONE or (spec.mask_kind is MaskKind.CAUSAL and q.shape[2] == 1):
+        mask = None  # one query, causal: it sees every key (mlx-lm's decode passes no mask either)
     elif spec.mask_kind is MaskKind.CAUSAL:
         mask = "causal"
     else:

@@ -208,12 +208,15 @@ class RoPE:
         self.base, self.scale, self.freqs = rope_freqs(args)
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
+        if x.shape[2] == 1:  # one token: [1, H, 1, D] already has it on the batch axis
+            return self._rope(x, positions)
         xt = x.transpose(2, 1, 0, 3)  # [1, H, T, D] -> [T, H, 1, D]
-        y = mx.fast.rope(
-            xt, self.dims, traditional=False, base=self.base, scale=self.scale,
-            offset=positions, freqs=self.freqs,
+        return self._rope(xt, positions).transpose(2, 1, 0, 3)  # [1, H, T, D]
+
+    def _rope(self, x: mx.array, offsets: mx.array) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=False, base=self.base, scale=self.scale, offset=offsets, freqs=self.freqs
         )
-        return y.transpose(2, 1, 0, 3)  # [1, H, T, D]
 
 
 class Attention(nn.Module):
@@ -315,7 +318,7 @@ class Model(nn.Module):
         for layer in self.model.layers:
             h = layer(h, pos, pos_host, cache)
         h = h[0]  # [T, hidden]
-        if rows is not None:
+        if rows is not None and not (len(rows) == len(tokens) == 1):  # one token: its row is h
             h = h[mx.array(rows, dtype=mx.int32)]  # [R, hidden]
         h = self.model.norm(h)
         if self.args.tie_word_embeddings:
