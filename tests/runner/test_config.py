@@ -60,6 +60,8 @@ def test_an_unknown_key_is_named_with_the_valid_ones(data, key):
         (_mapping(cache={"capacity": 0}), "cache.capacity=0"),
         (_mapping(cache={"kv_dtype": "int8"}), "cache.kv_dtype='int8'"),
         (_mapping(sampling={"top_p": 0}), "sampling.top_p=0"),
+        (_mapping(engine={"pipeline": "yes"}), "engine.pipeline='yes': expected true or false"),
+        (_mapping(engine={"pipeline": 1}), "engine.pipeline=1: expected true or false"),
         (_mapping(model={"preset": "tiny", "path": "m"}), "exactly one of model.path"),
         (_mapping(requests=[{"max_tokens": 3}]), "requests[0]: expected exactly one of prompt"),
         (_mapping(requests=[{"prompt": "a", "messages": [{"role": "user", "content": "a"}]}]),

@@ -13,8 +13,10 @@ import time
 from typing import Sequence
 
 import attrs
+import mlx.core as mx
 import numpy as np
 
+from kvlayout.engines import ahead
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.prefixes import Hit, PrefixCache, common_length
 from kvlayout.engines.records import (
@@ -31,7 +33,7 @@ from kvlayout.engines.records import (
     record_token,
     same_tokens,
 )
-from kvlayout.engines.recovery import ForwardFailed, guarded_forward
+from kvlayout.engines.recovery import ForwardFailed, guarded_forward, host_logits
 from kvlayout.engines import saved
 from kvlayout.errors import CapacityError, KVLayoutError
 
@@ -51,10 +53,14 @@ class Running:
     admitted: int  # admission counter: the latest admitted is preempted first
     cached: int = 0
     remembered: bool = False  # its prompt was offered to the prefix cache (once, when it was in)
+    # Its next token, drawn on the device and not read yet (engines.ahead): (the step's tokens,
+    # its index there). While set, all of `tokens` are in the cache and the next step feeds it.
+    drawn: tuple[ahead.Drawn, int] | None = None
 
     @property
     def pending(self) -> int:
-        return len(self.tokens) - self.cached
+        """Tokens to feed: a token drawn ahead counts, unread as it is."""
+        return len(self.tokens) - self.cached + (self.drawn is not None)
 
 
 @attrs.define(eq=False)
@@ -105,6 +111,11 @@ class CellEngine:
     `state()` does not hold entries: a run that saves its state runs
     without a prefix cache.
 
+    `pipeline`: a greedy sequence of one sample draws its next token on the
+    device, and the next step's forward is queued before the host reads it
+    (engines.ahead). Tokens, the table and `state()` (which reads what is in
+    flight first) are the host path's.
+
     Implements the Engine interface (engines.interface): `running`, `queue`
     and the admission counter are what `state()` saves. `on_token` hears of
     every sampled token and every sample that fails or is cancelled
@@ -124,9 +135,12 @@ class CellEngine:
         on_token: OnToken = ignore_tokens,
         prefixes: PrefixCache | None = None,
         agree: Agree = same_tokens,
+        pipeline: bool = True,
     ):
         self.model, self.cache, self.bc = model, cache, control
         self.agree = agree
+        # Tokens agreed through a collective are read on every step (engines.ahead).
+        self.pipeline = pipeline and agree is same_tokens
         self.eos, self.sampling, self.chunk = eos, sampling, chunk
         self.stats, self.progress, self.on_token = stats, progress, on_token
         self.prefixes = prefixes
@@ -158,6 +172,10 @@ class CellEngine:
         try:
             self._forward(plan)
         except ForwardFailed as exc:
+            # The tokens it fed ahead came from a forward that succeeded: read them, then retry
+            # (or fail) whoever they did not finish.
+            self.settle()
+            plan = [(s, k) for s, k in plan if s in self.running]
             if exc.retry:
                 self._retry_alone(plan, exc)
             else:  # a plugin's fault: retrying would only meet it again
@@ -187,6 +205,7 @@ class CellEngine:
         if self.prefixes is not None:
             raise KVLayoutError("a CellEngine with a prefix cache has no state to save (its kept prefixes "
                                 "are not part of it); build the engine without one to save and resume")
+        self.settle()
         return {
             "kind": "cell",
             "admissions": self._admissions,
@@ -250,6 +269,13 @@ class CellEngine:
                     raise saved.refuse("queue", f"request {r.index}'s sample {s.index} is unfinished but neither running nor queued")
         self.running, self.queue = running, collections.deque(waiting)
         self._admissions = admissions
+
+    def settle(self) -> None:
+        """Read every token in flight (engines.ahead), oldest sequence first: the host path's
+        state, between steps. A token that ends its sample retires it."""
+        for s in [s for s in self.running if s.drawn is not None]:
+            (drawn, i), s.drawn = s.drawn, None
+            self._advance(s, drawn.read(i))
 
     @staticmethod
     def _unit(d: dict, where: str, requests: Sequence[Request], held: dict) -> tuple[Request, list[Sample], list[int]]:
@@ -333,6 +359,10 @@ class CellEngine:
         while plan and not self._try(plan):
             if self._evict():
                 continue  # a kept prefix gives way before any live sequence
+            if any(s.drawn is not None for s in self.running):
+                self.settle()  # a token in flight may end its sample and free its cells
+                plan = self._plan()
+                continue
             if len(self.running) == 1:
                 # check_capacity makes this unreachable: a lone sequence always fits.
                 s = self.running[0]
@@ -487,27 +517,71 @@ class CellEngine:
 
     def _forward(self, plan: list[tuple[Running, int]]) -> None:
         t0 = time.perf_counter()
-        tokens: list[int] = []
+        pieces: list = []  # per sequence: its host ids, or (Drawn, index) of a token drawn ahead
         positions: list[int] = []
         rows: list[int] = []
         completing: list[Running] = []
-        prefill = decode = 0
+        fed_ahead: list[tuple[Running, tuple[ahead.Drawn, int]]] = []
+        prefill = decode = width = 0
         for s, k in plan:
-            tokens += s.tokens[s.cached : s.cached + k]
+            if s.drawn is not None:
+                pieces.append(s.drawn)
+                fed_ahead.append((s, s.drawn))
+            else:
+                pieces.append(s.tokens[s.cached : s.cached + k])
             positions += range(s.cached, s.cached + k)
+            width += k
             if k == s.pending:
-                rows.append(len(tokens) - 1)
+                rows.append(width - 1)
                 completing.append(s)
-            if k == 1 and s.pending == 1 and len(s.tokens) > len(s.request.prompt):
+            if k == 1 and s.pending == 1 and (s.drawn is not None or len(s.tokens) > len(s.request.prompt)):
                 decode += 1
             else:
                 prefill += k
+        # Who draws on the device: a greedy sequence of one sample whose next token is fed back.
+        on_device = [self._draws_ahead(s) for s in completing]
+        host = [i for i, d in enumerate(on_device) if not d]
+        device = [i for i, d in enumerate(on_device) if d]
         # At least one row even when no prompt completes: evaluating it forces the cache writes.
+        row_ids = rows or [width - 1]
+
+        def read(logits):  # [R, V]: queue the device draws, then wait for the host's rows (if any)
+            drawn = ahead.draw(logits, None if len(device) == len(row_ids) else device) if device else None
+            if host or not device:
+                return drawn, host_logits(logits if not device else logits[mx.array(host or [0], dtype=mx.int32)])
+            return drawn, None
+
         # A failure is aborted in the cache (ForwardFailed) before any counter below moves.
-        logits = guarded_forward(self.model, self.cache, tokens, positions, rows or [len(tokens) - 1])  # [R, V]
+        drawn, logits = guarded_forward(self.model, self.cache, ahead.fed(pieces), positions, row_ids, read)
         for s, k in plan:
             s.cached += k
         self._note_held(len(plan))
+        # The tokens this step fed unread are read now, its own forward queued behind them. One
+        # that ends its sample makes this step's position of it speculative: it goes again.
+        for s, (d, i) in fed_ahead:
+            s.drawn = None
+            if not self._advance(s, d.read(i), speculative=True):
+                continue
+            if s in completing:
+                on_device[completing.index(s)] = None  # its next token is nobody's
+        for j, i in enumerate(device):
+            s = completing[i]
+            if on_device[i] is not None:
+                s.drawn = (drawn, j)
+                if not s.remembered:
+                    self._remember(s)
+        if logits is not None:
+            self._complete_on_host([completing[i] for i in host], logits)
+        self.stats.account(time.perf_counter() - t0, prefill, decode)
+
+    def _draws_ahead(self, s: Running) -> bool:
+        """Whether `s`'s next token is drawn on the device (engines.ahead)."""
+        if not self.pipeline or len(s.samples) != 1 or not ahead.greedy(self.sampling, s.request):
+            return False
+        return ahead.needs_forward_after(s.samples[0], s.request, s.drawn is not None)
+
+    def _complete_on_host(self, completing: list[Running], logits) -> None:
+        """Draw the next token of each sample of `completing` from its row of `logits` `[R, V]`."""
         # Every sample's token is drawn first (its own generator: forking does not change it), agreed
         # once (a collective when tensor-parallel), then each sequence forks, is kept and advances in
         # turn as before: one retiring frees its id before the next one forks.
@@ -518,6 +592,8 @@ class CellEngine:
         drawn = [draw_token(sample, row, request, self.sampling) for request, sample, row in samples]
         token_of = {id(x): t for (_, x, _), t in zip(samples, self.agree(drawn))}
         for s in completing:
+            if s not in self.running:
+                continue  # the token it fed ahead ended it
             forks = self._fork(s)
             if not s.remembered:
                 self._remember(s)
@@ -526,7 +602,6 @@ class CellEngine:
                 self._advance(fork, token_of[id(fork.samples[0])])
         for sample, state in before.values():  # queued again by _fork: it draws anew when it runs
             sample.rng.bit_generator.state = state
-        self.stats.account(time.perf_counter() - t0, prefill, decode)
 
     def _fork(self, s: Running) -> list[Running]:
         """A prefilled prompt becomes one sequence per sample, sharing its cells."""
@@ -546,15 +621,22 @@ class CellEngine:
             forks.append(f)
         return forks
 
-    def _advance(self, s: Running, token: int) -> None:
+    def _advance(self, s: Running, token: int, speculative: bool = False) -> bool:
+        """Record `token` as `s`'s next; True when that finished it (retired). `speculative`: the
+        step just queued fed `token` already, so on finishing its position is removed first."""
         finished, done = record_token(s.samples[0], token, s.request, self.eos, self.stats)
         self.on_token(s.request, s.samples[0], token)
         if finished:
             self.running.remove(s)
+            if speculative:
+                s.cached -= 1
+                if self.prefixes is not None:  # kept as an entry: only what its tokens say
+                    self.bc.seq_rm(s.seq_id, s.cached)
             self._retire(s)
         else:
             s.tokens.append(token)
         self.progress(done)
+        return finished
 
     def _note_held(self, batch: int) -> None:
         held = self.bc.capacity - self.bc.free_cells

@@ -50,8 +50,16 @@ class Engine(Protocol):
         unfinished is left as it is."""
         ...
 
+    def settle(self) -> None:
+        """Read the tokens still in flight (drawn on the device, engines.ahead), recording them
+        as a step would: afterwards the samples and `state()` are what the host path gives.
+        `run()` settles before it returns; a driver of `step()` settles before it reads the
+        samples whole (to save them, say). Nothing in flight: nothing happens."""
+        ...
+
     def state(self) -> dict:
-        """The engine's own state as plain JSON (what it holds of its requests, by index)."""
+        """The engine's own state as plain JSON (what it holds of its requests, by index); what
+        is in flight is settled first."""
         ...
 
     def restore(self, state: dict, requests: Sequence[Request]) -> None:
@@ -71,6 +79,7 @@ def run_steps(engine: Engine, stop: Stop | None = None) -> bool:
     """`Engine.run` in terms of `has_work` and `step`: one loop for every engine."""
     while engine.has_work:
         if stop is not None and stop():
+            engine.settle()
             return False
         engine.step()
     return True

@@ -30,7 +30,7 @@ be saved (`kvlayout run --save-state`).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -58,16 +58,23 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a forward; the step was aborted, so the run's state is whole."""
 
 
-def guarded_forward(model: Any, cache: Any, tokens: Sequence[int], positions: Sequence[int], rows: Sequence[int]) -> np.ndarray:
-    """The float32 logits `[R, V]` of one forward (the step's sync point).
+def host_logits(logits: mx.array) -> np.ndarray:
+    """The float32 logits `[R, V]` on the host: evaluating them is the step's sync point."""
+    return np.array(logits.astype(mx.float32))
 
+
+def guarded_forward(model: Any, cache: Any, tokens: Sequence[int] | mx.array, positions: Sequence[int],
+                    rows: Sequence[int], read: Callable[[mx.array], Any] = host_logits) -> Any:
+    """`read(logits)` of one forward's logits `[R, V]` (by default the float32 logits on the host).
+
+    `tokens` may be a lazy mlx array (tokens drawn on the device, engines.ahead). `read` runs
+    inside the guard: whatever it evaluates is evaluated before the forward counts as done.
     On an exception the cache's open step is aborted and ForwardFailed
     raised; on KeyboardInterrupt, aborted and Interrupted raised. A cache
     without the StepAbort face cannot be recovered: the exception propagates as is.
     """
     try:
-        logits = model(tokens, positions, cache, rows=rows)
-        return np.array(logits.astype(mx.float32))
+        return read(model(tokens, positions, cache, rows=rows))
     except BaseException as exc:
         if not isinstance(cache, StepAbort):
             raise

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import attrs
 
+from kvlayout.engines import ahead
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.records import (
     Agree,
@@ -23,7 +24,7 @@ from kvlayout.engines.records import (
     record_token,
     same_tokens,
 )
-from kvlayout.engines.recovery import ForwardFailed, Interrupted, guarded_forward
+from kvlayout.engines.recovery import ForwardFailed, Interrupted, guarded_forward, host_logits
 from kvlayout.engines import saved
 from kvlayout.errors import CapacityError
 
@@ -31,13 +32,18 @@ from kvlayout.errors import CapacityError
 @attrs.define(eq=False)
 class Generating:
     """The sample in the cache: its tokens (prompt, then what it generated), the first
-    `cached` of them in the cache, and whether its last forward failed once already."""
+    `cached` of them in the cache, and whether its last forward failed once already.
+
+    `drawn`: its next token, drawn on the device and not read yet (engines.ahead); while it is
+    set, every one of `tokens` is in the cache and the next forward feeds that token.
+    """
 
     request: Request
     sample: Sample
     tokens: list[int]
     cached: int
     retried: bool = False
+    drawn: ahead.Drawn | None = None
 
 
 class SeqEngine:
@@ -57,6 +63,10 @@ class SeqEngine:
     it, so a stopped run can resume it without recomputing them.
     `on_token` hears of every sampled token and every sample that fails
     (engines.records.OnToken).
+
+    `pipeline`: greedy samples draw their next token on the device and the
+    next forward is queued before the host reads it (engines.ahead); tokens,
+    cache and state are those of the host path.
     """
 
     def __init__(
@@ -71,9 +81,12 @@ class SeqEngine:
         progress: OnProgress,
         on_token: OnToken = ignore_tokens,
         agree: Agree = same_tokens,
+        pipeline: bool = True,
     ):
         self.model, self.cache, self.control = model, cache, control
         self.agree = agree
+        # Tokens agreed through a collective are read on every step (engines.ahead).
+        self.pipeline = pipeline and agree is same_tokens
         self.eos, self.sampling = eos, sampling
         self.chunk = min(chunk, control.max_step)  # the layout's rule, whoever drives the engine
         self.stats, self.progress, self.on_token = stats, progress, on_token
@@ -118,7 +131,9 @@ class SeqEngine:
                 end_sample(request, sample, "cancelled", self.on_token, self.progress)
 
     def state(self) -> dict:
-        """Which sample the cache holds (request, sample) and how many of its tokens."""
+        """Which sample the cache holds (request, sample) and how many of its tokens; a token in
+        flight is read first (`settle`)."""
+        self.settle()
         g = self.generating
         if g is not None:
             return {"kind": "seq", "current": [g.request.index, g.sample.index], "cached": g.cached}
@@ -156,6 +171,13 @@ class SeqEngine:
         self.queue.clear()
         self.add(requests)
 
+    def settle(self) -> None:
+        """Read the token in flight, if any (engines.ahead): the host path's state, between steps."""
+        g = self.generating
+        if g is not None and g.drawn is not None:
+            drawn, g.drawn = g.drawn, None
+            self._take(g, drawn.read(0))
+
     # -- one sample, one forward at a time
 
     def _start(self, r: Request, s: Sample) -> None:
@@ -180,21 +202,28 @@ class SeqEngine:
 
     def _forward(self, g: Generating) -> None:
         r, s, tokens, cached = g.request, g.sample, g.tokens, g.cached
-        k = min(len(tokens) - cached, self.chunk)
+        drawn = g.drawn  # when set, this step feeds that token, not read yet
+        k = 1 if drawn is not None else min(len(tokens) - cached, self.chunk)
         if not self.control.can_extend(k):
             raise CapacityError(f"the seq cache cannot take {k} more token(s) at length {self.control.length}")
         t0 = time.perf_counter()
         positions = range(cached, cached + k)
-        done = cached + k == len(tokens)
-        # One row even mid-prompt: evaluating it forces this step's cache writes.
+        done = drawn is not None or cached + k == len(tokens)
+        on_device = done and self.pipeline and ahead.greedy(self.sampling, r) and \
+            ahead.needs_forward_after(s, r, 1 if drawn is not None else 0)
+        fed = ahead.fed([(drawn, 0)]) if drawn is not None else tokens[cached : cached + k]
+        # One row even mid-prompt: evaluating it (or queueing its drawn token) forces this step's cache writes.
         try:
-            row = guarded_forward(self.model, self.cache, tokens[cached : cached + k], positions, [k - 1])
+            row = guarded_forward(self.model, self.cache, fed, positions, [k - 1], ahead.draw if on_device else host_logits)
         except Interrupted:
             self._realign(cached)
             raise
         except ForwardFailed as exc:  # aborted: the cache is back at `cached`
             self._realign(cached)
+            self.settle()  # the token it fed came from a forward that succeeded
             self.stats.failed_forwards += 1
+            if self.generating is None:
+                return  # that token ended the sample: nothing left to retry
             if not g.retried and exc.retry:  # a plugin's fault is not retried
                 g.retried = True  # the next step retries it
                 return
@@ -202,18 +231,34 @@ class SeqEngine:
             self.generating = None
             return
         g.retried = False
-        decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) else 0
+        decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) or drawn is not None else 0
         g.cached = cached + k
-        finished = False
-        if done:
+        if drawn is not None:
+            # The step fed a token only now read; when it ends the sample, the step just queued was
+            # speculative and its position goes again.
+            g.drawn = None
+            if self._take(g, drawn.read(0)):
+                self._realign(g.cached - 1)
+                self.stats.account(time.perf_counter() - t0, 0, decode)
+                self.stats.note_held(self.control.length + 1, self.control.length + 1, 1)
+                return
+        if on_device:
+            g.drawn = row  # read by the next step, once its forward is queued
+        elif done:
             (token,) = self.agree([draw_token(s, row[0], r, self.sampling)])  # a collective when tensor-parallel
-            finished, moved = record_token(s, token, r, self.eos, self.stats)
-            self.on_token(r, s, token)
-            if not finished:
-                tokens.append(token)
+            self._take(g, token)
         self.stats.account(time.perf_counter() - t0, k - decode, decode)
         self.stats.note_held(self.control.length, self.control.length, 1)
-        if done:
-            self.progress(moved)
+
+    def _take(self, g: Generating, token: int) -> bool:
+        """Record `token` as the sample's next: True when it finished the sample (then no longer
+        generating)."""
+        r, s = g.request, g.sample
+        finished, moved = record_token(s, token, r, self.eos, self.stats)
+        self.on_token(r, s, token)
+        if not finished:
+            g.tokens.append(token)
+        self.progress(moved)
         if finished:
             self.generating = None
+        return finished

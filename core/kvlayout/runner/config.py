@@ -49,6 +49,7 @@ seed = 0
 
 [engine]
 prefill_chunk = 64
+pipeline = true          # greedy samples draw their next token on the device, a step ahead
 
 [[requests]]
 messages = [
@@ -190,9 +191,14 @@ class SamplingSection:
 class EngineSection:
     # Prompt tokens one step may carry across newly admitted requests (decode tokens come on top).
     prefill_chunk: int = 64
+    # Greedy tokens drawn on the device, the next forward queued before the host reads them
+    # (engines.ahead); false: every step waits for its logits on the host. Same tokens either way.
+    pipeline: bool = True
 
     def __attrs_post_init__(self):
         _int("engine.prefill_chunk", self.prefill_chunk, 1)
+        if type(self.pipeline) is not bool:
+            raise _fail("engine.pipeline", self.pipeline, "true or false")
 
 
 @attrs.frozen

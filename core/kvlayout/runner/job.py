@@ -26,7 +26,7 @@ from kvlayout.config import CacheConfig
 from kvlayout.distributed import RankedModel, World
 from kvlayout.engines.cell import CellEngine
 from kvlayout.engines.interface import Engine
-from kvlayout.engines.records import OnProgress, OnToken, Sampling, Stats, ignore_tokens, make_requests
+from kvlayout.engines.records import OnProgress, OnToken, Sampling, Stats, ignore_tokens, make_requests, same_tokens
 from kvlayout.engines.recovery import Interrupted
 from kvlayout.engines.seq import SeqEngine
 from kvlayout.errors import ConfigError, KVLayoutError
@@ -160,13 +160,15 @@ class Job:
         sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
         eos = frozenset(self.tokenizer.eos_ids)
         bc = cache.as_batch_control()
-        agree = self.agree_tokens
+        # One process draws its own tokens: the engines may draw them on the device (engines.ahead).
+        agree = self.agree_tokens if self.world.distributed else same_tokens
+        pipeline = cfg.engine.pipeline
         if bc is not None:
             return CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token,
-                              prefixes, agree)
+                              prefixes, agree, pipeline)
         control = cache.as_control()  # the engine keeps its steps within control.max_step
         return SeqEngine(self.model, cache, control, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token,
-                         agree)
+                         agree, pipeline)
 
     def model_bytes(self) -> int:
         """Bytes of the model's parameters this process holds (its shard, when tensor-parallel)."""

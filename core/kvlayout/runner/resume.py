@@ -183,6 +183,7 @@ def save_run(directory: str | Path, job: Any, requests: list, engine: Any, stats
             if not isinstance(job.cache, Persistent):
                 raise KVLayoutError(f"layout {job.builder.key} cannot save its cache")
             d.mkdir(parents=True, exist_ok=True)
+            engine.settle()  # tokens in flight are recorded before the samples are read
             job.cache.save(d / name)
             data = {
                 "format": RUN_FORMAT,

@@ -1,0 +1,84 @@
+"""Tokens drawn on the device and read a step later, so the host never waits with nothing queued.
+
+Without it a step is: build the forward, evaluate it, copy the logits to the
+host, draw the next token, build the next forward. The device idles while
+the host builds, and the host idles while the device computes. Drawing a
+greedy token on the device (`mx.argmax` of the same float32 logits the host
+would take `np.argmax` of; both take the lowest id on a tie) lets the engine
+feed that lazy token to the next forward and queue it (`mx.async_eval`)
+before it reads the token. The host then builds step n+1 while the device
+computes step n, as mlx-lm's `generate_step` does.
+
+The rules the engines keep:
+
+- Only a greedy sample of one process is drawn ahead: a sampled one draws
+  from its own numpy generator (engines.sampling), and a tensor-parallel
+  run agrees on each token through a collective (engines.records.Agree), so
+  both stay on the host path, and so do their tokens.
+- A token is drawn ahead only when the sample will still need a forward
+  after it (it is not the last by max_tokens). When it turns out to end the
+  sample (EOS, a stop string), the forward already queued behind it wrote
+  one speculative position, which the engine removes again.
+- Between steps, `settle` reads whatever is in flight. A state taken after
+  it (`Engine.state()` settles first) is the one the host path would have.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from kvlayout.engines.records import Request, Sample, Sampling
+
+
+@attrs.define(eq=False)
+class Drawn:
+    """The tokens one step drew on the device, `[R]`, in flight until first read."""
+
+    tokens: mx.array
+    _host: np.ndarray | None = None
+
+    def read(self, i: int) -> int:
+        """Token `i`, waiting for the step that draws it (once for all of them)."""
+        if self._host is None:
+            self._host = np.array(self.tokens)
+        return int(self._host[i])
+
+
+def greedy(sampling: Sampling, request: Request) -> bool:
+    """Whether `request`'s samples are drawn greedily (its own sampling, else the engine's)."""
+    return (request.sampling or sampling).temperature == 0.0
+
+
+def needs_forward_after(sample: Sample, request: Request, unread: int) -> bool:
+    """Whether the token drawn next for `sample` (with `unread` of its tokens not read yet) will
+    be fed back: it is not the sample's last by max_tokens."""
+    return len(sample.generated) + unread + 1 < request.max_tokens
+
+
+def draw(logits: mx.array, rows: list[int] | None = None) -> Drawn:
+    """The greedy tokens of `logits` `[R, V]` (of `rows` of it; all when None), queued at once."""
+    if rows is not None:
+        logits = logits[mx.array(rows, dtype=mx.int32)]
+    tokens = mx.argmax(logits.astype(mx.float32), axis=-1)  # [R]
+    mx.async_eval(tokens)
+    return Drawn(tokens)
+
+
+def fed(pieces: list[tuple[Drawn, int] | list[int]]) -> list[int] | mx.array:
+    """A step's input tokens from host ids and tokens drawn ahead, in order: a plain list when
+    every one is known on the host, else one lazy int32 array `[T]`."""
+    if all(isinstance(p, list) for p in pieces):
+        return [t for p in pieces for t in p]
+    runs: list[list] = []  # [Drawn, first, end] for a run of one step's drawn tokens, else [ids]
+    for p in pieces:
+        if isinstance(p, list):
+            if p:
+                runs.append([p])
+        elif runs and len(runs[-1]) == 3 and runs[-1][0] is p[0] and runs[-1][2] == p[1]:
+            runs[-1][2] += 1  # the next of the same step's tokens: one slice for the run
+        else:
+            runs.append([p[0], p[1], p[1] + 1])
+    parts = [mx.array(r[0], dtype=mx.int32) if len(r) == 1 else r[0].tokens[r[1] : r[2]].astype(mx.int32) for r in runs]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
