@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout import CacheConfig, ConfigError, LayerConfig, LayerPolicy
+from kvlayout import CacheConfig, ConfigError, LayerConfig, LayerPolicy, MaskKind
 from kvlayout.mlx import attend
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
@@ -43,8 +43,9 @@ PAGED = {"grouped": 0, "paged": 0, "auto": 0}  # batches read by pages, per path
 TAILS = dict.fromkeys(PAGED, 0)  # paged batches that also gathered cells
 
 
-def serve(caches, tokens, rng):
-    """One step `[(seq, pos), ...]` on every cache; per path, the attend() output of each layer."""
+def serve(caches, tokens, rng, specs=None):
+    """One step `[(seq, pos), ...]` on every cache; per path, the attend() output of each layer.
+    `specs`, when given, receives the spec `auto` gave each layer."""
     seqs, positions = [s for s, _ in tokens], [p for _, p in tokens]
     T = len(tokens)
     shapes = ((1, H_Q, T, D), (1, H_KV, T, D), (1, H_KV, T, D))  # q, k, v
@@ -55,6 +56,8 @@ def serve(caches, tokens, rng):
         outs[path], grouped[path] = [], []
         for layer, (q, k, v) in enumerate(data):
             spec = c.update_and_fetch(layer, positions, k, v)
+            if specs is not None and path == "auto":
+                specs.append(spec)
             grouped[path].append(spec.groups is not None)
             if spec.groups is not None:
                 pages = [b.page for b in spec.groups.batches()]
@@ -392,3 +395,48 @@ def test_auto_pages_only_one_query_groups_over_wide_rows():
 def test_every_path_was_exercised_by_pages():
     # over this module's steps the forced path read pages, with and without a tail, and "grouped" never did
     assert PAGED["paged"] > TAILS["paged"] > 0 and PAGED["grouped"] == 0
+
+
+def lone_token_specs(caches, token, rng):
+    """Per layer, whether `auto` gave a one-token step `(seq, pos)` no mask, and whether the
+    oracle says it sees every cell below read_len; every path agreeing on the output."""
+    specs = []
+    serve(caches, [token], rng, specs)
+    seq, pos = token
+    return [
+        (spec.mask_kind is MaskKind.NONE,
+         LAYERS[layer].policy.kind != "ring" and sees_every_cell(caches["auto"], layer, seq, pos))
+        for layer, spec in enumerate(specs)
+    ]
+
+
+def sees_every_cell(cache, layer, seq, pos) -> bool:
+    """Oracle: the token sees each cell below used_end, by the plain-Python rule over the table."""
+    cells, positions, owners = cache.as_cell_view().cell_owners()
+    held = {int(c): (int(p), bool(o[seq])) for c, p, o in zip(cells, positions, owners)}
+    window = LAYERS[layer].policy.window if LAYERS[layer].policy.kind == "ring" else 0
+    return all(
+        c in held and held[c][1] and held[c][0] <= pos and (window == 0 or held[c][0] > pos - window)
+        for c in range(cache.used_end)
+    )
+
+
+def test_a_lone_token_attends_with_no_mask_exactly_when_it_sees_every_cell_below_read_len(rng):
+    caches = trio()
+    a = on_all(caches, "seq_new")
+    serve(caches, prefill_chunk([6]), rng)
+    cases = [lone_token_specs(caches, (a, 6), rng)]  # alone and whole: every flat cell is its own
+    b = on_all(caches, "seq_new")
+    serve(caches, [(b, 0)], rng)
+    cases.append(lone_token_specs(caches, (a, 7), rng))  # another sequence's cell below read_len
+    on_all(caches, "seq_rm", b)
+    on_all(caches, "seq_rm", a, 2, 3)
+    cases.append(lone_token_specs(caches, (a, 8), rng))  # a hole in its own cells
+    on_all(caches, "seq_rm", a)
+    a = on_all(caches, "seq_new")
+    serve(caches, prefill_chunk([3]), rng)
+    cases.append(lone_token_specs(caches, (a, 3), rng))  # alone and whole again, in fresh cells
+    for per_layer in cases:
+        for none, oracle in per_layer:
+            assert none is oracle
+    assert [per_layer[0][0] for per_layer in cases] == [True, False, False, True]  # the flat layer

@@ -18,7 +18,9 @@ cells it may see, so `attend()` does work proportional to what each token
 attends. The choice is made once per window per step by the cost rule in
 `kvlayout_cell.groups`, which also decides whether a batch of groups gathers
 its cells or reads whole pages of the pool in place; `attention_path` forces
-a side.
+a side. One token of a flat layer whose sequence owns every cell below
+read_len (a lone sequence decoding) sees them all: it attends with no mask
+at all, as the seq layout does.
 """
 
 from __future__ import annotations
@@ -209,6 +211,8 @@ class CellCache(FacesBase):
             self.value_pools[layer].write_cells(step.cells, v)
         keys = self.key_pools[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
         values = self.value_pools[layer].read(0, step.read_len)
+        if self._sees_every_cell(layer, step):
+            return AttendSpec(keys, values, MaskKind.NONE, None, queries=T)
         groups = self._step_groups(layer, step)
         if groups is not None:
             # The whole pool buffer (a row-contiguous view): the grouped gather then copies
@@ -244,6 +248,15 @@ class CellCache(FacesBase):
                 f"step ({what})"
             )
         return step
+
+    def _sees_every_cell(self, layer: int, step) -> bool:
+        """Whether the step is one token of a flat layer whose sequence owns every cell below
+        read_len: it sees them all (none is newer: it is the newest), so it attends with no mask,
+        as the seq layout's decode does. O(1): the sequence's cell count against read_len."""
+        if step.length != 1 or self.stepper.window(layer) != 0 or self.attention_path != "auto":
+            return False
+        seq_ids, _ = self.stepper.step_tokens()
+        return int(self.stepper.table.held(seq_ids)[0]) == step.read_len
 
     def _step_groups(self, layer: int, step) -> AttendGroups | None:
         window = self.stepper.window(layer)

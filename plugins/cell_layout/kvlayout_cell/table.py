@@ -297,6 +297,8 @@ class CellTable:
             raise StepError(f"{cells.size} cell(s) for {seq_ids.size} token(s)")
         if cells.size == 0:
             return
+        if cells.size == 1:
+            return self._occupy_one(int(cells[0]), int(seq_ids[0]), int(positions[0]))
         if cells.min() < 0 or cells.max() >= self._capacity:
             raise StepError(f"cells {cells.tolist()!r:.80}: expected cells in [0, {self._capacity})")
         if np.unique(cells).size != cells.size:
@@ -317,6 +319,30 @@ class CellTable:
                 self._free = self._free[cells.size :]
             else:
                 free = np.delete(self._free, np.searchsorted(self._free, cells))
+                free.flags.writeable = False
+                self._free = free
+        self._touch()
+
+    def _occupy_one(self, cell: int, seq_id: int, position: int) -> None:
+        """`occupy` of one token (a lone decode, every step of one sequence) in scalar steps:
+        the array path's dozen numpy calls cost more than the rest of the step's bookkeeping."""
+        if not 0 <= cell < self._capacity:
+            raise StepError(f"cells [{cell}]: expected cells in [0, {self._capacity})")
+        if self._pos[cell] >= 0:
+            raise StepError(f"cells [{cell}]: expected free cells, got an occupied one")
+        self._pos[cell] = position
+        self._owners[cell, seq_id >> 6] = _ONE << np.uint64(seq_id & 63)
+        self._count[seq_id] += 1
+        if position > self._newest[seq_id]:
+            self._newest[seq_id] = position
+            self._newest_cell[seq_id] = cell
+        self._used_end = max(self._used_end, cell + 1)
+        self._n_free -= 1
+        if self._free is not None:  # the cell is in the ascending free list
+            if self._free.size and self._free[0] == cell:
+                self._free = self._free[1:]  # the lowest free cell: drop the head, a view
+            else:
+                free = np.delete(self._free, np.searchsorted(self._free, cell))
                 free.flags.writeable = False
                 self._free = free
         self._touch()
