@@ -375,6 +375,12 @@ class CellTableMachine(RuleBasedStateMachine):
         for s in range(m.max_seqs):
             assert (t.seq_len(s), t.next_pos(s)) == (m.seq_len(s), m.next_pos(s)), f"seq {s}"
             assert newest_cells[s] == m.newest_cell(s), f"seq {s}"  # where the placement continues it
+        # Each sequence's cells by position (the per-sequence index grouped attention plans from).
+        ids = np.arange(m.max_seqs)
+        cells, positions, starts = t.table.seq_keys(ids)
+        for s in range(m.max_seqs):
+            got = list(zip(cells[starts[s] : starts[s + 1]].tolist(), positions[starts[s] : starts[s + 1]].tolist()))
+            assert got == sorted(m.owned(s), key=lambda cp: cp[1]), f"seq {s}"
 
 
 TestCellTable = CellTableMachine.TestCase

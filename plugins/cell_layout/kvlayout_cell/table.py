@@ -29,6 +29,7 @@ import numpy as np
 from kvlayout.checks import int_scalar
 from kvlayout.config import check_up_front
 from kvlayout.errors import ConfigError, SequenceError, StepError
+from kvlayout_cell.seq_index import SeqIndex
 
 _ONE = np.uint64(1)
 
@@ -79,6 +80,7 @@ class CellTable:
         self._used_end = 0
         self._n_free = self._capacity
         self._free: np.ndarray | None = None  # ascending free cells, rebuilt lazily after a seq_rm
+        self._index = SeqIndex(self._max_seqs)  # each id's cells by position (kvlayout_cell.seq_index)
         self._touch()
 
     def _touch(self) -> None:
@@ -167,13 +169,11 @@ class CellTable:
         dst = self._lowest_free_id()
         if dst is None:
             return None
-        end = self._used_end
-        take = self._owned(src, end)  # [end]
-        if upto is not None:
-            take &= self._pos[:end] < upto
-        self._owners[:end, dst >> 6] |= take.astype(np.uint64) << np.uint64(dst & 63)
-        self._count[dst] = np.count_nonzero(take)
-        self._newest[dst], self._newest_cell[dst] = self._newest_of(take)
+        self._index.copy_before(src, dst, upto)
+        cells, pos = self._index.get(dst)  # src's cells with position < upto, by position
+        self._owners[cells, dst >> 6] |= _ONE << np.uint64(dst & 63)
+        self._count[dst] = cells.size
+        self._newest[dst], self._newest_cell[dst] = (int(pos[-1]), int(cells[-1])) if cells.size else (-1, -1)
         self._live[dst] = True
         self._touch()
         return dst
@@ -190,11 +190,7 @@ class CellTable:
         if p1 is not None:
             p1 = int_scalar("p1", p1, SequenceError, minimum=p0)
         end = self._used_end
-        pos = self._pos[:end]
-        drop = self._owned(s, end) & (pos >= p0)  # [end]
-        if p1 is not None:
-            drop &= pos < p1
-        cells = np.flatnonzero(drop)
+        cells = np.sort(self._index.cut(s, p0, p1))  # the cells of its positions in [p0, p1)
         if cells.size:
             self._owners[cells, s >> 6] &= ~(_ONE << np.uint64(s & 63))
             freed = cells[~self._owners[cells].any(axis=1)]
@@ -208,24 +204,12 @@ class CellTable:
                     self._used_end = int(occupied[-1]) + 1 if occupied.size else 0
             newest = self._newest[s]
             if newest >= p0 and (p1 is None or newest < p1):  # the newest position went
-                self._newest[s], self._newest_cell[s] = self._newest_of(self._owned(s, self._used_end))
+                kept, at = self._index.get(s)
+                self._newest[s], self._newest_cell[s] = (int(at[-1]), int(kept[-1])) if kept.size else (-1, -1)
         if self._count[s] == 0:
             self._live[s] = False
             self._newest[s] = self._newest_cell[s] = -1
         self._touch()
-
-    def _owned(self, s: int, end: int) -> np.ndarray:
-        """bool [end]: which of the cells [0, end) s owns."""
-        return _owns(self._owners[:end], s)
-
-    def _newest_of(self, held: np.ndarray) -> tuple[int, int]:
-        """(newest position, its cell) among the cells `held` (bool [end], end <= used_end) marks;
-        (-1, -1) when it marks none. A sequence holds a position once, so the cell is unique."""
-        cells = np.flatnonzero(held)
-        if not cells.size:
-            return -1, -1
-        at = int(np.argmax(self._pos[cells]))
-        return int(self._pos[cells[at]]), int(cells[at])
 
     # -- placement primitives (the step protocol lives in stepper.py) --------
 
@@ -306,6 +290,7 @@ class CellTable:
         if (self._pos[cells] >= 0).any():
             raise StepError(f"cells {cells.tolist()!r:.80}: expected free cells, got an occupied one")
         self._pos[cells] = positions
+        self._index.append(seq_ids, positions, cells)
         # Each cell is distinct and had no owner, so plain fancy assignment sets one bit per cell.
         self._owners[cells, seq_ids >> 6] = _ONE << (seq_ids & 63).astype(np.uint64)
         self._count += np.bincount(seq_ids, minlength=self._max_seqs)
@@ -331,6 +316,7 @@ class CellTable:
         if self._pos[cell] >= 0:
             raise StepError(f"cells [{cell}]: expected free cells, got an occupied one")
         self._pos[cell] = position
+        self._index.append_one(seq_id, position, cell)
         self._owners[cell, seq_id >> 6] = _ONE << np.uint64(seq_id & 63)
         self._count[seq_id] += 1
         if position > self._newest[seq_id]:
@@ -414,13 +400,15 @@ class CellTable:
 
     def seq_keys(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(cells, positions, starts): the cells each of `ids` (ascending, distinct) owns, ids[i]'s at
-        `[starts[i], starts[i + 1])`, by position. O(len(ids) * used_end) bit tests, then a sort of
-        the cells found: what grouped attention plans from (kvlayout_cell.groups.plan_cells)."""
-        row, cells = np.nonzero(self._owned_rows(ids))  # by row, then cell
-        pos = self._pos[cells]
-        by_pos = np.lexsort((pos, row))
-        starts = np.searchsorted(row, np.arange(ids.size + 1))  # [N + 1]
-        return cells[by_pos], pos[by_pos], starts
+        `[starts[i], starts[i + 1])`, by position (copies). O(the cells they own), from the
+        per-sequence index: what grouped attention plans from (kvlayout_cell.groups.plan_cells)."""
+        parts = [self._index.get(int(s)) for s in ids]
+        sizes = np.array([c.size for c, _ in parts], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(sizes)])  # [N + 1]
+        if len(parts) == 1:
+            return parts[0][0].copy(), parts[0][1].copy(), starts
+        return (np.concatenate([c for c, _ in parts]) if parts else np.zeros(0, dtype=np.int64),
+                np.concatenate([p for _, p in parts]) if parts else np.zeros(0, dtype=np.int64), starts)
 
     # -- undoing a placement (abort_step, in stepper.py, decides when) -------
 
@@ -443,6 +431,7 @@ class CellTable:
         untouched: occupy never changes it. The epoch moves on.
         """
         ids, newest, newest_cell, used_end, free = before
+        self._index.truncate(seq_ids)
         self._pos[cells] = -1
         self._owners[cells] = 0
         self._count -= np.bincount(seq_ids, minlength=self._max_seqs)
@@ -498,6 +487,7 @@ class CellTable:
         newest = np.full(self._max_seqs, -1, dtype=np.int64)
         newest_cell = np.full(self._max_seqs, -1, dtype=np.int64)
         any_owner = np.zeros(n, dtype=bool)
+        held_by = []  # (id, positions, cells) for the index
         for s in range(self._words * 64):  # every bit of the owner words, in range or not
             owned = _owns(owners, s)
             if not owned.any():
@@ -509,6 +499,7 @@ class CellTable:
                 raise error(f"sequence {s} holds one position in two cells")
             at = int(np.argmax(held))
             count[s], newest[s], newest_cell[s] = held.size, held[at], cells[owned][at]
+            held_by.append((s, held, cells[owned]))
             any_owner |= owned
         if not any_owner.all():
             raise error("owners: every occupied cell needs an owner")
@@ -516,6 +507,8 @@ class CellTable:
         self._pos[cells] = pos
         self._owners[cells] = owners
         self._count, self._newest, self._newest_cell, self._live = count, newest, newest_cell, is_live
+        for s, held, at in held_by:
+            self._index.set_all(s, held, at)
         self._used_end = int(cells.max()) + 1 if n else 0
         self._n_free = self._capacity - n
         self._free = None
