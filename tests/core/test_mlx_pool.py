@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvlayout import KVLayoutError
-from kvlayout.mlx import MLXPool
+from kvlayout.mlx import Cells, MLXPool
 from kvlayout.pool import Pool
 
 H, D = 2, 3
@@ -115,7 +115,8 @@ def test_write_stores_a_contiguous_run_and_keeps_the_rest_byte_identical(filled,
     assert np.array_equal(contents(pool), expected.view(np.uint16))
 
 
-@pytest.mark.parametrize("as_type", [list, np.array, lambda c: mx.array(c, dtype=mx.int32)], ids=["list", "numpy", "mlx"])
+@pytest.mark.parametrize("as_type", [list, np.array, lambda c: mx.array(c, dtype=mx.int32), Cells],
+                         ids=["list", "numpy", "mlx", "Cells"])
 def test_write_cells_scatters_token_i_into_cell_i_and_keeps_the_rest_byte_identical(filled, rng, as_type):
     pool, data = filled
     cells = [6, 1, 4]  # deliberately unsorted: token 0 goes to cell 6
@@ -193,6 +194,12 @@ REFUSED = [
     pytest.param(lambda p, r: p.write_cells([-1, 9], tokens(r, 2)), id="cells-negative"),
     pytest.param(lambda p, r: p.write_cells([0.0, 9.0], tokens(r, 2)), id="cells-float"),
     pytest.param(lambda p, r: p.write_cells([[1, 9]], tokens(r, 2)), id="cells-2d"),
+    # Checked once (Cells): repeats and negatives refused as it is made, the rest where it is written.
+    pytest.param(lambda p, r: p.write_cells(Cells([3, 9, 3]), tokens(r, 3)), id="Cells-repeated"),
+    pytest.param(lambda p, r: p.write_cells(Cells([-1, 9]), tokens(r, 2)), id="Cells-negative"),
+    pytest.param(lambda p, r: p.write_cells(Cells([1, 16]), tokens(r, 2)), id="Cells-past-max"),
+    pytest.param(lambda p, r: p.write_cells(Cells([1, 9]), tokens(r, 3)), id="Cells-too-few"),
+    pytest.param(lambda p, r: p.write_cells(Cells([1, 9]), tokens(r, 2, heads=1)), id="Cells-wrong-heads"),
 ]
 
 

@@ -38,10 +38,16 @@ def test_a_q4_0_q8_0_conversion_loads_in_kvlayout_with_mlx_lms_logits(tmp_path):
     assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 1e-2
 
 
-@pytest.mark.parametrize("layout", ["mlx:seq", "mlx:cell"])
-def test_greedy_tokens_from_kvlayout_equal_mlx_lms_on_smollm2(layout, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def smollm2_greedy():
+    """(the SmolLM2 directory, mlx-lm's greedy tokens on it): the oracle, run once for both layouts."""
     model_dir = smollm2.smollm2_dir(progress=lambda line: None)
-    want = mlx_lm_greedy(model_dir, CHAT_IDS, MAX_TOKENS)
+    return model_dir, mlx_lm_greedy(model_dir, CHAT_IDS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("layout", ["mlx:seq", "mlx:cell"])
+def test_greedy_tokens_from_kvlayout_equal_mlx_lms_on_smollm2(layout, tmp_path, capsys, smollm2_greedy):
+    model_dir, want = smollm2_greedy
     cfg = tmp_path / "run.toml"
     cfg.write_text(
         f'[model]\npath = "{model_dir}"\n[cache]\ncapacity = 256\n[sampling]\ntemperature = 0.0\n'

@@ -30,7 +30,7 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
 7. fp16       float16 vs float32 attention on this device.       [dtype_rows]
 8. decode     `--model DIR`: single-sequence decode tok/s, mlx:seq and mlx:cell
               vs mlx-lm's generate_step on the same directory.  [real_rows]
-9. chat       `--model DIR`: 8 chat requests sharing a system prompt, mlx:cell
+9. chat       `--model DIR`: 32 ragged chat requests sharing a system prompt, mlx:cell
               vs batch_generate; identical tokens checked.      [real_rows]
 10. serve     `kvlayout bench serve`: K concurrent streaming chat clients
               (1, 4, 16) sharing a 512-token system prompt against

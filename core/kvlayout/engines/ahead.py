@@ -25,24 +25,38 @@ The rules the engines keep:
 
 from __future__ import annotations
 
+import time
+
 import attrs
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.engines.records import Request, Sample, Sampling
+from kvlayout.engines.records import Request, Sample, Sampling, Stats
 
 
 @attrs.define(eq=False)
 class Drawn:
-    """The tokens one step drew on the device, `[R]`, in flight until first read."""
+    """The tokens one step drew on the device, `[R]`, in flight until first read.
+
+    The host waits for that step's compute at the first read, a step later: the wait is
+    that step's time, so it goes to `stats` split as that step fed (`prefill`, `decode`
+    tokens), and `waited` tells the reading step to leave it out of its own.
+    """
 
     tokens: mx.array
+    stats: Stats
+    prefill: int
+    decode: int
+    waited: float = 0.0
     _host: np.ndarray | None = None
 
     def read(self, i: int) -> int:
         """Token `i`, waiting for the step that draws it (once for all of them)."""
         if self._host is None:
+            t0 = time.perf_counter()
             self._host = np.array(self.tokens)
+            self.waited = time.perf_counter() - t0
+            self.stats.add_time(self.waited, self.prefill, self.decode)
         return int(self._host[i])
 
 
@@ -57,13 +71,14 @@ def needs_forward_after(sample: Sample, request: Request, unread: int) -> bool:
     return len(sample.generated) + unread + 1 < request.max_tokens
 
 
-def draw(logits: mx.array, rows: list[int] | None = None) -> Drawn:
-    """The greedy tokens of `logits` `[R, V]` (of `rows` of it; all when None), queued at once."""
+def draw(logits: mx.array, stats: Stats, prefill: int, decode: int, rows: list[int] | None = None) -> Drawn:
+    """The greedy tokens of `logits` `[R, V]` (of `rows` of it; all when None), queued at once, for
+    a step that fed `prefill` and `decode` tokens (see Drawn)."""
     if rows is not None:
         logits = logits[mx.array(rows, dtype=mx.int32)]
     tokens = mx.argmax(logits.astype(mx.float32), axis=-1)  # [R]
     mx.async_eval(tokens)
-    return Drawn(tokens)
+    return Drawn(tokens, stats, prefill, decode)
 
 
 def fed(pieces: list[tuple[Drawn, int] | list[int]]) -> list[int] | mx.array:

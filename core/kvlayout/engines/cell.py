@@ -546,7 +546,8 @@ class CellEngine:
         row_ids = rows or [width - 1]
 
         def read(logits):  # [R, V]: queue the device draws, then wait for the host's rows (if any)
-            drawn = ahead.draw(logits, None if len(device) == len(row_ids) else device) if device else None
+            rows_drawn = None if len(device) == len(row_ids) else device
+            drawn = ahead.draw(logits, self.stats, prefill, decode, rows_drawn) if device else None
             if host or not device:
                 return drawn, host_logits(logits if not device else logits[mx.array(host or [0], dtype=mx.int32)])
             return drawn, None
@@ -560,10 +561,10 @@ class CellEngine:
         # that ends its sample makes this step's position of it speculative: it goes again.
         for s, (d, i) in fed_ahead:
             s.drawn = None
-            if not self._advance(s, d.read(i), speculative=True):
-                continue
-            if s in completing:
+            finished = self._advance(s, d.read(i), speculative=True)
+            if finished and s in completing:
                 on_device[completing.index(s)] = None  # its next token is nobody's
+        t0 += sum({id(d): d.waited for _, (d, _) in fed_ahead}.values())  # the step that drew them: its time
         for j, i in enumerate(device):
             s = completing[i]
             if on_device[i] is not None:

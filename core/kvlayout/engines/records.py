@@ -119,6 +119,14 @@ class Stats:
         self.prefill_s += seconds * prefill / fed
         self.decode_s += seconds * decode / fed
 
+    def add_time(self, seconds: float, prefill: int, decode: int) -> None:
+        """Seconds of a step already counted, split as it fed: the host's wait for what it drew on
+        the device, read a step later (engines.ahead)."""
+        fed = prefill + decode
+        if fed:
+            self.prefill_s += seconds * prefill / fed
+            self.decode_s += seconds * decode / fed
+
     def note_held(self, cells: int, tokens: int, batch: int) -> None:
         """After a step: cells the cache holds, tokens the live sequences hold, sequences it carried."""
         self.peak_cells = max(self.peak_cells, cells)

@@ -212,9 +212,11 @@ class SeqEngine:
         on_device = done and self.pipeline and ahead.greedy(self.sampling, r) and \
             ahead.needs_forward_after(s, r, 1 if drawn is not None else 0)
         fed = ahead.fed([(drawn, 0)]) if drawn is not None else tokens[cached : cached + k]
+        decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) or drawn is not None else 0
+        read = (lambda logits: ahead.draw(logits, self.stats, k - decode, decode)) if on_device else host_logits
         # One row even mid-prompt: evaluating it (or queueing its drawn token) forces this step's cache writes.
         try:
-            row = guarded_forward(self.model, self.cache, fed, positions, [k - 1], ahead.draw if on_device else host_logits)
+            row = guarded_forward(self.model, self.cache, fed, positions, [k - 1], read)
         except Interrupted:
             self._realign(cached)
             raise
@@ -231,13 +233,14 @@ class SeqEngine:
             self.generating = None
             return
         g.retried = False
-        decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) or drawn is not None else 0
         g.cached = cached + k
         if drawn is not None:
             # The step fed a token only now read; when it ends the sample, the step just queued was
-            # speculative and its position goes again.
+            # speculative and its position goes again. The wait for it is its own step's time.
             g.drawn = None
-            if self._take(g, drawn.read(0)):
+            finished = self._take(g, drawn.read(0))
+            t0 += drawn.waited
+            if finished:
                 self._realign(g.cached - 1)
                 self.stats.account(time.perf_counter() - t0, 0, decode)
                 self.stats.note_held(self.control.length + 1, self.control.length + 1, 1)

@@ -3,6 +3,7 @@
 from kvlayout.mlx.attention import attend
 from kvlayout.mlx.pool import (
     DTYPES,
+    Cells,
     MAX_SLOTS,
     MLXPool,
     cell_bytes,
@@ -15,6 +16,7 @@ from kvlayout.mlx.pool import (
 from kvlayout.mlx.quantized import QuantizedPool, kv_pool
 
 __all__ = [
+    "Cells",
     "DTYPES",
     "MAX_SLOTS",
     "MLXPool",

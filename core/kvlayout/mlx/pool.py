@@ -30,6 +30,24 @@ MAX_SLOTS = 2**31 - 1
 PACKED = mx.uint32
 
 
+class Cells:
+    """Distinct cell indices, checked once and converted to MLX once, for every pool a step
+    writes (a layer's K and V, every layer): `write_cells` then checks only that they fit.
+    KVLayoutError from the constructor for indices that are not distinct integers >= 0."""
+
+    def __init__(self, cells: Any):
+        idx = int_array("cells", cells, KVLayoutError)
+        if idx.size and idx.min() < 0:
+            raise KVLayoutError(f"cells: expected cells >= 0, got {idx.min()}")
+        if idx.size and np.unique(idx).size != idx.size:
+            raise KVLayoutError("cells: expected distinct cells, got a repeated cell")
+        self.host = idx.astype(np.int32)
+        self.host.flags.writeable = False
+        self.size = idx.size
+        self.end = int(idx.max()) + 1 if idx.size else 0  # one past the highest
+        self.device = mx.array(self.host)
+
+
 def storage_dtype(dtype: Any) -> mx.Dtype:
     """The MLX dtype for a float name from CacheConfig.kv_dtype, an MLX float dtype, or uint32."""
     if isinstance(dtype, str) and dtype in DTYPES:
@@ -148,13 +166,22 @@ class MLXPool(Pool):
 
         Relies on the cells being distinct (placement guarantees it; checked
         here because a repeated index would make the scatter order-dependent).
+        `cells` may be a `Cells`, checked once for every pool the step writes.
         """
         n = self._check_update(update)
-        idx = self._check_cells(cells, n)
+        if isinstance(cells, Cells):  # checked already: only whether they fit here
+            if cells.size != n:
+                raise KVLayoutError(f"cells: {cells.size} cell(s) for an update of {n} token(s)")
+            if cells.end > self._max:
+                raise KVLayoutError(f"cells: expected every cell in [0, {self._max}), got {cells.end - 1}")
+            end, idx = cells.end, cells.device
+        else:
+            host = self._check_cells(cells, n)
+            end, idx = (int(host.max()) + 1 if n else 0), (mx.array(host) if n else None)
         if n == 0:
             return
-        self._grow_to(int(idx.max()) + 1)
-        self._buf[:, :, mx.array(idx), :] = update.astype(self._dtype)
+        self._grow_to(end)
+        self._buf[:, :, idx, :] = update.astype(self._dtype)
 
     def take(self, cells: Any) -> mx.array:
         """The slots `cells` (int32 mlx array or list of ints, each < slots), `[1, H, n, D]`: a copy."""

@@ -36,7 +36,7 @@ import numpy as np
 from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import BatchControl, CellStepper, CellView, FacesBase, face_of
-from kvlayout.mlx import MAX_SLOTS, check_layer_dims, config_pool_bytes, kv_pool
+from kvlayout.mlx import MAX_SLOTS, Cells, check_layer_dims, config_pool_bytes, kv_pool
 from kvlayout.mlx.attention import pages_in_place
 from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
@@ -85,6 +85,7 @@ class CellCache(FacesBase):
         self.value_pools = [pool(lc) for lc in layers]
         self._mx_mask: dict[int, tuple[Any, mx.array]] = {}  # window -> (step, its mask as MLX)
         self._mx_groups: dict[int, tuple[Any, str, AttendGroups | None]] = {}  # window -> (step, path, groups)
+        self._mx_cells: dict[int, tuple[Any, Cells]] = {}  # window -> (step, its cells checked, as MLX)
 
     @property
     def n_layers(self) -> int:
@@ -207,8 +208,9 @@ class CellCache(FacesBase):
             self.key_pools[layer].write(start, k)
             self.value_pools[layer].write(start, v)
         else:  # cells of one step are distinct (placement checks it), as write_cells requires
-            self.key_pools[layer].write_cells(step.cells, k)
-            self.value_pools[layer].write_cells(step.cells, v)
+            cells = self._step_cells(layer, step)
+            self.key_pools[layer].write_cells(cells, k)
+            self.value_pools[layer].write_cells(cells, v)
         keys = self.key_pools[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
         values = self.value_pools[layer].read(0, step.read_len)
         if self._sees_every_cell(layer, step):
@@ -248,6 +250,15 @@ class CellCache(FacesBase):
                 f"step ({what})"
             )
         return step
+
+    def _step_cells(self, layer: int, step) -> Cells:
+        """The step's cells checked and on the device once per window, for every pool of its layers."""
+        window = self.stepper.window(layer)
+        held = self._mx_cells.get(window)
+        if held is None or held[0] is not step:
+            held = (step, Cells(step.cells))
+            self._mx_cells[window] = held
+        return held[1]
 
     def _sees_every_cell(self, layer: int, step) -> bool:
         """Whether the step is one token of a flat layer whose sequence owns every cell below
