@@ -29,8 +29,10 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
               contiguous, cells).                                 [cell_rows]
 7. fp16       float16 vs float32 attention on this device.       [dtype_rows]
 8. decode     `--model DIR`: single-sequence decode tok/s, mlx:seq and mlx:cell
-              vs mlx-lm's generate_step on the same directory.  [real_rows]
-9. chat       `--model DIR`: 32 ragged chat requests sharing a system prompt, mlx:cell
+              vs mlx-lm's generate_step on the same directory, and mlx:seq
+              drawing tokens ahead vs its host path.            [real_rows]
+9. chat       `--model DIR`: 32 chat requests sharing a system prompt, ragged by
+              0-7 earlier exchanges each, mlx:cell
               vs batch_generate; identical tokens checked.      [real_rows]
 10. serve     `kvlayout bench serve`: K concurrent streaming chat clients
               (1, 4, 16) sharing a 512-token system prompt against
@@ -45,11 +47,12 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
               QuantizedKVCache; 16 requests batched vs mlx-lm's one-at-a-time
               quantized server path; agreement with float (token match, logit
               error). Run only when named.                        [kvq_rows]
-12. shapes    a decode step's attention, and the step as a whole (declare,
-              place, write, plan, attend), against the per-sequence ideal
-              for H_kv x D = 1x32, 2x64, 3x64, 8x128, 8 and 32 sequences,
-              fresh or after 256 interleaved decode steps with forks and
-              frees. Run only when named.                       [shape_rows]
+12. shapes    a decode step's attention, the step for one layer (declare,
+              place, write, plan, attend) and a model's step (that once,
+              then 29 later layers: write, attend), against the per-sequence
+              ideal for H_kv x D = 1x32, 2x64, 3x64, 8x128, 8 and 32
+              sequences, fresh or after 256 interleaved decode steps with
+              forks and frees. Run only when named.             [shape_rows]
 
 The heading names the BLAS MLX multiplies with (`blas`); `--blas PATH`
 reruns the command with that library preloaded.

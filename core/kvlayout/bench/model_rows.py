@@ -29,8 +29,10 @@ class IdsOnly:
         return ""
 
 
-def run_config(model_dir: Path, layout: str, requests: list[dict], capacity: int, chunk: int = 2048):
-    """A run config for `requests` on `model_dir` through `layout`: greedy, fp32 K/V."""
+def run_config(model_dir: Path, layout: str, requests: list[dict], capacity: int, chunk: int = 2048,
+               pipeline: bool = True):
+    """A run config for `requests` on `model_dir` through `layout`: greedy, fp32 K/V; `pipeline` False:
+    every step waits for its logits on the host (engines.ahead)."""
     from kvlayout.runner.config import RunConfig
 
     backend, kind = split_layout_key(layout)
@@ -40,7 +42,7 @@ def run_config(model_dir: Path, layout: str, requests: list[dict], capacity: int
             "cache": {"capacity": capacity, "kv_dtype": "float32", "max_seqs": 64},
             "model": {"path": str(model_dir)},
             "sampling": {"temperature": 0.0},
-            "engine": {"prefill_chunk": chunk},
+            "engine": {"prefill_chunk": chunk, "pipeline": pipeline},
             "requests": requests,
         },
         source="bench",

@@ -21,6 +21,8 @@ from kvlayout.bench.model_rows import IdsOnly, load_both, run_config
 from kvlayout.bench.record import Row
 from kvlayout.bench.timing import interleaved
 
+ANSWER = "In short: it depends, but the usual answer is the simplest one."  # row 9's earlier turns
+HOST = "mlx:seq host path"  # row 8's side without tokens drawn ahead
 SYSTEM = "You are a concise assistant. Answer in one or two sentences."
 QUESTIONS = [
     "What is the capital of France?",
@@ -50,12 +52,16 @@ def user_model(ctx: dict) -> dict:
     return ctx["user"]
 
 
-def chat_ids(tokenizer, question: str) -> list[int]:
-    """`question` after the shared system prompt, through the model's chat template (plain text without one)."""
+def chat_ids(tokenizer, question: str, turns: int = 0) -> list[int]:
+    """`question` after the shared system prompt and `turns` earlier exchanges (a conversation's
+    history: QUESTIONS answered with ANSWER), through the model's chat template (plain text without one)."""
+    history = []
+    for q in QUESTIONS[:turns]:
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": question}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return list(tokenizer.encode(f"{SYSTEM}\n{question}\n"))
+    return list(tokenizer.encode("\n".join([SYSTEM, *(m["content"] for m in history), question, ""])))
 
 
 def decode_after_first(generate_step, prompt: list[int], model, n: int, **kwargs) -> tuple[list[int], float]:
@@ -76,17 +82,20 @@ def row_decode(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     m = user_model(ctx)
     n = z["model_tokens"]
     prompt = chat_ids(m["tokenizer"], QUESTIONS[0])
+    # The third side is mlx:seq on the host path (no token drawn ahead: engines.ahead), to show what
+    # queueing the next forward before reading the token buys on this model.
+    sides = {"mlx:seq": ("mlx:seq", True), "mlx:cell": ("mlx:cell", True), HOST: ("mlx:seq", False)}
     prepared = {
-        lay: jobs.prepare(run_config(m["dir"], lay, [{"prompt_ids": prompt, "max_tokens": n}], len(prompt) + n),
-                          loaded=m["ours"])
-        for lay in ("mlx:seq", "mlx:cell")
+        side: jobs.prepare(run_config(m["dir"], lay, [{"prompt_ids": prompt, "max_tokens": n}], len(prompt) + n,
+                                      pipeline=pipeline), loaded=m["ours"])
+        for side, (lay, pipeline) in sides.items()
     }
     got: dict[str, list[int]] = {}
 
-    def ours_side(lay):
+    def ours_side(side):
         def go():
-            res = prepared[lay].generate()
-            got[lay] = list(res.outputs[0][0].token_ids)
+            res = prepared[side].generate()
+            got[side] = list(res.outputs[0][0].token_ids)
             return res.stats.decode_s  # the n - 1 forwards after the first token
         return go
 
@@ -94,8 +103,7 @@ def row_decode(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         got["mlx-lm"], dt = decode_after_first(generate_step, prompt, m["theirs"], n)
         return dt
 
-    t = interleaved({"mlx:seq": ours_side("mlx:seq"), "mlx:cell": ours_side("mlx:cell"), "mlx-lm": theirs_side},
-                    z["repeats"])
+    t = interleaved({**{side: ours_side(side) for side in sides}, "mlx-lm": theirs_side}, z["repeats"])
     out = []
     theirs_tok_s = (n - 1) / statistics.median(t["mlx-lm"])
     for lay in ("mlx:seq", "mlx:cell"):
@@ -107,9 +115,17 @@ def row_decode(z: dict, ctx: dict) -> tuple[str, list[Row]]:
             f"ids {'identical' if same else 'DIFFER'}",
             identical=same, tok_s=ours_tok_s, baseline_tok_s=theirs_tok_s,
         ))
+    same = got["mlx:seq"] == got[HOST]
+    ahead_tok_s, host_tok_s = (n - 1) / statistics.median(t["mlx:seq"]), (n - 1) / statistics.median(t[HOST])
+    out.append(Row.from_times(
+        "8 decode", f"mlx:seq drawing ahead vs host path: {n} tokens", t, "mlx:seq", HOST,
+        f"{ahead_tok_s:.1f} vs {host_tok_s:.1f} decode tok/s; ids {'identical' if same else 'DIFFER'}",
+        identical=same, tok_s=ahead_tok_s, baseline_tok_s=host_tok_s,
+    ))
     work = (f"{m['dir']}: one chat-templated question ({len(prompt)} prompt tokens), {n} tokens greedy, no EOS; "
             "decode time = after the first sampled token (kvlayout: Stats.decode_s, the decode steps; mlx-lm: "
-            "from generate_step's first yield to its last), so A/B is the inverse of the decode tok/s ratio.")
+            "from generate_step's first yield to its last), so A/B is the inverse of the decode tok/s ratio; "
+            "host path = [engine] pipeline = false (each step waits for its logits before the next is built).")
     return work, out
 
 
@@ -119,7 +135,9 @@ def row_chat(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     batch_generate = peers.mlx_lm("generate").batch_generate
     m = user_model(ctx)
     n, k = z["chat_n"], z["chat_tokens"]
-    prompts = [chat_ids(m["tokenizer"], q) for q in (QUESTIONS * -(-n // len(QUESTIONS)))[:n]]
+    # Ragged, as a server's conversations are: request i carries i % 8 earlier exchanges.
+    prompts = [chat_ids(m["tokenizer"], q, i % len(QUESTIONS))
+               for i, q in enumerate((QUESTIONS * -(-n // len(QUESTIONS)))[:n])]
     reqs = [{"prompt_ids": p, "max_tokens": k} for p in prompts]
     cap = sum(len(p) for p in prompts) + n * k
     prepared = jobs.prepare(run_config(m["dir"], "mlx:cell", reqs, cap, chunk=512), loaded=m["ours"])
@@ -149,7 +167,8 @@ def row_chat(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         f"{'identical' if same else 'DIFFER'}",
         identical=same, tok_s=ours, baseline_tok_s=theirs,
     )
-    work = (f"{m['dir']}: {n} chat requests sharing a system prompt (prompts {lengths[0]}..{lengths[-1]} tokens), "
+    work = (f"{m['dir']}: {n} chat requests sharing a system prompt, request i with i % 8 earlier exchanges "
+            f"(prompts {lengths[0]}..{lengths[-1]} tokens), "
             f"{k} tokens each greedy, no EOS; wall time prompt included; mlx:cell with engine.prefill_chunk 512 vs "
             "mlx-lm batch_generate with its defaults; the same prompt ids on both sides.")
     return work, [row]
