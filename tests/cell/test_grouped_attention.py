@@ -338,13 +338,13 @@ def test_the_forced_paged_path_reads_half_full_pages_where_a_size_tiles_the_pool
     assert page_batch(cells, mask, np.array([3]), 10, "paged") is None  # no page size tiles 10 slots
 
 
+@pytest.mark.parametrize("h_kv, d", [(2, 128), (3, 64)])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
-def test_sequences_prefilled_in_turns_decode_by_pages_with_the_dense_result(rng, kv_dtype):
+def test_sequences_prefilled_in_turns_decode_by_pages_with_the_dense_result(rng, kv_dtype, h_kv, d):
     # Four sequences, 64-token chunks written in turn (the default placement continues each
     # sequence's second chunk in its page: each owns one aligned page of PLACEMENT_PAGE = 128 cells),
-    # over rows of H_kv * D = 256 elements: "auto" reads the decode step by pages, as "paged" does --
-    # in float32; float16 storage, which the CPU's gather_mm cannot read, "auto" gathers.
-    h_kv, d = 2, 128
+    # over rows of H_kv * D = 256 or 192 elements (SmolLM2's): "auto" reads the decode step by pages,
+    # as "paged" does -- in float32; float16 storage, which the CPU's gather_mm cannot read, "auto" gathers.
     config = CacheConfig(capacity=1024, n_layers=1, layers=[LayerConfig(h_kv, d)], kv_dtype=kv_dtype, max_seqs=8)
     caches = {path: CellCache(config, make_plugin_manager()) for path in ("dense", "paged", "auto")}
     for path, c in caches.items():
@@ -384,11 +384,11 @@ def test_auto_pages_only_one_query_groups_over_wide_rows():
         return c, np.concatenate([np.arange(129)] * len(ids)), np.arange(len(ids) + 1) * 129
 
     ids, pos = np.arange(4), np.full(4, 128)
-    wide = plan_cells(ids, pos, 0, 516, owned, "auto", pool=(1024, 256))
-    narrow = plan_cells(ids, pos, 0, 516, owned, "auto", pool=(1024, 255))
+    wide = plan_cells(ids, pos, 0, 516, owned, "auto", pool=(1024, 128))  # 2 x 64: paged from here on
+    narrow = plan_cells(ids, pos, 0, 516, owned, "auto", pool=(1024, 127))  # 1 x 32 and the like: gathered
     assert wide.page == 64 and narrow.page == 0 and narrow.tail is None
     # two tokens each (positions 127 and 128): groups of two queries are gathered, however wide the row
-    two = plan_cells(np.repeat(ids, 2), np.tile([127, 128], 4), 0, 516, owned, "auto", pool=(1024, 256))
+    two = plan_cells(np.repeat(ids, 2), np.tile([127, 128], 4), 0, 516, owned, "auto", pool=(1024, 1024))
     assert two.tokens.shape == (4, 2) and two.page == 0 and not two.more
 
 

@@ -73,7 +73,7 @@ BATCH_PAIRS = 8192
 # matmul per page and head in each of the two `gather_mm`s (a few microseconds on a 2-core CPU).
 PAGE_PAIRS = 8
 # Under "auto", pages only for rows of at least this many elements (H_kv * D); see _may_page.
-PAGED_MIN_ROW = 256
+PAGED_MIN_ROW = 128
 # Page sizes tried, each only where it divides the pool's slots (the pages are then a view of it).
 PAGE_SIZES = (256, 128, 64, 32, 16, 8, 4)
 # The pages the cell plugin's default placement keeps each sequence in (`kvlayout_cell.plugin`).
@@ -301,7 +301,10 @@ def _may_page(path: str, pool, q_len: int) -> bool:
     1/(Qg + 1) of the batch's work, and a narrow row is cheap to copy, while the paged path runs
     about ten more operations than the gathered one: measured on a 2-core CPU, pages were 7-25%
     faster for one-query groups over H_kv * D = 512 or 1024 rows, and up to 2x slower than gathering
-    for the tiny preset's 32-element rows in a real run."""
+    for the tiny preset's 32-element rows in a real run. At 128 and 192 (2 x 64, Qwen2.5-0.5B's;
+    3 x 64, SmolLM2's), bench row 12's decode steps of 8 and 32 sequences took 1.13-1.38x the
+    per-sequence ideal by pages against 1.29-1.60x gathered (2 x 64), and 1.14-1.34x against
+    1.24-2.0x (3 x 64; with OpenBLAS 1.34-1.76x against 1.52-2.65x)."""
     if pool is None or path == "grouped":
         return False
     return path == "paged" or (q_len == 1 and pool[1] >= PAGED_MIN_ROW)
