@@ -89,16 +89,21 @@ def test_the_faces_drive_the_cache_they_came_from():
     assert (c.free_cells, c.used_end, bc.seq_len(s)) == (16, 0, 0)
 
 
-def test_a_prefill_scatters_the_input_and_masks_causally():
+@pytest.mark.parametrize("path", ["auto", "dense"])
+def test_a_prefill_scatters_the_input_and_masks_causally(path):
     c = cache()
+    c.attention_path = path
     s0 = c.seq_new()
     assert c.declare_step([s0] * 4)
     k, v = kv(4)
     spec = c.update_and_fetch(0, [0, 1, 2, 3], k, v)
-    assert spec.mask_kind is MaskKind.EXPLICIT
     assert spec.keys.shape == (1, H, 4, D)
     assert np.array_equal(np.array(spec.keys), np.array(k))
     assert np.array_equal(np.array(spec.values), np.array(v))
+    if path == "auto":  # one sequence, its cells in position order: MLX's (lower-right) causal mask
+        assert spec.mask_kind is MaskKind.CAUSAL and spec.mask is None
+        return
+    assert spec.mask_kind is MaskKind.EXPLICIT
     assert spec.mask.dtype == mx.bool_ and spec.mask.shape == (1, 1, 4, 4)
     assert np.array_equal(np.array(spec.mask)[0, 0], np.tril(np.ones((4, 4), dtype=bool)))
 

@@ -440,3 +440,22 @@ def test_a_lone_token_attends_with_no_mask_exactly_when_it_sees_every_cell_below
         for none, oracle in per_layer:
             assert none is oracle
     assert [per_layer[0][0] for per_layer in cases] == [True, False, False, True]  # the flat layer
+
+
+def test_a_chunk_of_one_sequence_owning_every_cell_is_causal_in_order_and_masked_on_the_device_otherwise(rng):
+    caches = trio(capacity=5)  # five cells: what a sequence adds after a hole goes into the hole
+    a = on_all(caches, "seq_new")
+    specs = []
+    serve(caches, prefill_chunk([5]), rng, specs)  # cells 0-4 hold positions 0-4: causal
+    assert specs[0].mask_kind is MaskKind.CAUSAL and specs[0].mask is None
+    assert [s.mask_kind for s in specs[1:]] == [MaskKind.EXPLICIT] * 2  # the rings keep their masks
+    on_all(caches, "seq_rm", a, 1, 3)  # positions 1-2 go: cells 1 and 2 free below live ones
+    specs = []
+    serve(caches, [(a, 5), (a, 6)], rng, specs)  # into cells 1 and 2: positions out of cell order
+    cells, positions, owners = caches["auto"].as_cell_view().cell_owners()
+    assert cells.tolist() == [0, 1, 2, 3, 4] and positions.tolist() == [0, 5, 6, 3, 4] and owners[:, a].all()
+    flat = specs[0]
+    assert flat.mask_kind is MaskKind.EXPLICIT and flat.groups is None
+    # The plain-Python rule: token i (position 5 + i) sees cell c iff c's position is not newer.
+    want = [[p <= 5 + i for p in positions.tolist()] for i in range(2)]
+    assert np.array(flat.mask)[0, 0].tolist() == want

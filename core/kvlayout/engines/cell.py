@@ -189,7 +189,10 @@ class CellEngine:
 
     def cancel(self, request: Request) -> None:
         """End `request`'s unfinished samples ("cancelled"), dropping its queued work and freeing
-        its sequences' cells (what an entry or another sequence shares stays); between steps."""
+        its sequences' cells (what an entry or another sequence shares stays); between steps.
+        Tokens in flight are read first: the host path had recorded them (an EOS among them ends
+        its sample "stop", which cancel then leaves)."""
+        self.settle()
         self.queue = collections.deque(w for w in self.queue if w.request is not request)
         for s in [s for s in self.running if s.request is request]:
             self.running.remove(s)
@@ -357,12 +360,12 @@ class CellEngine:
         self._stale = True  # nothing declared yet
         plan = self._plan()
         while plan and not self._try(plan):
-            if self._evict():
-                continue  # a kept prefix gives way before any live sequence
             if any(s.drawn is not None for s in self.running):
-                self.settle()  # a token in flight may end its sample and free its cells
+                self.settle()  # a token in flight may end its sample and free its cells, as on the host path
                 plan = self._plan()
                 continue
+            if self._evict():
+                continue  # a kept prefix gives way before any live sequence
             if len(self.running) == 1:
                 # check_capacity makes this unreachable: a lone sequence always fits.
                 s = self.running[0]
@@ -556,7 +559,6 @@ class CellEngine:
         drawn, logits = guarded_forward(self.model, self.cache, ahead.fed(pieces), positions, row_ids, read)
         for s, k in plan:
             s.cached += k
-        self._note_held(len(plan))
         # The tokens this step fed unread are read now, its own forward queued behind them. One
         # that ends its sample makes this step's position of it speculative: it goes again.
         for s, (d, i) in fed_ahead:
@@ -565,6 +567,7 @@ class CellEngine:
             if finished and s in completing:
                 on_device[completing.index(s)] = None  # its next token is nobody's
         t0 += sum({id(d): d.waited for _, (d, _) in fed_ahead}.values())  # the step that drew them: its time
+        self._note_held(len(plan))  # after the speculative positions of finished samples went, as the host path held
         for j, i in enumerate(device):
             s = completing[i]
             if on_device[i] is not None:

@@ -80,6 +80,6 @@ def run_steps(engine: Engine, stop: Stop | None = None) -> bool:
     while engine.has_work:
         if stop is not None and stop():
             engine.settle()
-            return False
+            return not engine.has_work  # what was in flight may have finished the last sample
         engine.step()
     return True

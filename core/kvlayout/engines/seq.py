@@ -120,7 +120,10 @@ class SeqEngine:
 
     def cancel(self, request: Request) -> None:
         """End `request`'s unfinished samples ("cancelled"), dropping them from the queue; when
-        one is in the cache, the next sample clears it as it starts. Between steps."""
+        one is in the cache, the next sample clears it as it starts. Between steps. A token in
+        flight is read first: the host path had recorded it (an EOS among them ends its sample
+        "stop", which cancel then leaves)."""
+        self.settle()
         self.queue = collections.deque((r, s) for r, s in self.queue if r is not request)
         if self.generating is not None and self.generating.request is request:
             self.generating = None
@@ -243,7 +246,7 @@ class SeqEngine:
             if finished:
                 self._realign(g.cached - 1)
                 self.stats.account(time.perf_counter() - t0, 0, decode)
-                self.stats.note_held(self.control.length + 1, self.control.length + 1, 1)
+                self.stats.note_held(self.control.length, self.control.length, 1)  # as the host path held
                 return
         if on_device:
             g.drawn = row  # read by the next step, once its forward is queued

@@ -18,9 +18,11 @@ cells it may see, so `attend()` does work proportional to what each token
 attends. The choice is made once per window per step by the cost rule in
 `kvlayout_cell.groups`, which also decides whether a batch of groups gathers
 its cells or reads whole pages of the pool in place; `attention_path` forces
-a side. One token of a flat layer whose sequence owns every cell below
-read_len (a lone sequence decoding) sees them all: it attends with no mask
-at all, as the seq layout does.
+a side. A step of one sequence owning every cell below read_len (a lone
+sequence) on a flat layer needs no plan: one token sees every cell (no
+mask, as the seq layout's decode), a chunk over cells in position order is
+causal, and any other chunk's mask is built on the device from the cells'
+positions.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class CellCache(FacesBase):
         self._mx_mask: dict[int, tuple[Any, mx.array]] = {}  # window -> (step, its mask as MLX)
         self._mx_groups: dict[int, tuple[Any, str, AttendGroups | None]] = {}  # window -> (step, path, groups)
         self._mx_cells: dict[int, tuple[Any, Cells]] = {}  # window -> (step, its cells checked, as MLX)
+        self._whole: tuple[Any, mx.array | None] | None = None  # (step, its flat layers' mask) for one sequence
 
     @property
     def n_layers(self) -> int:
@@ -213,8 +216,9 @@ class CellCache(FacesBase):
             self.value_pools[layer].write_cells(cells, v)
         keys = self.key_pools[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
         values = self.value_pools[layer].read(0, step.read_len)
-        if self._sees_every_cell(layer, step):
-            return AttendSpec(keys, values, MaskKind.NONE, None, queries=T)
+        whole = self._whole_sequence(layer, step)
+        if whole is not None:  # one sequence owning every cell below read_len: no plan, no host mask
+            return AttendSpec(keys, values, whole[0], whole[1], queries=T)
         groups = self._step_groups(layer, step)
         if groups is not None:
             # The whole pool buffer (a row-contiguous view): the grouped gather then copies
@@ -260,14 +264,34 @@ class CellCache(FacesBase):
             self._mx_cells[window] = held
         return held[1]
 
-    def _sees_every_cell(self, layer: int, step) -> bool:
-        """Whether the step is one token of a flat layer whose sequence owns every cell below
-        read_len: it sees them all (none is newer: it is the newest), so it attends with no mask,
-        as the seq layout's decode does. O(1): the sequence's cell count against read_len."""
-        if step.length != 1 or self.stepper.window(layer) != 0 or self.attention_path != "auto":
-            return False
-        seq_ids, _ = self.stepper.step_tokens()
-        return int(self.stepper.table.held(seq_ids)[0]) == step.read_len
+    def _whole_sequence(self, layer: int, step) -> tuple[MaskKind, mx.array | None] | None:
+        """(mask kind, mask) when every token of the step is one sequence's, on a flat layer, and it
+        owns every cell below read_len (O(1): its cell count); else None (auto only).
+
+        Its tokens are its newest, so token i sees cell c iff pos_c <= positions[i]: one token
+        sees them all (NONE, as the seq layout's decode); a chunk over cells in position order
+        ending at its own is CAUSAL (MLX's lower-right alignment); else the mask is built on the
+        device from the cells' positions (O(read_len) to it, not O(T * read_len) on the host),
+        once per window per step."""
+        if self.stepper.window(layer) != 0 or self.attention_path != "auto":
+            return None
+        seq_ids, positions = self.stepper.step_tokens()
+        if int(self.stepper.table.held(seq_ids[:1])[0]) != step.read_len:
+            return None
+        if step.length == 1:
+            return MaskKind.NONE, None
+        if not (seq_ids == seq_ids[0]).all():
+            return None
+        held = self._whole
+        if held is None or held[0] is not step:
+            cell_pos = self.stepper.table.snapshot(copy=False)[0][: step.read_len]  # [S]: each cell's position
+            first = step.read_len - step.length
+            if (positions == np.arange(first, step.read_len)).all() and (cell_pos == np.arange(step.read_len)).all():
+                mask = None  # causal
+            else:
+                mask = (mx.array(cell_pos.astype(np.int32))[None, :] <= mx.array(positions.astype(np.int32))[:, None])[None, None]
+            held = self._whole = (step, mask)  # [1, 1, T, S] or None
+        return (MaskKind.CAUSAL, None) if held[1] is None else (MaskKind.EXPLICIT, held[1])
 
     def _step_groups(self, layer: int, step) -> AttendGroups | None:
         window = self.stepper.window(layer)
