@@ -102,8 +102,10 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
         service.worker.run()
         thread.join()
     finally:
+        # Asked to stop, the process is ending: a late stop signal (a burst of them) is ignored, not
+        # let through to the default handler, which would kill it mid-teardown (exit -15, not 0).
         for sig, handler in original.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if server.should_exit else handler)
         sock.close()
         service.close()
         uvicorn_errors.removeFilter(not_the_forced_exit)
