@@ -31,12 +31,12 @@ import mlx.core as mx
 import numpy as np
 
 import common
-from kvlayout import CacheConfig, LayerConfig, hookimpl
+from kvlayout import CacheConfig, LayerConfig
 from kvlayout.mlx import attend
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.cache import CellCache
 from kvlayout_cell.groups import PLACEMENT_PAGE
-from kvlayout_cell.plugin import LowestFree, own_pages
+from kvlayout_cell.plugin import LowestFree, OwnPages
 
 GQA = {3: 9, 8: 32}  # H_kv -> H_q: SmolLM2-135M's 9/3 heads, Llama-3-8B's 32/8
 CHUNK = 256  # prefill tokens a step
@@ -53,23 +53,12 @@ COLUMNS = [
 ]
 
 
-class Pages:
-    """The default placement over pages of another size, for comparing sizes."""
-
-    def __init__(self, page: int):
-        self.page = page
-
-    @hookimpl
-    def kvlayout_choose_cells(self, free, seq_ids, prev_cells):
-        return own_pages(free, seq_ids, prev_cells, self.page)
-
-
 def manager(policy: str):
     pm = make_plugin_manager()  # the cell plugin's own placement: pages of PLACEMENT_PAGE
     if policy == "lowest-free":
         pm.register(LowestFree())
     elif policy != f"pages of {PLACEMENT_PAGE}":
-        pm.register(Pages(int(policy.split()[-1])))
+        pm.register(OwnPages(int(policy.split()[-1])))
     return pm
 
 

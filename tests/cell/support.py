@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlayout import hookimpl
 from kvlayout.registry import make_plugin_manager
-from kvlayout_cell.plugin import own_pages
+from kvlayout_cell.plugin import OwnPages
 from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
 
@@ -16,22 +15,11 @@ def stepper(capacity=16, windows=(0, 0), max_seqs=64, pm=None) -> Stepper:
     return Stepper(CellTable(capacity, max_seqs), windows, make_plugin_manager() if pm is None else pm)
 
 
-class PagePolicy:
-    """The cell plugin's default placement over pages of `page` cells: pages in a small table."""
-
-    def __init__(self, page: int):
-        self.page = page
-
-    @hookimpl
-    def kvlayout_choose_cells(self, free, seq_ids, prev_cells):
-        return own_pages(free, seq_ids, prev_cells, self.page)
-
-
 def placement_manager(page: int | None = None):
     """A fresh plugin manager placing by the default rule, over pages of `page` cells when given."""
     pm = make_plugin_manager()
     if page is not None:
-        pm.register(PagePolicy(page))
+        pm.register(OwnPages(page))
     return pm
 
 

@@ -53,6 +53,19 @@ class LowestFree:
         return lowest_free(free, count)
 
 
+class OwnPages:
+    """A placement plugin answering the default rule (`own_pages`) over pages of `page` cells instead
+    of PLACEMENT_PAGE: register it (`pm.register(OwnPages(32))`) to compare page sizes or to exercise
+    pages in a small table."""
+
+    def __init__(self, page: int):
+        self.page = page
+
+    @hookimpl
+    def kvlayout_choose_cells(self, free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray) -> np.ndarray:
+        return own_pages(free, seq_ids, prev_cells, self.page)
+
+
 def own_pages(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, page: int = PLACEMENT_PAGE) -> np.ndarray:
     """A distinct cell of `free` (ascending) for each token, in token order: each sequence
     continues after its previous cell within that cell's page, then fills fresh pages of `page`
