@@ -86,14 +86,24 @@ def fed(pieces: list[tuple[Drawn, int] | list[int]]) -> list[int] | mx.array:
     every one is known on the host, else one lazy int32 array `[T]`."""
     if all(isinstance(p, list) for p in pieces):
         return [t for p in pieces for t in p]
-    runs: list[list] = []  # [Drawn, first, end] for a run of one step's drawn tokens, else [ids]
+    parts: list[mx.array] = []
+    run: tuple[Drawn, int, int] | None = None  # consecutive tokens of one step's draw: one slice
+
+    def close_run() -> None:
+        if run is not None:
+            d, first, end = run
+            parts.append(d.tokens[first:end].astype(mx.int32))
+
     for p in pieces:
         if isinstance(p, list):
+            close_run()
+            run = None
             if p:
-                runs.append([p])
-        elif runs and len(runs[-1]) == 3 and runs[-1][0] is p[0] and runs[-1][2] == p[1]:
-            runs[-1][2] += 1  # the next of the same step's tokens: one slice for the run
+                parts.append(mx.array(p, dtype=mx.int32))
+        elif run is not None and run[0] is p[0] and run[2] == p[1]:
+            run = (run[0], run[1], run[2] + 1)
         else:
-            runs.append([p[0], p[1], p[1] + 1])
-    parts = [mx.array(r[0], dtype=mx.int32) if len(r) == 1 else r[0].tokens[r[1] : r[2]].astype(mx.int32) for r in runs]
+            close_run()
+            run = (p[0], p[1], p[1] + 1)
+    close_run()
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)

@@ -549,11 +549,10 @@ class CellEngine:
         row_ids = rows or [width - 1]
 
         def read(logits):  # [R, V]: queue the device draws, then wait for the host's rows (if any)
-            rows_drawn = None if len(device) == len(row_ids) else device
-            drawn = ahead.draw(logits, self.stats, prefill, decode, rows_drawn) if device else None
-            if host or not device:
-                return drawn, host_logits(logits if not device else logits[mx.array(host or [0], dtype=mx.int32)])
-            return drawn, None
+            if not device:
+                return None, host_logits(logits)
+            drawn = ahead.draw(logits, self.stats, prefill, decode, None if len(device) == len(row_ids) else device)
+            return drawn, host_logits(logits[mx.array(host, dtype=mx.int32)]) if host else None
 
         # A failure is aborted in the cache (ForwardFailed) before any counter below moves.
         drawn, logits = guarded_forward(self.model, self.cache, ahead.fed(pieces), positions, row_ids, read)
@@ -561,21 +560,21 @@ class CellEngine:
             s.cached += k
         # The tokens this step fed unread are read now, its own forward queued behind them. One
         # that ends its sample makes this step's position of it speculative: it goes again.
+        ended = set()  # ids of the sequences a token they fed ahead ended: their next token is nobody's
         for s, (d, i) in fed_ahead:
             s.drawn = None
-            finished = self._advance(s, d.read(i), speculative=True)
-            if finished and s in completing:
-                on_device[completing.index(s)] = None  # its next token is nobody's
+            if self._advance(s, d.read(i), speculative=True):
+                ended.add(id(s))
         t0 += sum({id(d): d.waited for _, (d, _) in fed_ahead}.values())  # the step that drew them: its time
         self._note_held(len(plan))  # after the speculative positions of finished samples went, as the host path held
         for j, i in enumerate(device):
             s = completing[i]
-            if on_device[i] is not None:
+            if id(s) not in ended:
                 s.drawn = (drawn, j)
                 if not s.remembered:
                     self._remember(s)
         if logits is not None:
-            self._complete_on_host([completing[i] for i in host], logits)
+            self._complete_on_host([completing[i] for i in host], logits, ended)
         self.stats.account(time.perf_counter() - t0, prefill, decode)
 
     def _draws_ahead(self, s: Running) -> bool:
@@ -584,8 +583,9 @@ class CellEngine:
             return False
         return ahead.needs_forward_after(s.samples[0], s.request, s.drawn is not None)
 
-    def _complete_on_host(self, completing: list[Running], logits) -> None:
-        """Draw the next token of each sample of `completing` from its row of `logits` `[R, V]`."""
+    def _complete_on_host(self, completing: list[Running], logits, ended: set[int]) -> None:
+        """Draw the next token of each sample of `completing` from its row of `logits` `[R, V]`;
+        a sequence whose id is in `ended` (a token it fed ahead ended it) advances no further."""
         # Every sample's token is drawn first (its own generator: forking does not change it), agreed
         # once (a collective when tensor-parallel), then each sequence forks, is kept and advances in
         # turn as before: one retiring frees its id before the next one forks.
@@ -596,8 +596,8 @@ class CellEngine:
         drawn = [draw_token(sample, row, request, self.sampling) for request, sample, row in samples]
         token_of = {id(x): t for (_, x, _), t in zip(samples, self.agree(drawn))}
         for s in completing:
-            if s not in self.running:
-                continue  # the token it fed ahead ended it
+            if id(s) in ended:
+                continue
             forks = self._fork(s)
             if not s.remembered:
                 self._remember(s)

@@ -115,9 +115,7 @@ class Stats:
         self.steps += 1
         self.prefill_tokens += prefill
         self.decode_tokens += decode
-        fed = prefill + decode
-        self.prefill_s += seconds * prefill / fed
-        self.decode_s += seconds * decode / fed
+        self.add_time(seconds, prefill, decode)
 
     def add_time(self, seconds: float, prefill: int, decode: int) -> None:
         """Seconds of a step already counted, split as it fed: the host's wait for what it drew on
