@@ -45,7 +45,7 @@ TAILS = dict.fromkeys(PAGED, 0)  # paged batches that also gathered cells
 
 def serve(caches, tokens, rng, specs=None):
     """One step `[(seq, pos), ...]` on every cache; per path, the attend() output of each layer.
-    `specs`, when given, receives the spec `auto` gave each layer."""
+    `specs`, a dict when given, receives per path the spec each layer was given."""
     seqs, positions = [s for s, _ in tokens], [p for _, p in tokens]
     T = len(tokens)
     shapes = ((1, H_Q, T, D), (1, H_KV, T, D), (1, H_KV, T, D))  # q, k, v
@@ -56,8 +56,8 @@ def serve(caches, tokens, rng, specs=None):
         outs[path], grouped[path] = [], []
         for layer, (q, k, v) in enumerate(data):
             spec = c.update_and_fetch(layer, positions, k, v)
-            if specs is not None and path == "auto":
-                specs.append(spec)
+            if specs is not None:
+                specs.setdefault(path, []).append(spec)
             grouped[path].append(spec.groups is not None)
             if spec.groups is not None:
                 pages = [b.page for b in spec.groups.batches()]
@@ -234,8 +234,9 @@ def test_a_ragged_step_runs_as_several_batches_with_the_dense_result():
         for s, n in zip(seqs, lengths):
             tokens += [(s, held[s] + i) for i in range(n)]
             held[s] += n
-        serve(caches, tokens, rng)
-        batches.append(1 + len(caches["grouped"]._mx_groups[0][2].more))
+        specs = {}
+        serve(caches, tokens, rng, specs)
+        batches.append(1 + len(specs["grouped"][0].groups.more))
     assert max(batches) > 1
 
 
@@ -400,8 +401,9 @@ def test_every_path_was_exercised_by_pages():
 def lone_token_specs(caches, token, rng):
     """Per layer, whether `auto` gave a one-token step `(seq, pos)` no mask, and whether the
     oracle says it sees every cell below read_len; every path agreeing on the output."""
-    specs = []
-    serve(caches, [token], rng, specs)
+    served = {}
+    serve(caches, [token], rng, served)
+    specs = served["auto"]
     seq, pos = token
     return [
         (spec.mask_kind is MaskKind.NONE,
@@ -445,13 +447,15 @@ def test_a_lone_token_attends_with_no_mask_exactly_when_it_sees_every_cell_below
 def test_a_chunk_of_one_sequence_owning_every_cell_is_causal_in_order_and_masked_on_the_device_otherwise(rng):
     caches = trio(capacity=5)  # five cells: what a sequence adds after a hole goes into the hole
     a = on_all(caches, "seq_new")
-    specs = []
-    serve(caches, prefill_chunk([5]), rng, specs)  # cells 0-4 hold positions 0-4: causal
+    served = {}
+    serve(caches, prefill_chunk([5]), rng, served)  # cells 0-4 hold positions 0-4: causal
+    specs = served["auto"]
     assert specs[0].mask_kind is MaskKind.CAUSAL and specs[0].mask is None
     assert [s.mask_kind for s in specs[1:]] == [MaskKind.EXPLICIT] * 2  # the rings keep their masks
     on_all(caches, "seq_rm", a, 1, 3)  # positions 1-2 go: cells 1 and 2 free below live ones
-    specs = []
-    serve(caches, [(a, 5), (a, 6)], rng, specs)  # into cells 1 and 2: positions out of cell order
+    served = {}
+    serve(caches, [(a, 5), (a, 6)], rng, served)  # into cells 1 and 2: positions out of cell order
+    specs = served["auto"]
     cells, positions, owners = caches["auto"].as_cell_view().cell_owners()
     assert cells.tolist() == [0, 1, 2, 3, 4] and positions.tolist() == [0, 5, 6, 3, 4] and owners[:, a].all()
     flat = specs[0]

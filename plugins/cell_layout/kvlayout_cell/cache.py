@@ -85,10 +85,11 @@ class CellCache(FacesBase):
 
         self.key_pools = [pool(lc) for lc in layers]
         self.value_pools = [pool(lc) for lc in layers]
-        self._mx_mask: dict[int, tuple[Any, mx.array]] = {}  # window -> (step, its mask as MLX)
-        self._mx_groups: dict[int, tuple[Any, str, AttendGroups | None]] = {}  # window -> (step, path, groups)
-        self._mx_cells: dict[int, tuple[Any, Cells]] = {}  # window -> (step, its cells checked, as MLX)
-        self._whole: tuple[Any, mx.array | None] | None = None  # (step, its flat layers' mask) for one sequence
+        # What a step makes once for every layer of a window (`_once`): key -> (step, it).
+        self._mx_mask: dict[int, tuple[Any, mx.array]] = {}  # window -> its mask as MLX
+        self._mx_groups: dict[tuple[int, str], tuple[Any, AttendGroups | None]] = {}  # (window, path) -> groups
+        self._mx_cells: dict[int, tuple[Any, Cells]] = {}  # window -> its cells checked, as MLX
+        self._mx_whole: dict[int, tuple[Any, mx.array | None]] = {}  # 0 -> one sequence's flat mask (None: causal)
 
     @property
     def n_layers(self) -> int:
@@ -255,14 +256,17 @@ class CellCache(FacesBase):
             )
         return step
 
+    @staticmethod
+    def _once(memo: dict, key: Any, step, make: Any) -> Any:
+        """`make()` once per step for `key` (its window): every layer of the window shares it."""
+        held = memo.get(key)
+        if held is None or held[0] is not step:
+            held = memo[key] = (step, make())
+        return held[1]
+
     def _step_cells(self, layer: int, step) -> Cells:
         """The step's cells checked and on the device once per window, for every pool of its layers."""
-        window = self.stepper.window(layer)
-        held = self._mx_cells.get(window)
-        if held is None or held[0] is not step:
-            held = (step, Cells(step.cells))
-            self._mx_cells[window] = held
-        return held[1]
+        return self._once(self._mx_cells, self.stepper.window(layer), step, lambda: Cells(step.cells))
 
     def _whole_sequence(self, layer: int, step) -> tuple[MaskKind, mx.array | None] | None:
         """(mask kind, mask) when every token of the step is one sequence's, on a flat layer, and it
@@ -272,7 +276,7 @@ class CellCache(FacesBase):
         sees them all (NONE, as the seq layout's decode); a chunk over cells in position order
         ending at its own is CAUSAL (MLX's lower-right alignment); else the mask is built on the
         device from the cells' positions (O(read_len) to it, not O(T * read_len) on the host),
-        once per window per step."""
+        once per step."""
         if self.stepper.window(layer) != 0 or self.attention_path != "auto":
             return None
         seq_ids, positions = self.stepper.step_tokens()
@@ -282,22 +286,21 @@ class CellCache(FacesBase):
             return MaskKind.NONE, None
         if not (seq_ids == seq_ids[0]).all():
             return None
-        held = self._whole
-        if held is None or held[0] is not step:
+
+        def mask() -> mx.array | None:  # [1, 1, T, S], or None: causal
             cell_pos = self.stepper.table.snapshot(copy=False)[0][: step.read_len]  # [S]: each cell's position
             first = step.read_len - step.length
             if (positions == np.arange(first, step.read_len)).all() and (cell_pos == np.arange(step.read_len)).all():
-                mask = None  # causal
-            else:
-                mask = (mx.array(cell_pos.astype(np.int32))[None, :] <= mx.array(positions.astype(np.int32))[:, None])[None, None]
-            held = self._whole = (step, mask)  # [1, 1, T, S] or None
-        return (MaskKind.CAUSAL, None) if held[1] is None else (MaskKind.EXPLICIT, held[1])
+                return None
+            return (mx.array(cell_pos.astype(np.int32))[None, :] <= mx.array(positions.astype(np.int32))[:, None])[None, None]
+
+        m = self._once(self._mx_whole, 0, step, mask)
+        return (MaskKind.CAUSAL, None) if m is None else (MaskKind.EXPLICIT, m)
 
     def _step_groups(self, layer: int, step) -> AttendGroups | None:
-        window = self.stepper.window(layer)
-        path = self.attention_path
-        held = self._mx_groups.get(window)
-        if held is None or held[0] is not step or held[1] != path:
+        window, path = self.stepper.window(layer), self.attention_path
+
+        def plan() -> AttendGroups | None:
             seq_ids, positions = self.stepper.step_tokens()  # the step place_step just served
             lc = self.config.layer(layer)
             # Every layer's pool holds as many slots (they take the same cells); the row is this
@@ -306,20 +309,14 @@ class CellCache(FacesBase):
             if path == "auto" and (self.config.kv_bits or not pages_in_place(self.key_pools[layer].dtype)):
                 pool = None  # attend() would gather the pages' cells (always, when quantized): plan gathered batches
             table = self.stepper.table
-            plan = plan_cells(seq_ids, positions, window, step.read_len, table.seq_keys, path, table.held, pool)
-            groups = None if plan is None else _as_mx(plan)
-            held = (step, path, groups)
-            self._mx_groups[window] = held
-        return held[2]
+            groups = plan_cells(seq_ids, positions, window, step.read_len, table.seq_keys, path, table.held, pool)
+            return None if groups is None else _as_mx(groups)
+
+        return self._once(self._mx_groups, (window, path), step, plan)
 
     def _step_mask(self, layer: int, step) -> mx.array:
         """A lazy spec's mask may be read after the step ended: the step's own (`CellStep.mask`)."""
-        window = self.stepper.window(layer)
-        held = self._mx_mask.get(window)
-        if held is None or held[0] is not step:
-            held = (step, mx.array(step.mask)[None, None])
-            self._mx_mask[window] = held
-        return held[1]
+        return self._once(self._mx_mask, self.stepper.window(layer), step, lambda: mx.array(step.mask)[None, None])
 
 
 PAGE_TILE = max(PAGE_SIZES)
