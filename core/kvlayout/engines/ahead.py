@@ -60,14 +60,12 @@ class Drawn:
         return int(self._host[i])
 
 
-def greedy(sampling: Sampling, request: Request) -> bool:
-    """Whether `request`'s samples are drawn greedily (its own sampling, else the engine's)."""
-    return (request.sampling or sampling).temperature == 0.0
-
-
-def needs_forward_after(sample: Sample, request: Request, unread: int) -> bool:
-    """Whether the token drawn next for `sample` (with `unread` of its tokens not read yet) will
-    be fed back: it is not the sample's last by max_tokens."""
+def drawn_on_device(pipeline: bool, sampling: Sampling, request: Request, sample: Sample, unread: bool) -> bool:
+    """Whether `sample`'s next token is drawn on the device: the engine pipelines, the request is
+    greedy (its own sampling, else the engine's), and that token will be fed back, i.e. it is
+    not the sample's last by max_tokens (`unread`: a token of it is in flight already)."""
+    if not pipeline or (request.sampling or sampling).temperature != 0.0:
+        return False
     return len(sample.generated) + unread + 1 < request.max_tokens
 
 

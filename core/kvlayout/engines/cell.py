@@ -579,9 +579,9 @@ class CellEngine:
 
     def _draws_ahead(self, s: Running) -> bool:
         """Whether `s`'s next token is drawn on the device (engines.ahead)."""
-        if not self.pipeline or len(s.samples) != 1 or not ahead.greedy(self.sampling, s.request):
-            return False
-        return ahead.needs_forward_after(s.samples[0], s.request, s.drawn is not None)
+        return len(s.samples) == 1 and ahead.drawn_on_device(
+            self.pipeline, self.sampling, s.request, s.samples[0], s.drawn is not None
+        )
 
     def _complete_on_host(self, completing: list[Running], logits, ended: set[int]) -> None:
         """Draw the next token of each sample of `completing` from its row of `logits` `[R, V]`;

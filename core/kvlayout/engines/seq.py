@@ -212,8 +212,7 @@ class SeqEngine:
         t0 = time.perf_counter()
         positions = range(cached, cached + k)
         done = drawn is not None or cached + k == len(tokens)
-        on_device = done and self.pipeline and ahead.greedy(self.sampling, r) and \
-            ahead.needs_forward_after(s, r, 1 if drawn is not None else 0)
+        on_device = done and ahead.drawn_on_device(self.pipeline, self.sampling, r, s, drawn is not None)
         fed = ahead.fed([(drawn, 0)]) if drawn is not None else tokens[cached : cached + k]
         decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) or drawn is not None else 0
         read = (lambda logits: ahead.draw(logits, self.stats, k - decode, decode)) if on_device else host_logits
@@ -237,6 +236,7 @@ class SeqEngine:
             return
         g.retried = False
         g.cached = cached + k
+        finished = False
         if drawn is not None:
             # The step fed a token only now read; when it ends the sample, the step just queued was
             # speculative and its position goes again. The wait for it is its own step's time.
@@ -244,11 +244,10 @@ class SeqEngine:
             finished = self._take(g, drawn.read(0))
             t0 += drawn.waited
             if finished:
-                self._realign(g.cached - 1)
-                self.stats.account(time.perf_counter() - t0, 0, decode)
-                self.stats.note_held(self.control.length, self.control.length, 1)  # as the host path held
-                return
-        if on_device:
+                self._realign(g.cached - 1)  # as the host path held
+        if finished:
+            pass  # its next token is nobody's
+        elif on_device:
             g.drawn = row  # read by the next step, once its forward is queued
         elif done:
             (token,) = self.agree([draw_token(s, row[0], r, self.sampling)])  # a collective when tensor-parallel
