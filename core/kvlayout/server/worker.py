@@ -119,6 +119,9 @@ class Worker:
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.reserved = 0  # samples of the tickets handed to the engine and not done
         self.active: dict[int, Ticket] = {}
+        # Tickets whose last sample ended during the step: told they are over once the step's state
+        # is published, so a client that has its answer finds /health already showing it.
+        self.ending: list[Ticket] = []
         self.failures = 0  # steps that raised out of the engine
         self.snapshot: dict = {}
         self.stopping = threading.Event()
@@ -219,7 +222,7 @@ class Worker:
         if final:
             ticket.finished += 1
             if ticket.done:
-                self.release(ticket)
+                self.release(ticket, later=True)
 
     def drop(self, ticket: Ticket) -> None:
         with self.lock:
@@ -232,10 +235,15 @@ class Worker:
             if not ticket.done:  # samples the engine no longer held
                 self.release(ticket)
 
-    def release(self, ticket: Ticket) -> None:
+    def release(self, ticket: Ticket, later: bool = False) -> None:
+        """The ticket's samples hold nothing in the engine any more: it is over (`later`: once
+        `publish` has shown that, see `ending`)."""
         with self.lock:
             if self.active.pop(ticket.request.index, None) is not None:
                 self.reserved -= ticket.order.n
+        if later:
+            self.ending.append(ticket)
+            return
         ticket.post(None)
         self.admit_waiting()
 
@@ -315,3 +323,8 @@ class Worker:
             "prefix_cache": self.prefixes.snapshot() if self.prefixes is not None else None,
         }
         self.rates_now = {"tokens_per_s": generated_s, "prefill_tokens_per_s": prefilled_s}
+        ending, self.ending = self.ending, []
+        for ticket in ending:
+            ticket.post(None)
+        if ending:
+            self.admit_waiting()
