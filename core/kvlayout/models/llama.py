@@ -13,6 +13,7 @@ positions, so every token brings its own position, and attention goes through
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -255,7 +256,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x as one fused op, as mlx-lm's MLP computes it: one kernel instead of two,
+    and in a half-precision model the same rounding as mlx-lm's (no trip through memory between)."""
+    return nn.silu(gate) * x
 
 
 class DecoderLayer(nn.Module):
