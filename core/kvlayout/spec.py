@@ -91,6 +91,12 @@ class AttendGroups:
       shaped like the fields above, each run apart so it is padded only to
       its own longest group; `out` then indexes the grouped query slots of
       all batches, concatenated in order (the fields first).
+    - `in_order` (optional, False unless a layout knows): True when those
+      grouped query slots, concatenated, are the step's tokens 0..T-1 in
+      order (every group full, groups in token order: a decode step of one
+      token per sequence, usually). `out` is then the identity, and a
+      consumer may take each batch's queries as a run of q's token axis
+      (a view) instead of gathering them by `tokens`.
     """
 
     tokens: Any
@@ -102,6 +108,7 @@ class AttendGroups:
     more: tuple[AttendBatch, ...] = ()
     page: int = 0
     tail: Any = None
+    in_order: bool = False
 
     def batches(self) -> tuple[AttendBatch, ...]:
         """Every batch, the fields' first, as AttendBatch records."""

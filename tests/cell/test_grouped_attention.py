@@ -188,6 +188,24 @@ def test_a_plan_of_equal_private_decodes_needs_no_mask():
     assert plan.cells.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
+def test_a_plan_is_in_order_exactly_when_its_query_slots_are_the_step_s_tokens_in_order():
+    private = np.kron(np.eye(3, dtype=bool), np.ones((1, 4), dtype=bool))  # 3 decodes, 4 private cells each
+    assert plan_groups(np.array([0, 1, 2]), private, "grouped").in_order
+    # widest first: sequence 0's 20000 cells run apart from the two short ones (padding them to it
+    # would cost more than a batch: BATCH_PAIRS), still in token order
+    ragged = np.zeros((3, 20010), dtype=bool)
+    ragged[0, :20000], ragged[1, 20000:20005], ragged[2, 20005:] = True, True, True
+    plan = plan_groups(np.array([0, 1, 2]), ragged, "grouped")
+    assert len(plan.more) == 1 and plan.in_order
+    # the short ones first: the batches' slots run [1, 2, 0], so `out` is needed
+    plan = plan_groups(np.array([1, 2, 0]), ragged[[1, 2, 0]], "grouped")
+    assert len(plan.more) == 1 and not plan.in_order
+    # a padded query slot (sequence 2 has one token beside sequence 5's two), or tokens out of sequence order
+    causal = np.array([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=bool)
+    assert not plan_groups(np.array([5, 5, 2]), causal, "grouped").in_order
+    assert not plan_groups(np.array([0, 1, 0]), np.array([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=bool), "grouped").in_order
+
+
 def test_layers_of_one_window_share_one_grouping_each_with_its_own_pool():
     c = CellCache(
         CacheConfig(capacity=16, n_layers=2, layers=[LayerConfig(H_KV, D)], kv_dtype="float32"), make_plugin_manager()

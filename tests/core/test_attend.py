@@ -137,6 +137,28 @@ def test_groups_without_a_mask_attend_every_gathered_cell(rng):
     np.testing.assert_allclose(np.array(got), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_groups_in_order_take_each_batch_s_queries_as_a_run_and_answer_in_token_order(rng, q_len):
+    # Two batches of full groups whose slots are the tokens 0..T-1 in order: batch 0 holds 2 groups
+    # (tokens 0..2*q_len-1), batch 1 the third (the last q_len). No `out` gather, no query gather.
+    t = 3 * q_len
+    q, k, v = qkv(rng, t, 12)
+    cells = [np.array([[0, 1, 2], [3, 4, 5]], dtype=np.int32), np.array([[6, 7, 8, 9, 10]], dtype=np.int32)]
+    tokens = [np.arange(2 * q_len, dtype=np.int32).reshape(2, q_len), np.arange(2 * q_len, t, dtype=np.int32)[None]]
+    allowed = np.zeros((t, 12), dtype=bool)
+    for toks, cs in zip(tokens, cells):
+        for g in range(toks.shape[0]):
+            allowed[np.ix_(toks[g], cs[g])] = True
+    second = AttendBatch(mx.array(tokens[1]), mx.array(cells[1]), None)
+    groups = AttendGroups(mx.array(tokens[0]), mx.array(cells[0]), None, mx.array(np.arange(t, dtype=np.int32)),
+                          mx.array(k), mx.array(v), more=(second,), in_order=True)
+    want = reference(q, k, v, allowed)
+    np.testing.assert_allclose(np.array(attend_groups(mx.array(q), groups, SCALE)), want, atol=1e-5)
+    # the same plan read by its tokens and `out` (in_order unset) gives the same result
+    gathered = attrs.evolve(groups, in_order=False)
+    np.testing.assert_allclose(np.array(attend_groups(mx.array(q), gathered, SCALE)), want, atol=1e-5)
+
+
 def test_paged_groups_read_whole_pages_with_foreign_cells_masked(rng):
     # 3 tokens in 2 groups over a store of 12 cells in pages of 4; group 0 reads pages 0 and 2,
     # group 1 page 1 (padded with a second, fully masked copy of it).

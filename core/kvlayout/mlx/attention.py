@@ -108,38 +108,46 @@ def attend_groups(q: mx.array, groups: AttendGroups, scale: float) -> mx.array:
     `[G, H_kv, Kg, D]`) and its queries likewise, and runs one
     `scaled_dot_product_attention` with the groups on the batch axis. A paged
     batch (`page` B) reads whole pages of B cells where they lie and gathers
-    only its tail (`_attend_pages`). Outputs go back to token order.
+    only its tail (`_attend_pages`). Outputs go back to token order. A plan
+    `in_order` (a decode step's, usually) reads each batch's queries as a
+    run of q's token axis and its outputs land in token order already, so
+    neither is gathered: for one-query groups both are views.
     Work: G * Qg * Kg query-key pairs (plus G * Kg gathered rows), instead of
     T * S for the dense mask (the layout picks the cheapest; see its rule).
     """
-    outs = [_attend_batch(q, groups.keys, groups.values, b, scale) for b in groups.batches()]  # [1, H_q, G_b * Q_b, D]
+    outs, first = [], 0
+    for b in groups.batches():
+        n_groups, q_len = b.tokens.shape
+        # In order: the batch's queries are tokens [first, first + G * Qg), a slice (a view) of q.
+        qg = _run_queries(q, first, n_groups, q_len) if groups.in_order else _group_queries(q, b.tokens)
+        outs.append(_ungroup(_attend_batch(qg, groups.keys, groups.values, b, scale)))  # [1, H_q, G_b * Q_b, D]
+        first += n_groups * q_len
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # [1, H_q, sum G_b * Q_b, D]
-    return mx.take(o, groups.out, axis=2)  # [1, H_q, T, D]
+    return o if groups.in_order else mx.take(o, groups.out, axis=2)  # [1, H_q, T, D]
 
 
-def _attend_batch(q: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:
-    """One batch of groups, its outputs group-major `[1, H_q, G * Qg, D]`."""
+def _attend_batch(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:
+    """One batch of groups, its queries `qg` `[G, H_q, Qg, D]`: outputs `[G, H_q, Qg, D]`."""
     slots = keys.shape[2]
     cells = b.cells
     quantized = isinstance(keys, QuantizedKV)
     if b.page:
         if slots % b.page:
             raise ValueError(f"pages of {b.page} cells do not tile the {slots} slots of keys")
-        if not quantized and keys.dtype == q.dtype and pages_in_place(keys.dtype):
-            return _ungroup(_attend_pages(_group_queries(q, b.tokens), keys, values, b, scale))
+        if not quantized and keys.dtype == qg.dtype and pages_in_place(keys.dtype):
+            return _attend_pages(qg, keys, values, b, scale)
         # Storage narrower than q, or pages this device cannot read in place: gather the pages'
         # cells and the tail (casting only those, as dense would); the result is the same.
         cells = (cells[:, :, None] * b.page + mx.arange(b.page, dtype=cells.dtype)).reshape(cells.shape[0], -1)
         if b.tail is not None:
             cells = mx.concatenate([cells, b.tail.astype(cells.dtype)], axis=1)  # [G, P * B + Kt]
-    qg = _group_queries(q, b.tokens)  # [G, H_q, Qg, D]
     if quantized:  # the triples' rows, a quarter to an eighth of float32's bytes
         k, v = (x.map(lambda a: _take_rows(a, cells)) for x in (keys, values))  # [G, H_kv, Kg, .] parts
-        return _ungroup(quantized_attention(qg, k, v, scale, b.mask))
+        return quantized_attention(qg, k, v, scale, b.mask)
     k, v = _gather(keys, values, cells)  # [G, H_kv, Kg, D] each
-    if k.dtype != q.dtype:  # cast only what was gathered
-        k, v = k.astype(q.dtype), v.astype(q.dtype)
-    return _ungroup(mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=b.mask))
+    if k.dtype != qg.dtype:  # cast only what was gathered
+        k, v = k.astype(qg.dtype), v.astype(qg.dtype)
+    return mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=b.mask)
 
 
 def _group_queries(q: mx.array, tokens: mx.array) -> mx.array:
@@ -150,9 +158,20 @@ def _group_queries(q: mx.array, tokens: mx.array) -> mx.array:
     return qg.reshape(h_q, n_groups, q_len, d).transpose(1, 0, 2, 3)  # [G, H_q, Qg, D]
 
 
+def _run_queries(q: mx.array, first: int, n_groups: int, q_len: int) -> mx.array:
+    """Tokens `[first, first + G * Qg)` of q `[1, H_q, T, D]` as G groups of Qg: `[G, H_q, Qg, D]`, a view."""
+    _, h_q, _, d = q.shape
+    run = q[0, :, first : first + n_groups * q_len, :]  # [H_q, G * Qg, D]
+    if q_len == 1:  # views only: a model's [1, T, H_q, D] queries are then read where they lie
+        return mx.expand_dims(run, 2).swapaxes(0, 1)  # [G, H_q, 1, D]
+    return run.reshape(h_q, n_groups, q_len, d).transpose(1, 0, 2, 3)
+
+
 def _ungroup(o: mx.array) -> mx.array:
     """`[G, H_q, Qg, D]` outputs back on one token axis, group-major: `[1, H_q, G * Qg, D]`."""
     n_groups, h_q, q_len, d = o.shape
+    if q_len == 1:  # a view: [G, H_q, D] is already the [1, T, H_q * D] layout a model's o_proj reads
+        return mx.expand_dims(o[:, :, 0, :].swapaxes(0, 1), 0)
     return o.transpose(1, 0, 2, 3).reshape(1, h_q, n_groups * q_len, d)
 
 
@@ -169,18 +188,28 @@ def pages_in_place(dtype: mx.Dtype) -> bool:
 
 def _gather(keys: mx.array, values: mx.array, cells: mx.array) -> tuple[mx.array, mx.array]:
     """Rows of `cells` `[G, K]` from both pools, as `[G, H_kv, K, D]`."""
-    k = _take_rows(keys, cells)  # [G, H_kv, K, D]
+    rows = _row_indices(keys, cells)  # the pools have one shape: one index array for both
+    k = _take_flat(keys, rows)  # [G, H_kv, K, D]
     with mx.stream(_side_stream()):  # V's gather beside K's: a gather runs on one core (the CPU build)
-        v = _take_rows(values, cells)
+        v = _take_flat(values, rows)
     return k, v
 
 
 def _take_rows(a: mx.array, cells: mx.array) -> mx.array:
     """Rows of `cells` `[G, K]` from `a` `[1, H, S, W]`, as `[G, H, K, W]`."""
-    _, heads, slots, width = a.shape
-    # Row of (head h, cell c) in `a` viewed as [H * S, W]: free when `a` is row-contiguous.
-    rows = cells[:, None, :] + (mx.arange(heads, dtype=mx.int32) * slots)[None, :, None]  # [G, H, K]
-    return mx.take(a.reshape(-1, width), rows, axis=0)  # [G, H, K, W]
+    return _take_flat(a, _row_indices(a, cells))
+
+
+def _row_indices(a: mx.array, cells: mx.array) -> mx.array:
+    """Row of (head h, cell c) in `a` `[1, H, S, W]` viewed as `[H * S, W]` (free when `a` is
+    row-contiguous), for `cells` `[G, K]`: `[G, H, K]`."""
+    _, heads, slots, _ = a.shape
+    return cells[:, None, :] + (mx.arange(heads, dtype=mx.int32) * slots)[None, :, None]  # [G, H, K]
+
+
+def _take_flat(a: mx.array, rows: mx.array) -> mx.array:
+    """`a` `[1, H, S, W]`'s rows `rows` `[G, H, K]` (from `_row_indices`), as `[G, H, K, W]`."""
+    return mx.take(a.reshape(-1, a.shape[-1]), rows, axis=0)
 
 
 def _attend_pages(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:

@@ -290,8 +290,11 @@ def _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, poo
         offset += gi.size * q_b
     out = np.empty(n_tokens, dtype=np.int32)
     out[order] = slot_of_group[group] + within
+    # No padded slot, and each token's slot is its own index: the slots are the tokens in order.
+    in_order = offset == n_tokens and bool((out == np.arange(n_tokens)).all())
     head = batches[0]
-    return AttendGroups(head.tokens, head.cells, head.mask, out, more=tuple(batches[1:]), page=head.page, tail=head.tail)
+    return AttendGroups(head.tokens, head.cells, head.mask, out, more=tuple(batches[1:]), page=head.page,
+                        tail=head.tail, in_order=in_order)
 
 
 def _may_page(path: str, pool, q_len: int) -> bool:
