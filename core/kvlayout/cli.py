@@ -617,11 +617,11 @@ def make_parser() -> argparse.ArgumentParser:
     size.add_argument("--full", action="store_true", help="the issue's full sizes (much longer)")
     bench.add_argument(
         "--rows", type=given, metavar="NAMES",
-        help="comma-separated subset of the rows (default: 1-7; with --model, 8-9)",
+        help="comma-separated subset of the rows (default: 1-7; with --model, 8, 9 and 13)",
     )
     bench.add_argument(
         "--model", type=given, metavar="DIR",
-        help="a model directory you have: rows 8-9 (decode, chat) measure it beside mlx-lm (the default rows then)",
+        help="a model directory you have: rows 8, 9 and 13 (decode, chat, lockstep) measure it beside mlx-lm (the default rows then)",
     )
     bench.add_argument(
         "--blas", type=given, metavar="PATH",

@@ -96,11 +96,13 @@ def test_the_user_model_rows_measure_a_given_directory_beside_mlx_lm_with_identi
     model_dir = convert_tiny(tmp_path / "q4", bits=4, group_size=32)
     payload = suite.run_suite("quick", out=None, model=model_dir)
     rows = {r["key"]: r["results"] for r in payload["rows"]}
-    assert list(rows) == ["decode", "chat"]  # with --model, the default rows are the model's
+    assert list(rows) == ["decode", "chat", "lockstep"]  # with --model, the default rows are the model's
     # mlx:seq, mlx:cell vs mlx-lm; mlx:seq drawing ahead vs its host path
     assert [r["identical"] for r in rows["decode"]] == [True, True, True]
     assert [r["identical"] for r in rows["chat"]] == [True]
-    assert all(r["tok_s"] > 0 and r["baseline_tok_s"] > 0 for rs in rows.values() for r in rs)
+    assert all(r["tok_s"] > 0 and r["baseline_tok_s"] > 0 for key in ("decode", "chat") for r in rows[key])
+    # N sequences in lockstep against mlx-lm's own model and cache on the same [N, L] batch
+    assert [(r["identical"], r["seqs"], r["prompt"]) for r in rows["lockstep"]] == [(True, 4, 32)]
     assert "8 decode" in capsys.readouterr().out
 
 

@@ -53,6 +53,10 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
               ideal for H_kv x D = 1x32, 2x64, 3x64, 8x128, 8 and 32
               sequences, fresh or after 256 interleaved decode steps with
               forks and frees. Run only when named.             [shape_rows]
+13. lockstep  `--model DIR`: N sequences of one prompt length (8 x 256,
+              32 x 64) decoding together on mlx:cell vs mlx-lm's model and
+              cache on the same unpadded [N, L] batch: a whole model's
+              decode step against its per-sequence ideal.      [real_rows]
 
 The heading names the BLAS MLX multiplies with (`blas`); `--blas PATH`
 reruns the command with that library preloaded.

@@ -1,4 +1,4 @@
-"""Rows 8-9 (decode, chat): a model the user has (`kvlayout bench --model DIR`) vs mlx-lm on it.
+"""Rows 8, 9 and 13 (decode, chat, lockstep): a model the user has (`kvlayout bench --model DIR`) vs mlx-lm on it.
 
 Both sides load the same directory (quantized or not) with their own
 loaders. Prompts are rendered by mlx-lm's tokenizer (the model's chat
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from kvlayout.bench import peers
 from kvlayout.bench.model_rows import IdsOnly, load_both, run_config
@@ -172,3 +173,68 @@ def row_chat(z: dict, ctx: dict) -> tuple[str, list[Row]]:
             f"{k} tokens each greedy, no EOS; wall time prompt included; mlx:cell with engine.prefill_chunk 512 vs "
             "mlx-lm batch_generate with its defaults; the same prompt ids on both sides.")
     return work, [row]
+
+
+
+def lockstep_theirs(model, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+    """mlx-lm's own model and KV cache running `prompts` (all one length) as one `[N, L]` batch, then
+    `n - 1` decode steps of `[N, 1]` tokens, greedy, each step queued before the previous token is
+    read (as generate_step does): (each row's token ids, seconds of the decode steps). With every
+    row one length there is no padding and no mask: each sequence attends its own contiguous K/V,
+    the per-sequence ideal of a batched decode step."""
+    cache = peers.mlx_lm("models.cache").make_prompt_cache(model)
+    y = mx.argmax(model(mx.array(prompts), cache=cache)[:, -1, :], axis=-1)  # [N]
+    mx.eval(y)
+    steps = []
+    t0 = time.perf_counter()
+    for _ in range(n - 1):
+        nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)  # [N]
+        mx.async_eval(nxt)
+        steps.append(y.tolist())  # read while the next step computes
+        y = nxt
+    steps.append(y.tolist())
+    dt = time.perf_counter() - t0
+    return [list(row) for row in zip(*steps)], dt
+
+
+def row_lockstep(z: dict, ctx: dict) -> tuple[str, list[Row]]:
+    """Row 13: N sequences of one prompt length decoding in lockstep on the user's model, `mlx:cell`
+    against mlx-lm's model and cache on the same `[N, L]` batch (no padding: the ideal step)."""
+    from kvlayout.runner import job as jobs
+
+    m = user_model(ctx)
+    n = z["lockstep_tokens"]
+    vocab = m["ours"][1].vocab_size
+    rng = np.random.default_rng(13)
+    out = []
+    for seqs, length in z["lockstep"]:
+        prompts = [rng.integers(0, vocab, size=length).tolist() for _ in range(seqs)]  # distinct: nothing shared
+        reqs = [{"prompt_ids": p, "max_tokens": n} for p in prompts]
+        prepared = jobs.prepare(run_config(m["dir"], "mlx:cell", reqs, seqs * (length + n), chunk=seqs * length),
+                                loaded=m["ours"])
+        got: dict[str, list[list[int]]] = {}
+
+        def ours_side():
+            res = prepared.generate()
+            got["ours"] = [list(o[0].token_ids) for o in res.outputs]
+            return res.stats.decode_s  # the n - 1 decode steps after the prompts' step
+
+        def theirs_side():
+            got["theirs"], dt = lockstep_theirs(m["theirs"], prompts, n)
+            return dt
+
+        t = interleaved({"mlx:cell": ours_side, "mlx-lm batch": theirs_side}, z["repeats"])
+        same = got["ours"] == got["theirs"]
+        step = {side: statistics.median(ts) / (n - 1) for side, ts in t.items()}
+        out.append(Row.from_times(
+            "13 lockstep", f"N={seqs} L={length}: mlx:cell step", t, "mlx:cell", "mlx-lm batch",
+            f"{step['mlx:cell'] * 1e3:.1f} vs {step['mlx-lm batch'] * 1e3:.1f} ms a decode step; goal <= 1.3; "
+            f"ids {'identical' if same else 'DIFFER'}",
+            identical=same, seqs=seqs, prompt=length,
+        ))
+    work = (f"{m['dir']}: N distinct random prompts of L tokens each, all prefilled in one step, then {n - 1} decode "
+            "steps of all N, greedy, no EOS; the decode steps' time (kvlayout: Stats.decode_s; mlx-lm: its model and "
+            "KV cache on the [N, L] batch, then [N, 1] steps queued a step ahead, as generate_step does). Equal "
+            "lengths leave mlx-lm's batch unpadded and unmasked: each sequence attends its own contiguous K/V, the "
+            "per-sequence ideal of a whole model step.")
+    return work, out

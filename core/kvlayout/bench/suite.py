@@ -17,7 +17,7 @@ from kvlayout.bench.cell_rows import row_bookkeep, row_grouped
 from kvlayout.bench.dtype_rows import row_fp16
 from kvlayout.bench.kvq_rows import row_kvq
 from kvlayout.bench.model_rows import row_batch, row_generate, row_prefix
-from kvlayout.bench.real_rows import row_chat, row_decode
+from kvlayout.bench.real_rows import row_chat, row_decode, row_lockstep
 from kvlayout.bench.record import Row, Section
 from kvlayout.bench.serve_rows import row_serve
 from kvlayout.bench.shape_rows import row_shapes
@@ -38,13 +38,14 @@ ROWS: dict[str, RowFn] = {
     "bookkeep": row_bookkeep,
     "grouped": row_grouped,
     "fp16": row_fp16,
-    "decode": row_decode,  # rows 8-9 measure the model of --model DIR
+    "decode": row_decode,  # rows 8, 9 and 13 measure the model of --model DIR
     "chat": row_chat,
+    "lockstep": row_lockstep,  # row 13: a batched decode step of the user's model vs mlx-lm's batch
     "serve": row_serve,  # row 10: `kvlayout bench serve`, on --model DIR or SmolLM2
     "kvq": row_kvq,  # row 11: `kvlayout bench kvq`, quantized K/V on a tiny model and --model DIR or SmolLM2
     "shapes": row_shapes,  # row 12: decode attention vs the ideal for every head shape and history
 }
-ON_A_USER_MODEL = ("decode", "chat")
+ON_A_USER_MODEL = ("decode", "chat", "lockstep")
 ON_REQUEST = ("serve", "kvq", "shapes")  # run only when named: minutes each (two servers; SmolLM2 at 32 sequences)
 MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix", *ON_A_USER_MODEL, *ON_REQUEST)
 
@@ -60,7 +61,7 @@ def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | 
     """Run `rows` at `mode`'s sizes; print the table; return the JSON payload.
 
     Rows default to rows 1-7 (seeded tiny models), or, with `model` (a model
-    directory the user has), to rows 8-9 on it (`ON_A_USER_MODEL`). Row 10
+    directory the user has), to rows 8, 9 and 13 on it (`ON_A_USER_MODEL`). Row 10
     (`serve`) and row 11 (`kvq`) run only when named, on `model` or else SmolLM2.
 
     With `out`, also write bench.json and bench.png there. ConfigError (one
