@@ -175,7 +175,6 @@ def row_chat(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     return work, [row]
 
 
-
 def lockstep_theirs(model, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
     """mlx-lm's own model and KV cache running `prompts` (all one length) as one `[N, L]` batch, then
     `n - 1` decode steps of `[N, 1]` tokens, greedy, each step queued before the previous token is

@@ -218,9 +218,7 @@ class Job:
         loses nothing of the run: the result (or the RunInterrupted) carries
         `save_failed`, which says why and what the directory holds now.
         """
-        from kvlayout.runner import resume
-
-        cfg, tok, cache = self.cfg, self.tokenizer, self.cache
+        cfg, tok = self.cfg, self.tokenizer
         requests = self.new_requests()
         stats = Stats(layout=self.builder.key, kv_dtype=self.kv_dtype, model=self.model_name)
         progress = progress or (lambda n: None)
