@@ -26,10 +26,10 @@ import platform
 import statistics
 import time
 
+import common
 import mlx.core as mx
 import numpy as np
 
-import common
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.plugin import LowestFree
 from kvlayout_cell.stepper import Stepper
@@ -66,7 +66,7 @@ def time_bookkeeping(stepper: Stepper, repeats: int):
     ids = list(range(N_SEQS))
     times, step = [], None
     for _ in range(repeats):
-        positions = [stepper.next_pos(s) for s in ids]
+        positions = [stepper.table.next_pos(s) for s in ids]
         stepper.table.free_list()  # warm, as in a steady decode
         t0 = time.perf_counter()
         assert stepper.declare_step(ids)

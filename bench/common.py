@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import platform
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 

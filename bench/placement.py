@@ -27,10 +27,10 @@ import argparse
 import statistics
 import time
 
+import common
 import mlx.core as mx
 import numpy as np
 
-import common
 from kvlayout import CacheConfig, LayerConfig
 from kvlayout.mlx import attend
 from kvlayout.registry import make_plugin_manager
@@ -89,10 +89,11 @@ class Run:
                              max_seqs=self.n_ids, initial_capacity=capacity)
         self.cache = CellCache(config, manager(policy))
         self.reads, self.attn, self.write = [], [], []
-        for s in [self.cache.seq_new() for _ in range(n_seqs)]:  # one prompt after another, in chunks
+        # one prompt after another, in chunks
+        for s in [self.cache.as_batch_control().seq_new() for _ in range(n_seqs)]:
             for p0 in range(0, prefill, CHUNK):
                 n = min(CHUNK, prefill - p0)
-                assert self.cache.declare_step([s] * n)
+                assert self.cache.as_batch_control().declare_step([s] * n)
                 self.cache.update_and_fetch(0, list(range(p0, p0 + n)), self.kv(n), self.kv(n))  # spec dropped
                 self.settle()
 
@@ -104,19 +105,19 @@ class Run:
         self.cache.value_pools[0].evaluate()
 
     def live(self) -> list[int]:
-        return [s for s in range(self.n_ids) if self.cache.seq_len(s)]
+        return [s for s in range(self.n_ids) if self.cache.as_batch_control().seq_len(s)]
 
     def decode_step(self, i: int) -> None:
         cache = self.cache
         if i and i % CHURN_EVERY == 0:
             gone, src = self.rng.choice(self.live(), size=2, replace=False)
-            cache.seq_rm(int(gone))
-            cache.seq_clone(int(src))
+            cache.as_batch_control().seq_rm(int(gone))
+            cache.as_batch_control().seq_clone(int(src))
         live = self.live()
-        positions = [cache.next_pos(s) for s in live]
+        positions = [cache.as_batch_control().next_pos(s) for s in live]
         k, v, q = self.kv(len(live)), self.kv(len(live)), self.kv(len(live), GQA[self.h_kv])  # q: [1, H_q, T, D]
         mx.eval(k, v, q)
-        assert cache.declare_step(live)
+        assert cache.as_batch_control().declare_step(live)
         t0 = time.perf_counter()
         spec = cache.update_and_fetch(0, positions, k, v)
         self.settle()

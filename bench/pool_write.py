@@ -19,8 +19,8 @@ import statistics
 
 import mlx.core as mx
 import numpy as np
-
 from common import table, time_us, write_json
+
 from kvlayout.mlx import MLXPool
 
 SIZES = (1024, 8192, 65536)

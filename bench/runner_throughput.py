@@ -29,10 +29,10 @@ import platform
 import mlx.core as mx
 
 from kvlayout.builder import split_layout_key
-from kvlayout.runner import job as jobs
-from kvlayout.runner.config import RunConfig
 from kvlayout.models.presets import build_preset
 from kvlayout.models.tokenizer import ByteTokenizer
+from kvlayout.runner import job as jobs
+from kvlayout.runner.config import RunConfig
 
 SIZES = {
     "tiny": {},
@@ -132,7 +132,8 @@ def main() -> None:
     fork = shared_prompt(loaded, args.max_tokens)
 
     print(f"runner throughput · {name} · fp32 KV · {mx.default_device()} · {platform.machine()}")
-    print(f"{'concurrent':>10} {'cell tok/s':>11} {'seq tok/s':>10} {'cell/seq':>9} {'cell steps':>11} {'seq steps':>10}")
+    print(f"{'concurrent':>10} {'cell tok/s':>11} {'seq tok/s':>10} {'cell/seq':>9} "
+          f"{'cell steps':>11} {'seq steps':>10}")
     for r in rows:
         c, s = r["mlx:cell"], r["mlx:seq"]
         print(

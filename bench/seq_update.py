@@ -28,8 +28,8 @@ import statistics
 
 import mlx.core as mx
 import numpy as np
-
 from common import table, time_us, write_json
+
 from kvlayout import CacheConfig, LayerConfig, LayerPolicy
 from kvlayout_seq.mlx_cache import SeqCache
 
@@ -47,10 +47,10 @@ def make(kind: str, capacity: int) -> SeqCache:
 
 
 def fill(cache: SeqCache, length: int, rng: np.random.Generator) -> None:
-    while cache.length < length:
-        t = min(CHUNK, length - cache.length)
+    while cache.as_control().length < length:
+        t = min(CHUNK, length - cache.as_control().length)
         k = mx.array(rng.normal(size=(1, H, t, D)).astype(np.float16))  # [1, H, t, D]
-        spec = cache.update_and_fetch(0, range(cache.length, cache.length + t), k, k)
+        spec = cache.update_and_fetch(0, range(cache.as_control().length, cache.as_control().length + t), k, k)
         mx.eval(spec.keys, spec.values)
         del spec
 
@@ -70,13 +70,13 @@ def measure(repeats: int, seed: int = 0) -> list[dict]:
     read_len = {}
 
     def decode(cache):
-        spec = cache.update_and_fetch(0, [cache.length], token, token)
+        spec = cache.update_and_fetch(0, [cache.as_control().length], token, token)
         mx.eval(spec.keys, spec.values)
         return spec.keys.shape[2]
 
     def read_only(cache):
-        keys = cache.key_pools[0].read(0, cache.length)  # [1, H, L, D]
-        values = cache.value_pools[0].read(0, cache.length)
+        keys = cache.key_pools[0].read(0, cache.as_control().length)  # [1, H, L, D]
+        values = cache.value_pools[0].read(0, cache.as_control().length)
         mx.eval(keys, values)
 
     jobs = [(key, "decode") for key in caches] + [(("flat", n), "read") for n in LENGTHS]

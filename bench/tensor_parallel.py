@@ -62,7 +62,8 @@ def main() -> None:
           f"K/V {alone['kv_bytes']['per_cell']} B/cell")
     for r in ranked["ranks"]:
         print(f"rank {r['rank']} of {a.ranks}: K/V {r['kv_bytes_per_cell']} B/cell, model {r['model_bytes']} B")
-    print(f"{a.ranks} ranks   : decode {ranked['stats']['decode_tok_s']:.1f} tok/s, wall {ranked['stats']['wall_s']:.2f} s; "
+    print(f"{a.ranks} ranks   : decode {ranked['stats']['decode_tok_s']:.1f} tok/s, "
+          f"wall {ranked['stats']['wall_s']:.2f} s; "
           f"token ids {'identical' if ids(alone) == ids(ranked) else 'DIFFER'}")
     print(f"all-summed per decode step: {per_token} B per token ({2 * args.num_hidden_layers} all_sums of "
           f"{args.hidden_size * 4} B), {per_token * a.requests} B for {a.requests} sequences")

@@ -13,8 +13,8 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -74,7 +74,7 @@ class TinyStack:
         each part's output rows."""
         seqs = [s for s, x, _ in parts for _ in range(x.shape[1])]
         positions = [p + i for _, x, p in parts for i in range(x.shape[1])]
-        assert cache.declare_step(seqs)
+        assert cache.as_batch_control().declare_step(seqs)
         out = self.forward_cached(cache, mx.concatenate([x for _, x, _ in parts], axis=1), positions)
         splits = np.cumsum([x.shape[1] for _, x, _ in parts])[:-1].tolist()
         return mx.split(out, splits, axis=1) if splits else [out]

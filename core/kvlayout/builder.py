@@ -7,7 +7,8 @@ reads it, and nothing else does.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 

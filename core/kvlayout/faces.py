@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
-from typing import TYPE_CHECKING, Any, Generic, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
@@ -239,49 +240,59 @@ def contract(protocol: type) -> tuple[str, ...]:
 
 
 class Face:
-    """A face object: exactly one contract's members of the object behind it (see `face_of`)."""
+    """A face object: exactly one contract's members of the parts behind it (see `face_of`)."""
 
-    __slots__ = ("_impl",)
+    __slots__ = ("_impl",)  # the parts, for repr
 
 
-def face_of(protocol: type, impl: Any) -> Any:
+def face_of(protocol: type, impl: Any, *parts: Any) -> Any:
     """A face object of `protocol` over `impl`: what a layout returns from `as_*()`.
 
-    `face_of(BatchControl, stepper)` forwards `declare_step`, `seq_new`, ...
-    to the stepper and has nothing else, so a runtime cannot reach past the
-    contract (to a layout's `restore`, say). Methods are `impl`'s own bound
+    `face_of(SequenceControl, book)` forwards `rewind`, `length`, ... to the
+    book and has nothing else, so a runtime cannot reach past the contract
+    (to a layout's `restore`, say). A layout whose verbs live in more than
+    one part names them all: each member comes from the first of `impl,
+    *parts` that has it, so the cell layout's BatchControl is
+    `face_of(BatchControl, stepper, table)`, the stepper's verbs that change
+    the table (each ends the open step first) and the table's counts, read
+    straight, every verb implemented once. Methods are the parts' own bound
     methods, looked up once (a call costs no extra frame); properties are
     read through on each access. Every member is a real attribute of the
     face's class, so `isinstance(face, protocol)` holds on every Python
-    version. TypeError names what `impl` lacks.
+    version. TypeError names what the parts lack.
     """
-    return _face_class(protocol)(impl)
+    return _face_class(protocol)(impl, *parts)
 
 
 @functools.cache
 def _face_class(protocol: type) -> type:
     members = contract(protocol)
-    properties = {n for n in members if isinstance(inspect.getattr_static(protocol, n), property)}
+    properties = tuple(n for n in members if isinstance(inspect.getattr_static(protocol, n), property))
     methods = tuple(n for n in members if n not in properties)
+    sources = tuple(f"_of_{n}" for n in properties)  # the part each property is read from
 
-    def __init__(self, impl: Any) -> None:
-        missing = [n for n in members if not hasattr(impl, n)]
+    def __init__(self, *parts: Any) -> None:
+        owner = {n: next((p for p in parts if hasattr(p, n)), None) for n in members}
+        missing = [n for n in members if owner[n] is None]
         if missing:
-            raise TypeError(f"{type(impl).__name__} lacks {', '.join(missing)} of the {protocol.__name__} face")
-        self._impl = impl
+            names = " + ".join(type(p).__name__ for p in parts)
+            raise TypeError(f"{names} lacks {', '.join(missing)} of the {protocol.__name__} face")
+        self._impl = parts
         for name in methods:
-            setattr(self, name, getattr(impl, name))
+            setattr(self, name, getattr(owner[name], name))
+        for name, source in zip(properties, sources):
+            setattr(self, source, owner[name])
 
     def __repr__(self) -> str:
-        return f"<{protocol.__name__} face of {self._impl!r}>"
+        return f"<{protocol.__name__} face of {' + '.join(map(repr, self._impl))}>"
 
     namespace: dict[str, Any] = {
-        "__slots__": methods,
+        "__slots__": methods + sources,
         "__init__": __init__,
         "__repr__": __repr__,
         "__doc__": f"The {protocol.__name__} face: {', '.join(members)}, forwarded (see kvlayout.faces.face_of).",
     }
-    for name in properties:
+    for name, source in zip(properties, sources):
         doc = inspect.getattr_static(protocol, name).__doc__
-        namespace[name] = property(operator.attrgetter(f"_impl.{name}"), doc=doc)
+        namespace[name] = property(operator.attrgetter(f"{source}.{name}"), doc=doc)
     return type(f"{protocol.__name__}Face", (Face,), namespace)

@@ -45,16 +45,18 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import attrs
 import numpy as np
 import safetensors
 
+from kvlayout import registry
 from kvlayout.builder import split_layout_key
 from kvlayout.config import CacheConfig
-from kvlayout.errors import ConfigError, KVLayoutError, StateError
+from kvlayout.errors import ConfigError, KVLayoutError, StateError, os_reason
 
 FORMAT_VERSION = 1
 META_KEY = "kvlayout"
@@ -64,7 +66,9 @@ CONTENTS = ("cache", "sequence")
 # none (numpy has no bfloat16) and is kept as its 2-byte bit patterns.
 _CODE_NUMPY = {
     code: np.dtype(dt)
-    for code, dt in {"F16": "<f2", "F32": "<f4", "I32": "<i4", "I64": "<i8", "U64": "<u8", "U32": "<u4", "U16": "<u2"}.items()
+    for code, dt in {
+        "F16": "<f2", "F32": "<f4", "I32": "<i4", "I64": "<i8", "U64": "<u8", "U32": "<u4", "U16": "<u2"
+    }.items()
 }
 _NUMPY_CODES = {dt.newbyteorder("="): code for code, dt in _CODE_NUMPY.items()}
 DTYPE_SIZES = {"BF16": 2, **{code: dt.itemsize for code, dt in _CODE_NUMPY.items()}}
@@ -250,8 +254,6 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _provider(layout: str, pm: Any) -> tuple[str | None, str | None]:
-    from kvlayout import registry
-
     builder = registry.resolve(*split_layout_key(layout), pm)
     return builder.distribution, builder.version
 
@@ -283,7 +285,7 @@ def save_state(
     try:
         return write_atomic(path, encode(meta, tensors))
     except OSError as exc:  # write_atomic removed its temporary file; the previous file is whole
-        raise StateError(f"path={str(path)!r}: cannot write the state file ({exc.strerror or exc})") from exc
+        raise StateError(f"path={str(path)!r}: cannot write the state file ({os_reason(exc)})") from exc
 
 
 # -- reading -------------------------------------------------------------------
@@ -308,6 +310,20 @@ def read_state(path: str | os.PathLike) -> StateFile:
         raise StateError(f"{path}: no such state file") from None
     except OSError as exc:
         raise StateError(f"{path}: cannot read the state file ({exc})") from None
+    entries, meta = _parse(path, data)
+    tensors: dict[str, RawTensor] = {}
+    for name, entry in entries:
+        try:
+            tensors[name] = RawTensor(entry["dtype"], entry["shape"], memoryview(entry["data"]).toreadonly())
+        except KVLayoutError as exc:
+            raise StateError(f"{path}: corrupted entry for tensor {name!r} ({exc})") from None
+    _check_intact(path, data, meta, tensors)
+    return _state_file(path, meta, tensors)
+
+
+def _parse(path: Path, data: bytes) -> tuple[list, dict]:
+    """(safetensors entries, kvlayout metadata) of the file `data` was read from; StateError for a file
+    safetensors cannot parse, one without kvlayout metadata, or one of another format version."""
     try:
         entries = safetensors.deserialize(data)
         with safetensors.safe_open(path, framework="numpy") as sf:
@@ -323,12 +339,12 @@ def read_state(path: str | os.PathLike) -> StateFile:
     fmt = meta.get("format")
     if fmt != FORMAT_VERSION:
         raise StateError(f"{path}: state format version {fmt!r}; this kvlayout reads version {FORMAT_VERSION}")
-    tensors: dict[str, RawTensor] = {}
-    for name, entry in entries:
-        try:
-            tensors[name] = RawTensor(entry["dtype"], entry["shape"], memoryview(entry["data"]).toreadonly())
-        except KVLayoutError as exc:
-            raise StateError(f"{path}: corrupted entry for tensor {name!r} ({exc})") from None
+    return entries, meta
+
+
+def _check_intact(path: Path, data: bytes, meta: dict, tensors: Mapping[str, RawTensor]) -> None:
+    """StateError unless `data` is byte for byte the file kvlayout writes for `meta` and `tensors`,
+    and its checksum holds."""
     # Serialized again from what was parsed (the metadata re-encoded canonically), it must be the file.
     try:
         again = _serialize({META_KEY: _canonical(meta).decode()}, tensors)
@@ -338,6 +354,10 @@ def read_state(path: str | os.PathLike) -> StateFile:
         raise StateError(f"{path}: corrupted: the file is not byte for byte in the form kvlayout writes")
     if meta.get("sha256") != checksum(meta, tensors):
         raise StateError(f"{path}: checksum mismatch: the file is corrupted (sha256 of its contents differs)")
+
+
+def _state_file(path: Path, meta: dict, tensors: dict[str, RawTensor]) -> StateFile:
+    """The StateFile of an intact file; StateError for metadata lacking a field or of an unknown content."""
     try:
         f = StateFile(
             path=path,
@@ -382,8 +402,6 @@ def load(path: str | os.PathLike, config: CacheConfig | None = None, pm: Any = N
     not installed (or one that cannot load, or not `layout`), or does not
     match `config`.
     """
-    from kvlayout import registry
-
     if config is not None:
         config = CacheConfig.coerce(config)  # ConfigError naming config for anything but a config
     f = read_state(path)

@@ -8,7 +8,8 @@ and never renumbers a slot, so indices a layout holds stay valid.
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 class Pool(abc.ABC):

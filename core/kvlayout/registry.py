@@ -11,12 +11,21 @@ what a plugin's answers mean:
   argument its hookspec lacks, or a `kvlayout_builders` that raises or returns
   anything but a list of valid `Builder` records refuses the plugin, all of
   it, nothing left registered.
-- **Every hook implementation is called through a guard** naming its plugin:
-  one that raises, or a `kvlayout_choose_cells` answer that is not `count`
-  distinct cells of `free`, becomes a `PluginStepError` (a StepError) saying
-  which plugin, which hook and what it did. An observer
-  (`kvlayout_step_placed`, `kvlayout_step_aborted`) that raises does not stop
-  the others hearing of the step; the first failure is raised once all have.
+- **Every hook implementation is called through a guard** naming its plugin,
+  with pluggy's public API only: beside each plugin the host registers a
+  guard object whose implementations (the plugin's own signatures and
+  options) call the plugin's, and pluggy calls the guard's in their place
+  (`parse_hookimpl_opts` leaves them to it); nothing of pluggy's records is
+  rewritten. One that raises becomes a `PluginStepError` (a StepError) on a
+  step hook, a `PluginError` otherwise, saying which plugin, which hook and
+  what it did. An observer (`kvlayout_step_placed`, `kvlayout_step_aborted`)
+  that raises does not stop the others hearing of the step.
+- **One referee judges a step hook's outcome**: the host's own wrapper
+  around each step hook raises the first observer failure once every
+  observer heard of the step, and refuses a `kvlayout_choose_cells` answer
+  that is not `count` distinct cells of `free`, naming the plugin that gave
+  it. This is the only place the answer is checked: the cell layout trusts
+  what the hook returns.
 - **A Builder's build and load** are guarded too: raising (anything but a
   KVLayoutError, the layout's own refusal of a bad config) or returning None
   is a `PluginError` naming the layout and its distribution, also recorded in
@@ -32,11 +41,10 @@ import collections
 import difflib
 import functools
 import importlib.metadata
-import os
-import sys
+import inspect
 import threading
-from collections.abc import Iterable, Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import attrs
 import numpy as np
@@ -52,6 +60,7 @@ from kvlayout.errors import (
     LayoutNotFound,
     PluginError,
     PluginStepError,
+    one_line,
 )
 
 ENTRY_POINT_GROUP = "kvlayout"
@@ -88,11 +97,6 @@ class PluginInfo:
     distribution: str | None
     version: str | None
     hooks: tuple[str, ...]
-
-
-def one_line(text: str) -> str:
-    """`text` with every run of whitespace (newlines included) as one space."""
-    return " ".join(str(text).split())
 
 
 def quote(value: Any, limit: int = 8) -> str:
@@ -146,34 +150,85 @@ def _check_cells(answer: Any, free: Any, count: int) -> str | None:
     return f"answered {quote(answer)}: expected {count} distinct cells from the free list ({why})"
 
 
-HOST = "kvlayout"  # the name the host's own wrapper is registered under; not a plugin anyone installed
+HOST = "kvlayout"  # the name the host's referee is registered under; not a plugin anyone installed
+GUARD = "{} (guarded)"  # the name of the guard registered beside plugin {}
 
 
-class _Observers:
-    """The host's wrapper around each observer hook: the guard sets an observer's failure aside
-    (every other observer still hears of the step) and this raises the first once all have."""
+@attrs.define(eq=False)
+class _Call:
+    """One step hook call in progress, as the guards report it to the referee."""
 
-    def __init__(self, calls: threading.local):
-        self.calls = calls
+    faults: list[PluginError] = attrs.Factory(list)  # observers that raised, in the order they did
+    answered: tuple | None = None  # (answer, name, plugin) of the placement that answered, if one did
 
-    def _around(self) -> Any:
+
+class _Referee:
+    """The host's own wrapper around each step hook: the one place a hook's outcome is judged.
+
+    It opens a `_Call` the guards fill in while pluggy calls every implementation, then, once
+    all have run, raises the first observer's failure (each observer heard of the step) or
+    refuses a `kvlayout_choose_cells` answer that is not `count` distinct cells of `free`,
+    naming the plugin that gave it. A layout calling the hook trusts what comes back.
+    """
+
+    def __init__(self, pm: PluginManager, calls: threading.local):
+        self.pm, self.calls = pm, calls
+
+    def _open(self) -> Any:
         frames = self.calls.__dict__.setdefault("open", [])
-        frames.append([])
+        call = _Call()
+        frames.append(call)
         try:
             result = yield
         finally:
-            faults = frames.pop()
-        if faults:
-            raise faults[0]
-        return result
+            frames.pop()
+        if call.faults:
+            raise call.faults[0]
+        return result, call
+
+    @hookspecs.hookimpl(wrapper=True, tryfirst=True)
+    def kvlayout_choose_cells(self, free: Any, count: int) -> Any:
+        answer, call = yield from self._open()
+        if answer is not None:
+            why = _check_cells(answer, free, count)
+            if why is not None:
+                name, plugin = self._answerer(call, answer)
+                hook = "kvlayout_choose_cells"
+                raise self.pm.fault(name, plugin, hook, f"{hook} {why}", PluginStepError)
+        return answer
 
     @hookspecs.hookimpl(wrapper=True, tryfirst=True)
     def kvlayout_step_placed(self) -> Any:
-        return (yield from self._around())
+        return (yield from self._open())[0]
 
     @hookspecs.hookimpl(wrapper=True, tryfirst=True)
     def kvlayout_step_aborted(self) -> Any:
-        return (yield from self._around())
+        return (yield from self._open())[0]
+
+    def _answerer(self, call: _Call, answer: Any) -> tuple[str, Any]:
+        """(name, plugin) of whoever gave the answer that won: the placement that answered, or, when a
+        plugin's wrapper replaced its answer, the outermost wrapper inside the referee (the last to return it)."""
+        if call.answered is not None and call.answered[0] is answer:
+            return call.answered[1], call.answered[2]
+        impls = self.pm.hook.kvlayout_choose_cells.get_hookimpls()  # in call order, reversed
+        inner = impls[: next(i for i, impl in enumerate(impls) if impl.plugin is self)]
+        wrappers = [impl for impl in inner if impl.wrapper or impl.hookwrapper]
+        if wrappers:
+            return wrappers[-1].plugin_name, wrappers[-1].plugin
+        return (call.answered[1], call.answered[2]) if call.answered is not None else (HOST, self)
+
+
+class _Guarded:
+    """The hook implementations of one plugin as pluggy calls them: each through a guard that names
+    the plugin (`PluginManager.register` registers one beside each plugin)."""
+
+    def __init__(self, plugin: Any, impls: dict[str, Callable[..., Any]]):
+        self.plugin_of_guard = plugin
+        for attr, fn in impls.items():
+            setattr(self, attr, fn)
+
+    def __repr__(self) -> str:
+        return f"<the guard of {self.plugin_of_guard!r}>"
 
 
 class PluginManager(pluggy.PluginManager):
@@ -185,8 +240,9 @@ class PluginManager(pluggy.PluginManager):
         self.failures: list[PluginFailure] = []
         self.provenance: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version)
         self._builders: dict[str, list[Builder]] = {}  # plugin name -> its Builders, tagged and guarded
-        self._calls = threading.local()  # per thread: a list of observer failures per hook call open
-        super().register(_Observers(self._calls), name=HOST)  # raises an observer's failure once all heard
+        self._guards: dict[str, _Guarded] = {}  # plugin name -> the guard registered beside it
+        self._calls = threading.local()  # per thread: the step hook calls open, innermost last
+        super().register(_Referee(self, self._calls), name=HOST)
 
     # -- naming a plugin
 
@@ -226,16 +282,27 @@ class PluginManager(pluggy.PluginManager):
     def register(self, plugin: Any, name: str | None = None) -> str | None:
         """Register `plugin`: refused (PluginError, or pluggy's PluginValidationError for an
         implementation taking an argument its hookspec lacks; nothing registered) when it
-        implements a hook kvlayout does not have or its `kvlayout_builders` fails."""
+        implements a hook kvlayout does not have or its `kvlayout_builders` fails.
+
+        pluggy registers the plugin itself (its name, its wrappers) and, beside it, the guard
+        through which pluggy calls its implementations of kvlayout's hooks (`parse_hookimpl_opts`
+        leaves those to the guard): pluggy's public API only, nothing of its records rewritten."""
         name = super().register(plugin, name)
         if name is None:  # blocked
             return None
         try:
             self._check_known_hooks(plugin, name)
-            self._guard(plugin, name)
-            self._builders[name] = self._collect(plugin, name)
+            self._guards[name] = guard = self._guard(plugin, name)
+            try:
+                super().register(guard, GUARD.format(name))
+            except pluggy.PluginValidationError as exc:
+                # pluggy checked the guard's copy of a signature: name the plugin
+                raise pluggy.PluginValidationError(
+                    plugin, str(exc).replace(repr(GUARD.format(name)), repr(name), 1)
+                ) from None
+            self._builders[name] = self._collect(guard, plugin, name)
         except BaseException:
-            super().unregister(plugin=plugin, name=name)
+            self.unregister(plugin=plugin, name=name)
             raise
         return name
 
@@ -243,7 +310,18 @@ class PluginManager(pluggy.PluginManager):
         if name is None and plugin is not None:
             name = self.get_name(plugin)
         self._builders.pop(name, None)
+        guard = self._guards.pop(name, None)
+        if guard is not None and self.get_plugin(GUARD.format(name)) is guard:
+            super().unregister(plugin=guard, name=GUARD.format(name))
         return super().unregister(plugin=plugin, name=name)
+
+    def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
+        """pluggy's own, but a plugin's implementations of kvlayout's hooks (wrappers aside) are
+        left to its guard, which pluggy calls instead (`register`)."""
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None or isinstance(plugin, (_Guarded, _Referee)) or opts.get("wrapper") or opts.get("hookwrapper"):
+            return opts
+        return None if (opts.get("specname") or name) in HOOKS else opts
 
     def _check_known_hooks(self, plugin: Any, name: str) -> None:
         for caller in self.get_hookcallers(plugin) or ():
@@ -253,59 +331,67 @@ class PluginManager(pluggy.PluginManager):
             hint = f"did you mean {close[0]}?" if close else f"kvlayout's hooks are {', '.join(HOOKS)}"
             raise self.fault(name, plugin, None, f"implements {caller.name}, which is not a kvlayout hook; {hint}")
 
-    def _guard(self, plugin: Any, name: str) -> None:
-        """Call each of the plugin's hook implementations through a guard that names it."""
-        for caller in self.get_hookcallers(plugin) or ():
-            if caller.spec is None:  # an optionalhook kvlayout does not have: never called
+    def _guard(self, plugin: Any, name: str) -> _Guarded:
+        """The guard of `plugin`: each of its implementations of kvlayout's hooks (wrappers aside),
+        with its own name, signature and options, called through `_guarded`."""
+        impls = {}
+        for attr in dir(plugin):
+            opts = super().parse_hookimpl_opts(plugin, attr)  # pluggy's reading of the plugin, unfiltered
+            if opts is None or opts.get("wrapper") or opts.get("hookwrapper"):
                 continue
-            for impl in caller.get_hookimpls():
-                if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
-                    self._guard_impl(impl, caller.name, tuple(caller.spec.argnames))
+            hook = opts.get("specname") or attr
+            # kept under the hook's name (so `subset_hook_caller` finds it), the attribute's for a second
+            if hook in HOOKS:
+                guarded = self._guarded(getattr(plugin, attr), hook, name, plugin)
+                impls[attr if hook in impls else hook] = hookspecs.hookimpl(**{**opts, "specname": hook})(guarded)
+        return _Guarded(plugin, impls)
 
-    def _guard_impl(self, impl: Any, hook: str, spec_args: tuple[str, ...]) -> None:
-        fn, own = impl.function, tuple(impl.argnames)
+    def _guarded(self, fn: Callable[..., Any], hook: str, name: str, plugin: Any) -> Callable[..., Any]:
+        """`fn` called as pluggy calls it, its failure a PluginError (a PluginStepError for a step
+        hook) naming the plugin; an observer's is set aside for the referee, a placement's answer
+        reported to it."""
         error = PluginStepError if hook in STEP_HOOKS else PluginError
+        calls = self._calls
 
         def guarded(*args: Any) -> Any:
-            kwargs = dict(zip(spec_args, args))
             try:
-                answer = fn(*(kwargs[a] for a in own))
+                answer = fn(*args)
             except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() is a fault like any other
-                why = f"{hook} raised {type(exc).__name__}: {exc}"
-                fault = self.fault(impl.plugin_name, impl.plugin, hook, why, error)
+                fault = self.fault(name, plugin, hook, f"{hook} raised {type(exc).__name__}: {exc}", error)
                 fault.__cause__ = exc
-                pending = getattr(self._calls, "open", None)
-                if hook in OBSERVERS and pending:  # the others hear of the step too; raised after them
-                    pending[-1].append(fault)
+                frames = getattr(calls, "open", None)
+                if hook in OBSERVERS and frames:  # the others hear of the step too; raised after them
+                    frames[-1].faults.append(fault)
                     return None
                 raise fault from exc
-            if hook == "kvlayout_choose_cells" and answer is not None:
-                why = _check_cells(answer, kwargs["free"], kwargs["count"])
-                if why is not None:
-                    raise self.fault(impl.plugin_name, impl.plugin, hook, f"{hook} {why}", error)
+            if answer is not None and hook == "kvlayout_choose_cells":
+                frames = getattr(calls, "open", None)
+                if frames:
+                    frames[-1].answered = (answer, name, plugin)
             return answer
 
+        guarded.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]  # pluggy passes what fn takes
+        guarded.__name__ = getattr(fn, "__name__", hook)
         guarded.__wrapped__ = fn  # type: ignore[attr-defined]
-        impl.argnames = spec_args  # pluggy hands the guard every argument; it passes on the plugin's own
-        impl.function = guarded
+        return guarded
 
-    def _collect(self, plugin: Any, name: str) -> list[Builder]:
+    def _collect(self, guard: _Guarded, plugin: Any, name: str) -> list[Builder]:
         """The plugin's Builders, build/load guarded (`builders` tags them with its distribution);
         PluginError naming what is wrong with its `kvlayout_builders` answer."""
-        impls = [
-            i for i in self.hook.kvlayout_builders.get_hookimpls()
-            if i.plugin is plugin and not (i.wrapper or i.hookwrapper)
-        ]
-        if not impls:
-            return []
         hook = "kvlayout_builders"
+        if not any(caller.name == hook for caller in self.get_hookcallers(guard) or ()):
+            return []
         seen: list[Builder] = []
 
         def refuse(why: str) -> PluginError:
             keys = dict.fromkeys(b.key for b in seen if isinstance(b, Builder) and _name_problem(b) is None)
             return self.fault(name, plugin, hook, f"{hook} {why}", keys=keys)
 
-        answer = impls[0].function()  # guarded: raising is a PluginError already
+        # This plugin's implementation alone (with its own wrappers), through its guard: raising is a
+        # PluginError already.
+        others = [p for p in self.get_plugins() if p is not guard and p is not plugin]
+        answers = self.subset_hook_caller(hook, remove_plugins=others)()
+        answer = answers[0] if answers else None
         expected = "expected a list of Builder records ([] for none)"
         if answer is None or isinstance(answer, (str, bytes, Builder, Mapping)) or not isinstance(answer, Iterable):
             if isinstance(answer, Builder):
@@ -370,10 +456,12 @@ class PluginManager(pluggy.PluginManager):
         """Every registered plugin with the hooks it implements, by distribution then name."""
         out = []
         for name, plugin in self.list_name_plugin():
-            if plugin is None or name == HOST:  # blocked, or the host's own
+            if plugin is None or name == HOST or isinstance(plugin, _Guarded):  # blocked, the host's own, a guard
                 continue
             dist, version = self.provenance.get(name, (None, None))
-            hooks = tuple(sorted(c.name for c in self.get_hookcallers(plugin) or ()))
+            guard = self._guards.get(name)
+            callers = [*(self.get_hookcallers(plugin) or ()), *((guard and self.get_hookcallers(guard)) or ())]
+            hooks = tuple(sorted({c.name for c in callers}))
             out.append(PluginInfo(self.short_name(name, plugin), dist, version, hooks))
         return sorted(out, key=lambda p: (p.distribution or "~", p.name))
 

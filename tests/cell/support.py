@@ -6,7 +6,7 @@ import numpy as np
 
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.plugin import OwnPages
-from kvlayout_cell.stepper import Stepper
+from kvlayout_cell.stepper import Stepper, batch_control
 from kvlayout_cell.table import CellTable
 
 
@@ -44,10 +44,16 @@ def step(table, tokens):
     return steps[0]
 
 
+def control(table):
+    """The BatchControl face of a cell cache, or of a bare stepper (the one a cache hands out over its own)."""
+    return table.as_batch_control() if hasattr(table, "as_batch_control") else batch_control(table)
+
+
 def snapshot(table) -> tuple:
-    """Everything a caller can observe about the table's bookkeeping."""
-    per_id = tuple((table.seq_len(s), table.next_pos(s)) for s in range(table.max_seqs))
-    return table.free_cells, table.used_end, per_id
+    """Everything a caller can observe about the table's bookkeeping, through its BatchControl face."""
+    bc = control(table)
+    per_id = tuple((bc.seq_len(s), bc.next_pos(s)) for s in range(bc.max_seqs))
+    return bc.free_cells, bc.used_end, per_id
 
 
 def naive_placement(free, tokens, page: int) -> list[int]:

@@ -35,7 +35,7 @@ def test_abort_after_the_first_layer_releases_the_step_and_restores_every_count(
     before = state(t)
     assert t.declare_step([a, a, b])
     t.place_step(0, [5, 6, 3])  # layer 0 only: the forward fails in layer 1
-    assert t.seq_len(a) == 7 and t.free_cells == 16 - 11
+    assert t.table.seq_len(a) == 7 and t.table.free_cells == 16 - 11
     assert t.abort_step() is True
     assert state(t) == before
 
@@ -59,7 +59,7 @@ def test_abort_restores_a_hole_below_used_end_and_a_shared_prefix():
     t.table.free_list()  # the lazily rebuilt free list exists before the step
     before = state(t)
     step(t, [(a, 6), (b, 4), (b, 5)])  # refills the hole, then grows the table
-    assert t.used_end > before[0][1]
+    assert t.table.used_end > before[0][1]
     assert t.abort_step()
     assert state(t) == before
     assert t.table.free_list().tolist() == [4, *range(6, 16)]
@@ -137,17 +137,17 @@ def test_random_steps_with_random_aborts_match_a_table_that_never_saw_them(seed)
             assert t.seq_new() == twin.seq_new()
         elif r < 0.25:
             s = int(rng.choice(live))
-            p0 = int(rng.integers(0, max(t.next_pos(s), 1)))
+            p0 = int(rng.integers(0, max(t.table.next_pos(s), 1)))
             t.seq_rm(s, p0)
             twin.seq_rm(s, p0)
         else:
             seqs = [int(s) for s in rng.choice(live, size=int(rng.integers(1, 4)))]
-            nxt = {s: t.next_pos(s) for s in seqs}
+            nxt = {s: t.table.next_pos(s) for s in seqs}
             tokens = []
             for s in seqs:
                 tokens.append((s, nxt[s]))
                 nxt[s] += 1
-            if not t.can_extend(len(tokens)):
+            if not t.table.can_extend(len(tokens)):
                 continue
             if rng.random() < 0.4:  # this forward fails after some layers
                 assert t.declare_step([s for s, _ in tokens])
@@ -199,18 +199,19 @@ def test_sequences_continue_exactly_as_without_the_failed_step(fail_layer, windo
     xa, xb = stack.tokens(8, seed=1), stack.tokens(8, seed=2)
     outs = {}
     for name, cache in (("failed", failed), ("clean", clean)):
-        a, b = cache.seq_new(), cache.seq_new()
-        assert cache.declare_step([a] * 5 + [b] * 4)
+        bc = cache.as_batch_control()
+        a, b = bc.seq_new(), bc.seq_new()
+        assert bc.declare_step([a] * 5 + [b] * 4)
         x = mx.concatenate([xa[:, :5], xb[:, :4]], axis=1)
         stack.forward_cached(cache, x, [*range(5), *range(4)])
         if name == "failed":
-            assert cache.declare_step([a, b])
+            assert bc.declare_step([a, b])
             with pytest.raises(Boom):
                 forward_failing_at(stack, cache, mx.concatenate([xa[:, 5:6], xb[:, 4:5]], axis=1), [5, 4], fail_layer)
             assert cache.abort_step()
         steps = []
         for i in range(3):  # three more decode steps of both sequences
-            assert cache.declare_step([a, b])
+            assert bc.declare_step([a, b])
             x = mx.concatenate([xa[:, 5 + i : 6 + i], xb[:, 4 + i : 5 + i]], axis=1)
             steps.append(np.array(stack.forward_cached(cache, x, [5 + i, 4 + i])))
         outs[name] = steps
@@ -222,20 +223,21 @@ def test_a_verb_between_layers_leaves_no_half_written_step_for_the_next_step_to_
     # Was: seq_new() between layers ended the step, layer 1 was refused, abort_step() said False,
     # save() wrote the cache, and every later step read zeros for position 0 at layer 1.
     cache = cell_cache((0, 0))
+    bc = cache.as_batch_control()
     rng = np.random.default_rng(0)
     k = [mx.array(rng.normal(size=(1, 2, 1, 8)).astype(np.float32)) for _ in range(4)]
-    a = cache.seq_new()
-    assert cache.declare_step([a])
+    a = bc.seq_new()
+    assert bc.declare_step([a])
     cache.update_and_fetch(0, [0], k[0], k[0])
     with pytest.raises(StepError, match=r"seq_new during a forward: layer\(s\) \[1\]"):
-        cache.seq_new()
+        bc.seq_new()
     with pytest.raises(StepError, match=r"save during a forward: layer\(s\) \[1\]"):
         cache.save(tmp_path / "cache.kv")
     assert cache.stepper.unserved_layers() == [1]  # still open: abort_step() would take it back
     cache.update_and_fetch(1, [0], k[1], k[1])  # the forward goes on
-    assert cache.seq_new() == 1
+    assert bc.seq_new() == 1
     cache.save(tmp_path / "cache.kv")
-    assert cache.declare_step([a])
+    assert bc.declare_step([a])
     cache.update_and_fetch(0, [1], k[2], k[2])
     spec = cache.update_and_fetch(1, [1], k[3], k[3])
     np.testing.assert_array_equal(np.array(spec.keys), np.concatenate([np.array(k[1]), np.array(k[3])], axis=2))

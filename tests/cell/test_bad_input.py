@@ -45,17 +45,18 @@ def make(phase: str, pm=None) -> CellCache:
         CacheConfig(capacity=16, n_layers=3, layers=layers, kv_dtype="float32", initial_capacity=4, max_seqs=MAX_SEQS),
         make_plugin_manager() if pm is None else pm,
     )
-    s0 = c.seq_new()
-    assert c.declare_step([s0] * 4)
+    bc = c.as_batch_control()
+    s0 = bc.seq_new()
+    assert bc.declare_step([s0] * 4)
     for layer in range(3):
         c.update_and_fetch(layer, [0, 1, 2, 3], kv(4, 1), kv(4, 2))
-    s1 = c.seq_clone(s0, upto=2)
-    assert c.declare_step([s1, s1])
+    s1 = bc.seq_clone(s0, upto=2)
+    assert bc.declare_step([s1, s1])
     for layer in range(3):
         c.update_and_fetch(layer, [2, 3], kv(2, 3), kv(2, 4))
-    assert c.seq_new() == 2
+    assert bc.seq_new() == 2
     if phase != "none":
-        assert c.declare_step([0, 1])
+        assert bc.declare_step([0, 1])
     if phase == "placed":
         c.update_and_fetch(0, NEXT, kv(2, 5), kv(2, 6))
     return c
@@ -63,11 +64,12 @@ def make(phase: str, pm=None) -> CellCache:
 
 def state(c: CellCache) -> dict:
     """Everything a caller can observe, pools as numpy."""
+    bc = c.as_batch_control()
     return dict(
-        free=c.free_cells,
-        used_end=c.used_end,
-        can_extend=[c.can_extend(n) for n in range(c.capacity + 2)],
-        ids=[(c.seq_len(s), c.next_pos(s)) for s in range(c.max_seqs)],
+        free=bc.free_cells,
+        used_end=bc.used_end,
+        can_extend=[bc.can_extend(n) for n in range(bc.capacity + 2)],
+        ids=[(bc.seq_len(s), bc.next_pos(s)) for s in range(bc.max_seqs)],
         slots=[p.slots for p in c.key_pools + c.value_pools],
         pools=[np.array(p.read(0, p.slots)) for p in c.key_pools + c.value_pools],
     )
@@ -81,12 +83,13 @@ def assert_same(a: dict, b: dict) -> None:
 
 def finish(c: CellCache, phase: str) -> None:
     """Serve the standing step's remaining layers: the refusal left the declaration in place."""
+    bc = c.as_batch_control()
     if phase == "none":
         return
     for layer in range(1 if phase == "placed" else 0, c.n_layers):
         spec = c.update_and_fetch(layer, NEXT, kv(2, 5), kv(2, 6))
-        assert spec.keys.shape[2] == c.used_end
-    assert [c.next_pos(0), c.next_pos(1)] == [5, 5]
+        assert spec.keys.shape[2] == bc.used_end
+    assert [bc.next_pos(0), bc.next_pos(1)] == [5, 5]
 
 
 HUGE = 2**70
@@ -187,7 +190,12 @@ VERBS = {
         ("positions negative", (0, [-1, 4]), StepError, r"positions\[0\]=-1"),
         ("positions not newer", (0, [3, 4]), StepError, r"positions\[0\]=3"),
         ("positions 2**63", (0, [U64, U64 + 1]), StepError, rf"positions.*(?<!-)\b{U64}\b"),
-        ("positions 2**63 as uint64", (0, np.array([U64, U64], dtype=np.uint64)), StepError, rf"positions.*(?<!-)\b{U64}\b"),
+        (
+            "positions 2**63 as uint64",
+            (0, np.array([U64, U64], dtype=np.uint64)),
+            StepError,
+            rf"positions.*(?<!-)\b{U64}\b",
+        ),
         ("positions 2**70", (0, [HUGE, HUGE]), StepError, rf"positions.*{HUGE}"),
     ],
 }
@@ -205,7 +213,9 @@ NONE = {  # refusals with no step declared
 }
 
 ROWS = [
-    pytest.param(phase, verb, args, error, message, id=f"{verb}: {name}" + ("" if phase == "declared" else f" ({phase})"))
+    pytest.param(
+        phase, verb, args, error, message, id=f"{verb}: {name}" + ("" if phase == "declared" else f" ({phase})")
+    )
     for phase, table in (("declared", VERBS), ("placed", PLACED), ("none", NONE))
     for verb, rows in table.items()
     for name, args, error, message in rows
@@ -216,7 +226,7 @@ ROWS = [
 def test_a_bad_argument_is_refused_by_name_and_changes_nothing(phase, verb, args, error, message):
     c = make(phase)
     before = state(c)
-    target = c.as_cell_stepper() if verb == "place_step" else c  # place_step is the CellStepper face's
+    target = c.as_cell_stepper() if verb == "place_step" else c.as_batch_control()  # the faces' verbs, each its own
     with pytest.raises(error) as info:
         getattr(target, verb)(*args)
     assert isinstance(info.value, KVLayoutError)
@@ -231,15 +241,15 @@ def test_a_bad_argument_is_refused_by_name_and_changes_nothing(phase, verb, args
 # the step with K/V that layers 1 and 2 never wrote in its cells (read as zeros ever after), so it
 # is refused; the forward then goes on. clear() is the one verb that goes ahead (it aborts first).
 MID_FORWARD = {
-    "seq_new": lambda c, d: c.seq_new(),
-    "seq_clone": lambda c, d: c.seq_clone(0),
-    "seq_clone upto": lambda c, d: c.seq_clone(1, 2),
-    "seq_rm of another sequence": lambda c, d: c.seq_rm(2),
-    "seq_rm of the step's own positions": lambda c, d: c.seq_rm(0, 4),
-    "declare_step": lambda c, d: c.declare_step([0, 1]),
-    "declare_step past the free cells": lambda c, d: c.declare_step([2] * 16),
-    "declare_step with a bad id": lambda c, d: c.declare_step([3]),
-    "the BatchControl face's seq_rm": lambda c, d: c.as_batch_control().seq_rm(1),
+    "seq_new": lambda c, d: c.as_batch_control().seq_new(),
+    "seq_clone": lambda c, d: c.as_batch_control().seq_clone(0),
+    "seq_clone upto": lambda c, d: c.as_batch_control().seq_clone(1, 2),
+    "seq_rm of another sequence": lambda c, d: c.as_batch_control().seq_rm(2),
+    "seq_rm of the step's own positions": lambda c, d: c.as_batch_control().seq_rm(0, 4),
+    "declare_step": lambda c, d: c.as_batch_control().declare_step([0, 1]),
+    "declare_step past the free cells": lambda c, d: c.as_batch_control().declare_step([2] * 16),
+    "declare_step with a bad id": lambda c, d: c.as_batch_control().declare_step([3]),
+    "seq_rm of a sequence sharing the step's cells": lambda c, d: c.as_batch_control().seq_rm(1),
     "load_seq": lambda c, d: c.load_seq(d / "one.kv"),
     "the stepper's place_sequence (what load_seq does)": lambda c, d: c.stepper.place_sequence([0, 1]),
     "the stepper's restore (what kvlayout.load does)": lambda c, d: c.stepper.restore(
@@ -282,19 +292,22 @@ def test_clear_in_the_middle_of_a_forward_aborts_the_step_then_clears(phase):
     seen = Seen()
     pm.register(seen)
     c = make(phase, pm)
+    bc = c.as_batch_control()
     placed = list(seen.placed)
-    c.clear()
+    bc.clear()
     fresh = make("none")
-    fresh.clear()
-    assert {k: v for k, v in state(c).items() if k != "pools"} == {k: v for k, v in state(fresh).items() if k != "pools"}
+    fresh.as_batch_control().clear()
+    assert {k: v for k, v in state(c).items() if k != "pools"} == {
+        k: v for k, v in state(fresh).items() if k != "pools"
+    }
     # Only a half-served step is taken back, and its observers hear it; a complete one is not.
     assert seen.aborted == (placed[-1:] if phase == "placed" else [])
     assert c.abort_step() is False and c.stepper.unserved_layers() == []
-    s = c.seq_new()
-    assert c.declare_step([s])
+    s = bc.seq_new()
+    assert bc.declare_step([s])
     for layer in range(c.n_layers):
         c.update_and_fetch(layer, [0], kv(1), kv(1))
-    assert (c.free_cells, c.used_end) == (15, 1)
+    assert (bc.free_cells, bc.used_end) == (15, 1)
 
 
 # -- the cache's views of the open step, its settings, its plugin manager -----------------------
@@ -332,9 +345,10 @@ def test_a_bad_step_view_is_refused_by_name_and_changes_nothing(view, call, mess
 def test_a_step_view_of_an_earlier_forward_is_refused(view):
     # step_groups planned the open step's tokens under the stale step's read_len: a wrong grouping.
     c = make("placed")
+    bc = c.as_batch_control()
     earlier = served(c)
     finish(c, "placed")
-    assert c.declare_step([0, 1])
+    assert bc.declare_step([0, 1])
     c.update_and_fetch(0, [5, 5], kv(2, 7), kv(2, 8))
     with pytest.raises(StepError, match="step=.*another step"):
         getattr(c, view)(0, earlier)
@@ -346,7 +360,9 @@ def test_an_unknown_attention_path_is_refused_where_it_is_assigned(path):
     c = make("declared")
     c.attention_path = "grouped"
     before = state(c)
-    with pytest.raises(ConfigError, match=rf"attention_path={re.escape(repr(path))}: expected one of auto, dense, grouped, paged"):
+    with pytest.raises(
+        ConfigError, match=rf"attention_path={re.escape(repr(path))}: expected one of auto, dense, grouped, paged"
+    ):
         c.attention_path = path
     assert c.attention_path == "grouped"
     assert_same(state(c), before)
@@ -418,7 +434,9 @@ def test_a_bad_update_and_fetch_is_refused_by_name_before_anything_is_written(ph
     finish(c, phase)
 
 
-@pytest.mark.parametrize("config", [None, "capacity=8", 8, [("capacity", 8)]], ids=["None", "a string", "an int", "a list"])
+@pytest.mark.parametrize(
+    "config", [None, "capacity=8", 8, [("capacity", 8)]], ids=["None", "a string", "an int", "a list"]
+)
 def test_a_cache_built_from_something_not_a_config_is_refused_by_name(config):
     with pytest.raises(KVLayoutError, match="config"):
         CellCache(config, make_plugin_manager())
@@ -454,8 +472,12 @@ def up_front(capacity, max_seqs, layers, initial):
 
 
 # initial_capacity, and the slots each pool starts with: whole pages of 256 once past one page
-@pytest.mark.parametrize("capacity, max_seqs, initial, slots", [(300, 65, 16, 16), (16, 4, 4, 4), (1000, 200, 600, 768)])
-def test_the_up_front_bytes_are_refused_exactly_past_the_machine_s_memory(monkeypatch, capacity, max_seqs, initial, slots):
+@pytest.mark.parametrize(
+    "capacity, max_seqs, initial, slots", [(300, 65, 16, 16), (16, 4, 4, 4), (1000, 200, 600, 768)]
+)
+def test_the_up_front_bytes_are_refused_exactly_past_the_machine_s_memory(
+    monkeypatch, capacity, max_seqs, initial, slots
+):
     import kvlayout.config
 
     need = up_front(capacity, max_seqs, 3, slots)
@@ -463,7 +485,8 @@ def test_the_up_front_bytes_are_refused_exactly_past_the_machine_s_memory(monkey
                          initial_capacity=initial, max_seqs=max_seqs)
     monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need)
     c = CellCache(config, make_plugin_manager())
-    assert c.capacity == capacity
+    bc = c.as_batch_control()
+    assert bc.capacity == capacity
     monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need - 1)
     with pytest.raises(ConfigError, match=rf"allocates .* \({need} bytes\) up front"):
         CellCache(config, make_plugin_manager())
@@ -484,7 +507,9 @@ def test_a_capacity_past_what_an_mlx_pool_can_index_is_refused_on_any_machine(mo
     monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: 2**62)  # a machine with room for the table
     top = 2**31 - 256  # the most cells whose pools, in whole pages of 256 slots, stay within int32
     with pytest.raises(ConfigError, match=rf"capacity={top + 1} .*2147483648 slots.*expected capacity <= {top}"):
-        CellCache(CacheConfig(capacity=top + 1, n_layers=1, layers=[LayerConfig(H, D)], max_seqs=1), make_plugin_manager())
+        CellCache(
+            CacheConfig(capacity=top + 1, n_layers=1, layers=[LayerConfig(H, D)], max_seqs=1), make_plugin_manager()
+        )
 
 
 # -- ids not live: the queries answer, the verbs refuse ------------------------------------------
@@ -493,10 +518,10 @@ def test_a_capacity_past_what_an_mlx_pool_can_index_is_refused_on_any_machine(mo
 def test_an_id_not_live_is_answered_0_by_the_queries_and_refused_by_every_verb_acting_on_it(tmp_path):
     c = make("none")
     bc = c.as_batch_control()
-    c.seq_rm(2)  # live and empty until now: the seq_rm that leaves it owning nothing releases it
-    assert c.declare_step([0, 1])  # a standing declaration: the refusals below leave it standing
+    bc.seq_rm(2)  # live and empty until now: the seq_rm that leaves it owning nothing releases it
+    assert bc.declare_step([0, 1])  # a standing declaration: the refusals below leave it standing
     before = state(c)
-    for target in (c, bc):
+    for target in (bc,):  # the verbs are the face's alone
         for dead in (2, 3):
             assert (target.seq_len(dead), target.next_pos(dead)) == (0, 0)  # as a live empty id would
             refusals = [

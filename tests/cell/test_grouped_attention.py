@@ -52,7 +52,7 @@ def serve(caches, tokens, rng, specs=None):
     data = [[mx.array(rng.normal(size=shape).astype(np.float32)) for shape in shapes] for _ in LAYERS]
     outs, grouped = {}, {}
     for path, c in caches.items():
-        assert c.declare_step(seqs)
+        assert c.as_batch_control().declare_step(seqs)
         outs[path], grouped[path] = [], []
         for layer, (q, k, v) in enumerate(data):
             spec = c.update_and_fetch(layer, positions, k, v)
@@ -73,7 +73,7 @@ def serve(caches, tokens, rng, specs=None):
 
 
 def on_all(caches, verb, *args):
-    answers = {getattr(c, verb)(*args) for c in caches.values()}
+    answers = {getattr(c.as_batch_control(), verb)(*args) for c in caches.values()}
     assert len(answers) == 1
     return answers.pop()
 
@@ -203,7 +203,8 @@ def test_a_plan_is_in_order_exactly_when_its_query_slots_are_the_step_s_tokens_i
     # a padded query slot (sequence 2 has one token beside sequence 5's two), or tokens out of sequence order
     causal = np.array([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=bool)
     assert not plan_groups(np.array([5, 5, 2]), causal, "grouped").in_order
-    assert not plan_groups(np.array([0, 1, 0]), np.array([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=bool), "grouped").in_order
+    out_of_order = np.array([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=bool)
+    assert not plan_groups(np.array([0, 1, 0]), out_of_order, "grouped").in_order
 
 
 def test_layers_of_one_window_share_one_grouping_each_with_its_own_pool():
@@ -211,8 +212,8 @@ def test_layers_of_one_window_share_one_grouping_each_with_its_own_pool():
         CacheConfig(capacity=16, n_layers=2, layers=[LayerConfig(H_KV, D)], kv_dtype="float32"), make_plugin_manager()
     )
     c.attention_path = "grouped"
-    a, b = c.seq_new(), c.seq_new()
-    assert c.declare_step([a, b])
+    a, b = c.as_batch_control().seq_new(), c.as_batch_control().seq_new()
+    assert c.as_batch_control().declare_step([a, b])
     k = mx.zeros((1, H_KV, 2, D))
     s0, s1 = (c.update_and_fetch(layer, [0, 0], k, k) for layer in range(2))
     assert s0.groups.cells is s1.groups.cells and s0.groups.tokens is s1.groups.tokens
@@ -244,7 +245,7 @@ def test_a_ragged_step_runs_as_several_batches_with_the_dense_result():
     # group to the widest costs more than an SDPA per batch (kvlayout_cell.groups.batch_groups)
     rng = np.random.default_rng(11)
     caches = trio(capacity=4096)
-    seqs = [[c.seq_new() for _ in range(5)] for c in caches.values()][0]
+    seqs = [[c.as_batch_control().seq_new() for _ in range(5)] for c in caches.values()][0]
     held = dict.fromkeys(seqs, 0)
     batches = []
     for lengths in ([300, 40, 1, 1, 300], [1, 300, 40, 1, 1], [40, 1, 300, 1, 1]):
@@ -261,21 +262,23 @@ def test_a_ragged_step_runs_as_several_batches_with_the_dense_result():
 def test_plan_cells_agrees_with_plan_groups_on_what_each_token_sees():
     from kvlayout_cell.groups import plan_cells
 
-    rng = np.random.default_rng(12)
     c = trio(capacity=2048)["dense"]
-    seqs = [c.seq_new() for _ in range(4)]
+    seqs = [c.as_batch_control().seq_new() for _ in range(4)]
     held = dict.fromkeys(seqs, 0)
     for lengths in ([200, 3, 1, 90], [1, 1, 250, 7]):
         tokens = [(s, held[s] + i) for s, n in zip(seqs, lengths) for i in range(n)]
         for s, n in zip(seqs, lengths):
             held[s] += n
         ids, pos = np.array([s for s, _ in tokens]), np.array([p for _, p in tokens])
-        assert c.declare_step(ids)
+        assert c.as_batch_control().declare_step(ids)
         T = len(tokens)
         for layer, window in enumerate((0, 3, 5)):
             step = c.update_and_fetch(layer, pos, mx.zeros((1, H_KV, T, D)), mx.zeros((1, H_KV, T, D)))
             mask = np.array(step.mask)[0, 0]  # [T, read_len]
-            for plan in (plan_groups(ids, mask, "grouped"), plan_cells(ids, pos, window, mask.shape[1], c.stepper.table.seq_keys, "grouped")):
+            for plan in (
+                plan_groups(ids, mask, "grouped"),
+                plan_cells(ids, pos, window, mask.shape[1], c.stepper.table.seq_keys, "grouped"),
+            ):
                 batches = [(b.tokens, b.cells, b.mask) for b in plan.batches()]
                 seen = np.zeros_like(mask)
                 slots = []
@@ -292,13 +295,13 @@ def test_plan_cells_agrees_with_plan_groups_on_what_each_token_sees():
 def test_a_grouped_step_builds_its_dense_mask_only_when_read_even_after_the_table_moved_on():
     caches = trio(capacity=64)
     for c in caches.values():
-        a, b = c.seq_new(), c.seq_new()
-        assert c.declare_step([a, a, b])
+        a, b = c.as_batch_control().seq_new(), c.as_batch_control().seq_new()
+        assert c.as_batch_control().declare_step([a, a, b])
         for layer in range(len(LAYERS)):
             c.update_and_fetch(layer, [0, 1, 0], mx.zeros((1, H_KV, 3, D)), mx.zeros((1, H_KV, 3, D)))
     specs = {}
     for path, c in caches.items():
-        assert c.declare_step([a, b])
+        assert c.as_batch_control().declare_step([a, b])
         specs[path] = c.update_and_fetch(0, [2, 1], mx.zeros((1, H_KV, 2, D)), mx.zeros((1, H_KV, 2, D)))
         assert (specs[path].groups is not None) == (path in ("grouped", "paged"))
         for layer in range(1, len(LAYERS)):  # the forward's other layers (layer 0's spec is the one read below)
@@ -309,8 +312,8 @@ def test_a_grouped_step_builds_its_dense_mask_only_when_read_even_after_the_tabl
     # Records the positions of every dense mask built from the table: this step's are [2, 1].
     table.visible = lambda seq_ids, positions, *a: built.append(positions.tolist()) or visible(seq_ids, positions, *a)
     for c in caches.values():  # the step ends and the table moves on before anyone reads the mask
-        c.seq_rm(a, 1)
-        assert c.declare_step([b])
+        c.as_batch_control().seq_rm(a, 1)
+        assert c.as_batch_control().declare_step([b])
         c.update_and_fetch(0, [2], mx.zeros((1, H_KV, 1, D)), mx.zeros((1, H_KV, 1, D)))
     want = np.array(specs["dense"].mask)
     # b continued after its cell 2 into 3; a, whose next cell was b's, took the lowest free, 4
@@ -373,19 +376,20 @@ def test_sequences_prefilled_in_turns_decode_by_pages_with_the_dense_result(rng,
         for s in seqs:
             kv = mx.array(rng.normal(size=(1, h_kv, 64, d)).astype(np.float32))
             for c in caches.values():
-                assert c.declare_step([s] * 64)
+                assert c.as_batch_control().declare_step([s] * 64)
                 c.update_and_fetch(0, list(range(start, start + 64)), kv, -kv)
     q = mx.array(rng.normal(size=(1, 2 * h_kv, 4, d)).astype(np.float32))
     kv = mx.array(rng.normal(size=(1, h_kv, 4, d)).astype(np.float32))
     outs = {}
     for path, c in caches.items():
-        assert c.declare_step(seqs)
+        assert c.as_batch_control().declare_step(seqs)
         spec = c.update_and_fetch(0, [128] * 4, kv, -kv)
         assert (spec.groups is None) == (path == "dense")
         if spec.groups is not None:
             paged = path == "paged" or kv_dtype == "float32"
             pages = [b.page for b in spec.groups.batches()]
-            assert pages == ([PLACEMENT_PAGE] if paged else [0]) and (spec.groups.tail is not None) == paged  # + the new token
+            # the tail, when paged: + the new token
+            assert pages == ([PLACEMENT_PAGE] if paged else [0]) and (spec.groups.tail is not None) == paged
         outs[path] = np.array(attend(q, spec, d**-0.5))
     for path in ("paged", "auto"):
         np.testing.assert_allclose(outs[path], outs["dense"], atol=1e-5, rtol=1e-5)
@@ -437,7 +441,7 @@ def sees_every_cell(cache, layer, seq, pos) -> bool:
     window = LAYERS[layer].policy.window if LAYERS[layer].policy.kind == "ring" else 0
     return all(
         c in held and held[c][1] and held[c][0] <= pos and (window == 0 or held[c][0] > pos - window)
-        for c in range(cache.used_end)
+        for c in range(cache.as_batch_control().used_end)
     )
 
 

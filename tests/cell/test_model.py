@@ -66,8 +66,9 @@ def managers():
 @pytest.mark.parametrize("policy", ["default", "lowest-free", "highest-free", "shuffled"])
 def test_two_prefills_and_a_batched_decode_equal_each_solo_run(policy):
     cache = make_cache(managers()[policy])
+    bc = cache.as_batch_control()
     a, b = STACK.tokens(6, seed=1), STACK.tokens(4, seed=2)
-    sa, sb = cache.seq_new(), cache.seq_new()
+    sa, sb = bc.seq_new(), bc.seq_new()
     out_a, out_b = run_step(cache, [(sa, a[:, :5], 0), (sb, b[:, :3], 0)])
     close(out_a, solo(a[:, :5]))
     close(out_b, solo(b[:, :3]))
@@ -79,35 +80,38 @@ def test_two_prefills_and_a_batched_decode_equal_each_solo_run(policy):
 @pytest.mark.parametrize("policy", ["default", "lowest-free", "shuffled"])
 def test_a_fork_continues_its_trunk_exactly(policy):
     cache = make_cache(managers()[policy])
+    bc = cache.as_batch_control()
     trunk = STACK.tokens(5, seed=3)
     tail_t, tail_f = STACK.tokens(2, seed=4), STACK.tokens(2, seed=5)
-    s = cache.seq_new()
+    s = bc.seq_new()
     run_step(cache, [(s, trunk, 0)])
-    f = cache.seq_clone(s)
-    free = cache.free_cells
+    f = bc.seq_clone(s)
+    free = bc.free_cells
     out_t, out_f = run_step(cache, [(s, tail_t, 5), (f, tail_f, 5)])
-    assert cache.free_cells == free - 4  # the prefix was shared, not copied
+    assert bc.free_cells == free - 4  # the prefix was shared, not copied
     close(out_t, solo(mx.concatenate([trunk, tail_t], axis=1))[:, 5:])
     close(out_f, solo(mx.concatenate([trunk, tail_f], axis=1))[:, 5:])
 
 
 def test_a_fork_at_upto_continues_only_the_prefix():
     cache = make_cache()
+    bc = cache.as_batch_control()
     trunk, tail = STACK.tokens(5, seed=6), STACK.tokens(3, seed=7)
-    s = cache.seq_new()
+    s = bc.seq_new()
     run_step(cache, [(s, trunk, 0)])
-    f = cache.seq_clone(s, upto=2)
+    f = bc.seq_clone(s, upto=2)
     (out_f,) = run_step(cache, [(f, tail, 2)])
     close(out_f, solo(mx.concatenate([trunk[:, :2], tail], axis=1))[:, 2:])
 
 
 def test_a_sequence_refilling_freed_cells_below_another_still_matches():
     cache = make_cache(capacity=16)
+    bc = cache.as_batch_control()
     a, b, c = STACK.tokens(6, seed=8), STACK.tokens(4, seed=9), STACK.tokens(5, seed=10)
-    sa, sb = cache.seq_new(), cache.seq_new()
+    sa, sb = bc.seq_new(), bc.seq_new()
     run_step(cache, [(sa, a, 0), (sb, b[:, :2], 0)])
-    cache.seq_rm(sa)  # cells 0..5 free, b lives in 6..7
-    sc = cache.seq_new()
+    bc.seq_rm(sa)  # cells 0..5 free, b lives in 6..7
+    sc = bc.seq_new()
     out_c, out_b = run_step(cache, [(sc, c, 0), (sb, b[:, 2:], 2)])
     close(out_c, solo(c))
     close(out_b, solo(b)[:, 2:])
@@ -116,8 +120,9 @@ def test_a_sequence_refilling_freed_cells_below_another_still_matches():
 def test_mixed_windows_match_a_sliding_window_reference():
     windows = (2, 0, 3)
     cache = make_cache(windows=windows)
+    bc = cache.as_batch_control()
     a, b = STACK.tokens(7, seed=11), STACK.tokens(5, seed=12)
-    sa, sb = cache.seq_new(), cache.seq_new()
+    sa, sb = bc.seq_new(), bc.seq_new()
     out_a, out_b = run_step(cache, [(sa, a[:, :4], 0), (sb, b[:, :4], 0)])
     close(out_a, solo(a[:, :4], windows))
     for i in range(4, 7):
@@ -135,9 +140,10 @@ def test_every_attention_path_decodes_several_sequences_as_each_solo_run(path, p
     # they hold half of one and gather the rest; the result is each sequence's cache-free forward.
     windows = (0, 3, 0)
     cache = make_cache(managers()[policy], windows=windows)
+    bc = cache.as_batch_control()
     cache.attention_path = path
     xs = [STACK.tokens(9, seed=20 + i) for i in range(3)]
-    ids = [cache.seq_new() for _ in xs]
+    ids = [bc.seq_new() for _ in xs]
     for s, x in zip(ids, xs):
         run_step(cache, [(s, x[:, :6], 0)])
     for i in range(6, 9):

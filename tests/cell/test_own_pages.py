@@ -44,8 +44,11 @@ def lowest_free_manager():
 # -- (a) the plugin's answers against the rule written out ----------------------------------------
 
 
+PAGES = st.sampled_from([4, 8, 16, B])
+
+
 @st.composite
-def tables_and_steps(draw, pages=st.sampled_from([4, 8, 16, B])):
+def tables_and_steps(draw, pages=PAGES):
     """(page, free cells, tokens [(seq, prev_cell)]): a table of runs of free and occupied cells,
     and a step whose sequences continue from occupied cells (forks sharing one) or start afresh."""
     page = draw(pages, label="page")
@@ -121,7 +124,7 @@ def fill_cells(t, parts):
     seqs = [s for s, n in parts for _ in range(n)]
     positions, nxt = [], {}
     for s in seqs:
-        nxt[s] = nxt.get(s, t.next_pos(s))
+        nxt[s] = nxt.get(s, t.table.next_pos(s))
         positions.append(nxt[s])
         nxt[s] += 1
     assert t.declare_step(seqs)
@@ -140,8 +143,10 @@ def batched_run(pm, n_seqs=8, decode_steps=200, seed=0):
     ids = [t.seq_new() for _ in range(n_seqs)]
     prompts = {s: int(rng.integers(40, 130)) for s in ids}
     for pair in zip(ids[::2], ids[1::2]):
-        while any(t.next_pos(s) < prompts[s] for s in pair):
-            fill_cells(t, [(s, min(48, prompts[s] - t.next_pos(s))) for s in pair if t.next_pos(s) < prompts[s]])
+        while any(t.table.next_pos(s) < prompts[s] for s in pair):
+            fill_cells(
+                t, [(s, min(48, prompts[s] - t.table.next_pos(s))) for s in pair if t.table.next_pos(s) < prompts[s]]
+            )
     forked = set()
     for i in range(decode_steps):
         live = t.table.live_ids().tolist()
@@ -167,8 +172,8 @@ def read_in_place(t) -> float:
     """The share of the next decode step's visible cells that the planner reads as pages in place
     (K/V rows of 512 elements, float32 on the CPU: what "auto" pages)."""
     live = t.table.live_ids()
-    positions = np.array([t.next_pos(s) for s in live])
-    plan = plan_cells(live, positions, 0, t.used_end, t.table.seq_keys, "auto", t.table.held, (8192, 512))
+    positions = np.array([t.table.next_pos(s) for s in live])
+    plan = plan_cells(live, positions, 0, t.table.used_end, t.table.seq_keys, "auto", t.table.held, (8192, 512))
     in_place = seen = 0
     for b in plan.batches():
         mask = np.ones((b.tokens.shape[0], b.tokens.shape[1], b.cells.shape[1] * max(b.page, 1)
@@ -214,21 +219,22 @@ def test_outputs_equal_each_sequences_solo_run_with_forks_and_frees(path):
     # Prompts long enough to fill half a page, so "paged" reads the pages they lie in; decodes
     # side by side, one sequence forked and another freed part way.
     cache = model_cache()
+    bc = cache.as_batch_control()
     cache.attention_path = path
     prompt, end = B // 2 + 8, B // 2 + 16
     xs = {s: STACK.tokens(end, seed=30 + s) for s in range(3)}
     history = {}  # seq -> its tokens so far, [1, n, d]
-    ids = [cache.seq_new() for _ in xs]
+    ids = [bc.seq_new() for _ in xs]
     for s in ids:
         out = run_step(cache, [(s, xs[s][:, :prompt], 0)])[0]
         history[s] = xs[s][:, :prompt]
         close(out, STACK.forward_reference(history[s], WINDOWS))
     for i in range(prompt, end):
         if i == prompt + 3:
-            fork = cache.seq_clone(ids[0])
+            fork = bc.seq_clone(ids[0])
             history[fork] = history[ids[0]]
             xs[fork] = mx.concatenate([history[fork], STACK.tokens(end - i, seed=40)], axis=1)
-            cache.seq_rm(ids[1])
+            bc.seq_rm(ids[1])
             del history[ids[1]]
         parts = [(s, xs[s][:, i : i + 1], i) for s in sorted(history)]
         for (s, x, _), out in zip(parts, run_step(cache, parts)):
@@ -263,14 +269,16 @@ class Heard:
 
 def test_load_seq_places_through_the_hook_into_a_fresh_page(tmp_path):
     src = model_cache()
-    s = src.seq_new()
+    src_bc = src.as_batch_control()
+    s = src_bc.seq_new()
     run_step(src, [(s, STACK.tokens(10, seed=50), 0)])
     path = src.save_seq(s, tmp_path / "seq.safetensors")
     pm = make_plugin_manager()
     heard = Heard()
     pm.register(heard)
     dst = CellCache(model_cache().config, pm)
-    a = dst.seq_new()
+    dst_bc = dst.as_batch_control()
+    a = dst_bc.seq_new()
     run_step(dst, [(a, STACK.tokens(3, seed=51), 0)])  # page 0, partly
     loaded = dst.load_seq(path)
     cells, pos = dst.stepper.table.seq_cells(loaded)
@@ -283,9 +291,10 @@ def test_a_restored_cache_continues_each_sequence_where_it_left_off(tmp_path):
     import kvlayout
 
     cache = model_cache()
-    a, b = cache.seq_new(), cache.seq_new()
+    bc = cache.as_batch_control()
+    a, b = bc.seq_new(), bc.seq_new()
     run_step(cache, [(a, STACK.tokens(5, seed=60), 0), (b, STACK.tokens(3, seed=61), 0)])
-    fork = cache.seq_clone(a, upto=4)
+    fork = bc.seq_clone(a, upto=4)
     restored = kvlayout.load(cache.save(tmp_path / "cache.safetensors"))
     ids = np.array([a, b, fork])
     assert restored.stepper.table.newest_cells(ids).tolist() == cache.stepper.table.newest_cells(ids).tolist()

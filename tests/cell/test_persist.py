@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import kvlayout
-from kvlayout import CacheConfig, LayerConfig, LayerPolicy, SequenceError, StateError, StepError
-from kvlayout import persist
+from kvlayout import CacheConfig, LayerConfig, LayerPolicy, SequenceError, StateError, StepError, persist
 from kvlayout.faces import Persistent
 from kvlayout.hookspecs import hookimpl
 from kvlayout.mlx.tensors import to_raw
@@ -24,22 +23,36 @@ WINDOWS = (0, 3, 0)
 def config(kv_dtype="float32", capacity=64, max_seqs=8, windows=WINDOWS, head_dim=8) -> CacheConfig:
     layers = [LayerConfig(2, head_dim, LayerPolicy("ring", w) if w else LayerPolicy()) for w in windows]
     return CacheConfig(
-        capacity=capacity, n_layers=len(windows), layers=layers, kv_dtype=kv_dtype, initial_capacity=4, max_seqs=max_seqs
+        capacity=capacity,
+        n_layers=len(windows),
+        layers=layers,
+        kv_dtype=kv_dtype,
+        initial_capacity=4,
+        max_seqs=max_seqs,
     )
 
 
 def table_state(cache) -> tuple:
     cells, pos, owners = cache.stepper.table.occupied()
-    return snapshot(cache), cells.tolist(), pos.tolist(), owners.tolist(), cache.stepper.table.live_ids().tolist(), cache.stepper.table.free_list().tolist()
+    table = cache.stepper.table
+    return (
+        snapshot(cache),
+        cells.tolist(),
+        pos.tolist(),
+        owners.tolist(),
+        table.live_ids().tolist(),
+        table.free_list().tolist(),
+    )
 
 
 def kv_bits(cache) -> list[np.ndarray]:
     """Every layer's K and V at the occupied cells, as raw bits."""
+    bc = cache.as_batch_control()
     cells, _, _ = cache.stepper.table.occupied()
     out = []
     for pools in (cache.key_pools, cache.value_pools):
         for pool in pools:
-            raw = to_raw(pool.read(0, cache.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
+            raw = to_raw(pool.read(0, bc.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
             out.append(np.frombuffer(bytes(raw.data), dtype=np.uint8))
     return out
 
@@ -55,23 +68,24 @@ class Run:
         seqs = [s for s, _ in tokens]
         positions, nxt = [], {}
         for s in seqs:
-            nxt.setdefault(s, self.cache.next_pos(s))
+            nxt.setdefault(s, self.cache.as_batch_control().next_pos(s))
             positions.append(nxt[s])
             nxt[s] += 1
         x = mx.concatenate([self.stack.tokens(1, seed=seed) for _, seed in tokens], axis=1)
-        assert self.cache.declare_step(seqs)
+        assert self.cache.as_batch_control().declare_step(seqs)
         return np.array(self.stack.forward_cached(self.cache, x.astype(mx.float32), positions))
 
 
 def busy_cache(kv_dtype="float32") -> CellCache:
     """Three sequences, one a fork sharing a prefix, and a freed hole below used_end."""
     cache = CellCache(config(kv_dtype), pm=make_plugin_manager())
+    bc = cache.as_batch_control()
     run = Run(cache)
-    a, b = cache.seq_new(), cache.seq_new()
+    a, b = bc.seq_new(), bc.seq_new()
     run.step([(a, i) for i in range(6)] + [(b, 10 + i) for i in range(3)])
-    c = cache.seq_clone(a, upto=4)
+    c = bc.seq_clone(a, upto=4)
     run.step([(a, 20), (b, 21), (c, 22)])
-    cache.seq_rm(b, 1, 2)  # a hole
+    bc.seq_rm(b, 1, 2)  # a hole
     return cache
 
 
@@ -84,13 +98,15 @@ def test_a_saved_cache_loads_back_bit_for_bit(tmp_path, kv_dtype):
     assert table_state(back) == table_state(cache)
     for got, want in zip(kv_bits(back), kv_bits(cache), strict=True):
         np.testing.assert_array_equal(got, want)
-    assert persist.read_state(path).tensors["k.0"].dtype == {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}[kv_dtype]
+    dtype_tags = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+    assert persist.read_state(path).tensors["k.0"].dtype == dtype_tags[kv_dtype]
 
 
 def test_the_file_keeps_only_the_occupied_cells(tmp_path):
     cache = busy_cache()
+    bc = cache.as_batch_control()
     f = persist.read_state(cache.save(tmp_path / "cell.safetensors"))
-    n = cache.capacity - cache.free_cells
+    n = bc.capacity - bc.free_cells
     assert f.tensors["k.1"].shape == (1, 2, n, 8)
     assert f.tensors["cells"].shape == (n,)
 
@@ -112,7 +128,8 @@ def test_a_restored_cache_generates_exactly_as_the_original_goes_on(tmp_path, kv
 
 def test_an_empty_cache_round_trips(tmp_path):
     cache = CellCache(config(), pm=make_plugin_manager())
-    s = cache.seq_new()  # live, owning nothing
+    bc = cache.as_batch_control()
+    s = bc.seq_new()  # live, owning nothing
     back = kvlayout.load(cache.save(tmp_path / "e.safetensors"))
     assert table_state(back) == table_state(cache)
     assert back.stepper.table.live_ids().tolist() == [s]
@@ -120,8 +137,9 @@ def test_an_empty_cache_round_trips(tmp_path):
 
 def test_saving_in_the_middle_of_a_forward_is_refused(tmp_path):
     cache = CellCache(config(), pm=make_plugin_manager())
-    s = cache.seq_new()
-    assert cache.declare_step([s])
+    bc = cache.as_batch_control()
+    s = bc.seq_new()
+    assert bc.declare_step([s])
     k = mx.zeros((1, 2, 1, 8))
     cache.update_and_fetch(0, [0], k, k)
     with pytest.raises(StepError, match=r"layer\(s\) \[1, 2\] of the placed step were not served"):
@@ -137,7 +155,12 @@ def test_a_file_whose_table_breaks_an_invariant_is_refused(tmp_path):
     owners[0, 0] |= np.uint64(1) << np.uint64(7)  # sequence 7 owns a cell but is not live
     tensors = {**good.tensors, "owners": persist.raw_numpy(owners)}
     persist.save_state(
-        tmp_path / "bad.safetensors", layout="mlx:cell", content="cache", config=cache.config, state=good.state, tensors=tensors
+        tmp_path / "bad.safetensors",
+        layout="mlx:cell",
+        content="cache",
+        config=cache.config,
+        state=good.state,
+        tensors=tensors,
     )
     with pytest.raises(StateError, match="sequence 7 owns cells but is not live"):
         kvlayout.load(tmp_path / "bad.safetensors")
@@ -157,13 +180,19 @@ def test_a_file_whose_live_ids_are_not_a_list_of_integers_is_refused_by_name(tmp
 
 def test_a_file_with_a_wrong_tensor_shape_is_refused(tmp_path):
     cache = busy_cache()
+    bc = cache.as_batch_control()
     good = persist.read_state(cache.save(tmp_path / "good.safetensors"))
     tensors = dict(good.tensors)
     tensors["k.2"] = persist.raw_numpy(np.zeros((1, 2, 1, 8), dtype=np.float32))
     persist.save_state(
-        tmp_path / "bad.safetensors", layout="mlx:cell", content="cache", config=cache.config, state=good.state, tensors=tensors
+        tmp_path / "bad.safetensors",
+        layout="mlx:cell",
+        content="cache",
+        config=cache.config,
+        state=good.state,
+        tensors=tensors,
     )
-    n = cache.capacity - cache.free_cells
+    n = bc.capacity - bc.free_cells
     with pytest.raises(StateError, match=rf"tensor 'k.2' is F32\[1, 2, 1, 8\], expected F32\[1, 2, {n}, 8\]"):
         kvlayout.load(tmp_path / "bad.safetensors")
 
@@ -173,21 +202,23 @@ def test_a_file_with_a_wrong_tensor_shape_is_refused(tmp_path):
 
 def test_a_sequence_moves_to_another_cache_with_fresh_cells_and_a_fresh_id(tmp_path):
     src = busy_cache()
+    src_bc = src.as_batch_control()
     path = src.save_seq(2, tmp_path / "seq.safetensors")  # the fork: its cells are shared in src
     dst = CellCache(config(capacity=32, max_seqs=4), pm=make_plugin_manager())
-    Run(dst).step([(dst.seq_new(), 1), (dst.seq_new(), 2)])
-    before_free = dst.free_cells
+    dst_bc = dst.as_batch_control()
+    Run(dst).step([(dst_bc.seq_new(), 1), (dst_bc.seq_new(), 2)])
+    before_free = dst_bc.free_cells
     sid = dst.load_seq(path)
     assert sid == 2
-    assert (dst.seq_len(sid), dst.next_pos(sid)) == (src.seq_len(2), src.next_pos(2))
-    assert dst.free_cells == before_free - src.seq_len(2)
+    assert (dst_bc.seq_len(sid), dst_bc.next_pos(sid)) == (src_bc.seq_len(2), src_bc.next_pos(2))
+    assert dst_bc.free_cells == before_free - src_bc.seq_len(2)
     cells, pos = dst.stepper.table.seq_cells(sid)
     src_cells, src_pos = src.stepper.table.seq_cells(2)
     assert pos.tolist() == src_pos.tolist()
     for pools_dst, pools_src in ((dst.key_pools, src.key_pools), (dst.value_pools, src.value_pools)):
         for p_dst, p_src in zip(pools_dst, pools_src):
-            got = np.array(p_dst.read(0, dst.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
-            want = np.array(p_src.read(0, src.used_end)[:, :, mx.array(src_cells.astype(np.int32)), :])
+            got = np.array(p_dst.read(0, dst_bc.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
+            want = np.array(p_src.read(0, src_bc.used_end)[:, :, mx.array(src_cells.astype(np.int32)), :])
             np.testing.assert_array_equal(got, want)
     # It goes on as it would have in the source cache (other sequences only add masked columns).
     for i in range(3):
@@ -236,7 +267,8 @@ def test_load_seq_refuses_a_bad_placement_answer_and_changes_nothing(tmp_path):
     path = busy_cache().save_seq(0, tmp_path / "seq.safetensors")
     pm = make_plugin_manager()
     dst = CellCache(config(), pm=pm)
-    Run(dst).step([(dst.seq_new(), 1), (dst.seq_new(), 2)])
+    dst_bc = dst.as_batch_control()
+    Run(dst).step([(dst_bc.seq_new(), 1), (dst_bc.seq_new(), 2)])
     before = table_state(dst)
     pm.register(BadPolicy())
     with pytest.raises(StepError, match="kvlayout_choose_cells answered"):
@@ -248,12 +280,14 @@ def test_load_seq_answers_none_and_changes_nothing_when_cells_or_ids_are_short(t
     src = busy_cache()
     path = src.save_seq(0, tmp_path / "seq.safetensors")  # 7 cells
     full = CellCache(config(capacity=8), pm=make_plugin_manager())
-    Run(full).step([(full.seq_new(), i) for i in range(3)])  # 5 cells left
+    full_bc = full.as_batch_control()
+    Run(full).step([(full_bc.seq_new(), i) for i in range(3)])  # 5 cells left
     before = table_state(full)
     assert full.load_seq(path) is None
     assert table_state(full) == before
     no_ids = CellCache(config(max_seqs=1), pm=make_plugin_manager())
-    no_ids.seq_new()
+    no_ids_bc = no_ids.as_batch_control()
+    no_ids_bc.seq_new()
     before = table_state(no_ids)
     assert no_ids.load_seq(path) is None
     assert table_state(no_ids) == before
@@ -293,11 +327,13 @@ def test_save_seq_of_an_id_not_live_is_refused(tmp_path):
 
 def test_an_empty_sequence_round_trips(tmp_path):
     cache = CellCache(config(), pm=make_plugin_manager())
-    s = cache.seq_new()
+    bc = cache.as_batch_control()
+    s = bc.seq_new()
     path = cache.save_seq(s, tmp_path / "e.safetensors")
     other = CellCache(attrs.evolve(config(), capacity=8), pm=make_plugin_manager())
+    other_bc = other.as_batch_control()
     sid = other.load_seq(path)
-    assert sid == 0 and other.seq_len(sid) == 0 and other.stepper.table.live_ids().tolist() == [0]
+    assert sid == 0 and other_bc.seq_len(sid) == 0 and other.stepper.table.live_ids().tolist() == [0]
 
 
 def test_load_seq_ends_an_open_step(tmp_path):

@@ -45,7 +45,7 @@ def test_a_decode_and_a_prefill_share_one_step():
     st = step(t, [(s0, 2), (s1, 0), (s1, 1)])
     assert st.cells.tolist() == [2, 3, 4]
     assert rows(st.mask) == ["111..", "...1.", "...11"]
-    assert (t.next_pos(s0), t.next_pos(s1)) == (3, 2)
+    assert (t.table.next_pos(s0), t.table.next_pos(s1)) == (3, 2)
 
 
 def test_a_stale_position_is_refused_and_the_corrected_retry_needs_no_new_declaration():
@@ -75,7 +75,7 @@ def test_later_layers_reuse_the_placement_and_a_layer_served_twice_is_refused():
     with pytest.raises(StepError, match="layer 0 was already served in this step"):
         t.place_step(0, [0, 1])
     assert snapshot(t) == before
-    assert t.free_cells == 14
+    assert t.table.free_cells == 14
 
 
 def test_a_later_layer_with_other_positions_is_refused():

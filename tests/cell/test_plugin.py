@@ -16,7 +16,8 @@ def test_the_cell_layout_is_discovered_through_its_entry_point():
 def test_the_builder_makes_a_cache_with_pools_spanning_the_table():
     config = CacheConfig(capacity=100, n_layers=2, layers=[LayerConfig(2, 8)], initial_capacity=512, max_seqs=3)
     cache = kvlayout.build("mlx", "cell", config)
-    assert (cache.capacity, cache.max_seqs, cache.free_cells, cache.used_end) == (100, 3, 100, 0)
+    bc = cache.as_batch_control()
+    assert (bc.capacity, bc.max_seqs, bc.free_cells, bc.used_end) == (100, 3, 100, 0)
     assert cache.key_pools[1].slots == 100 and cache.value_pools[1].max_slots == 100
 
 

@@ -16,7 +16,7 @@ def test_a_step_with_no_declaration_is_refused():
     t.seq_new()
     with pytest.raises(StepError, match=r"no step declared; expected declare_step\(seq_ids\) first"):
         t.place_step(0, [0])
-    assert t.free_cells == 16
+    assert t.table.free_cells == 16
 
 
 def test_a_token_count_differing_from_the_declaration_is_refused_and_the_declaration_stands():
@@ -41,7 +41,9 @@ def test_positions_must_rise_within_a_step():
     assert t.place_step(0, [0, 1]).cells.tolist() == [0, 1]
 
 
-@pytest.mark.parametrize("positions", [[0.0, 1.0], [0, True], np.array([0, np.nan]), np.array([True, False]), [[0, 1]], ["a", "b"]])
+@pytest.mark.parametrize(
+    "positions", [[0.0, 1.0], [0, True], np.array([0, np.nan]), np.array([True, False]), [[0, 1]], ["a", "b"]]
+)
 def test_positions_that_are_not_integers_are_refused_by_name(positions):
     t = stepper()
     s0 = t.seq_new()
@@ -60,7 +62,7 @@ def test_ids_that_are_not_integers_are_refused_by_name():
         with pytest.raises(SequenceError, match="seq_ids"):
             t.declare_step(bad)
     with pytest.raises(SequenceError, match="seq_id="):
-        t.seq_len(0.0)
+        t.table.seq_len(0.0)
 
 
 def test_an_empty_declaration_is_refused():
@@ -85,7 +87,7 @@ def test_a_declaration_beyond_the_free_cells_is_false_and_leaves_the_last_one_st
     fill(t, s0, [0])
     assert t.declare_step([s0] * 3)
     before = snapshot(t)
-    assert not t.can_extend(4) and t.can_extend(3)
+    assert not t.table.can_extend(4) and t.table.can_extend(3)
     assert t.declare_step([s0] * 4) is False
     assert snapshot(t) == before
     assert t.place_step(1, [1, 2, 3]).cells.tolist() == [1, 2, 3]  # the declaration still stands
@@ -97,7 +99,9 @@ def test_a_verb_between_layers_is_refused_and_the_forward_goes_on():
     assert t.declare_step([s0, s0])
     t.place_step(0, [0, 1])
     before = snapshot(t)
-    with pytest.raises(StepError, match=r"seq_new during a forward: layer\(s\) \[1\] of the placed step were not served"):
+    with pytest.raises(
+        StepError, match=r"seq_new during a forward: layer\(s\) \[1\] of the placed step were not served"
+    ):
         t.seq_new()
     assert snapshot(t) == before and t.unserved_layers() == [1]
     assert t.place_step(1, [0, 1]).cells.tolist() == [0, 1]
@@ -153,7 +157,9 @@ def test_a_bad_choose_cells_answer_is_refused_naming_it_and_changes_nothing(answ
     s0 = t.seq_new()
     assert t.declare_step([s0, s0])
     before = snapshot(t)
-    with pytest.raises(StepError, match=r"kvlayout_choose_cells answered .*: expected 2 distinct cells from the free list"):
+    with pytest.raises(
+        StepError, match=r"kvlayout_choose_cells answered .*: expected 2 distinct cells from the free list"
+    ):
         t.place_step(0, [0, 1])
     assert snapshot(t) == before
 
@@ -179,7 +185,7 @@ def test_a_manager_where_no_plugin_chooses_cells_refuses_the_step():
     assert t.declare_step([s0])
     with pytest.raises(StepError, match="no plugin answered"):
         t.place_step(0, [0])
-    assert t.free_cells == 16
+    assert t.table.free_cells == 16
 
 
 def test_a_third_party_policy_wins_over_the_default_even_with_the_hooks_old_arguments():

@@ -19,8 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlayout
-from kvlayout import CacheConfig, LayerConfig, LayerPolicy, StateError
-from kvlayout import persist
+from kvlayout import CacheConfig, LayerConfig, LayerPolicy, StateError, persist
 from kvlayout.mlx import attend
 from kvlayout.registry import make_plugin_manager
 from kvlayout.spec import QuantizedKV
@@ -131,7 +130,7 @@ class Trio:
         return next(iter(self.caches.values()))
 
     def all(self, verb, *args):
-        answers = {getattr(c, verb)(*args) for c in self.caches.values()}
+        answers = {getattr(c.as_batch_control(), verb)(*args) for c in self.caches.values()}
         assert len(answers) == 1, (verb, answers)
         return answers.pop()
 
@@ -209,10 +208,11 @@ def test_a_q4_cache_differs_from_a_float32_one_by_more_than_the_tolerance():
     # The tolerance has teeth: quantization moves outputs far past 1e-5.
     trio = Trio("q4", 32, paths=("dense",))
     ref = CellCache(config("float32", 64), make_plugin_manager())
+    ref_bc = ref.as_batch_control()
     s = trio.new()
-    assert ref.seq_new() == s
+    assert ref_bc.seq_new() == s
     out = trio.step([(s, i) for i in range(6)])
-    assert ref.declare_step([s] * 6)
+    assert ref_bc.declare_step([s] * 6)
     x = mx.concatenate([trio.stack.tokens(1, seed=i) for i in range(6)], axis=1)
     full = np.array(trio.stack.forward_cached(ref, x, list(range(6))))
     assert np.abs(out - full).max() > 1e-3
@@ -255,20 +255,21 @@ def pool_bits(cache: CellCache, cells: np.ndarray) -> list[tuple]:
 def test_a_fork_attends_its_trunks_packed_bytes_unchanged():
     trio = Trio("q4", 32)
     cache = trio.dense
+    bc = cache.as_batch_control()
     trunk = trio.new()
     prefill(trio, trunk, 6, seed=0)
     cells, _ = cache.stepper.table.seq_cells(trunk)
     before = {path: pool_bits(c, cells) for path, c in trio.caches.items()}
-    free = cache.free_cells
+    free = bc.free_cells
     fork = trio.clone(trunk)
     part = trio.clone(trunk, upto=3)
-    assert cache.free_cells == free  # nothing copied
+    assert bc.free_cells == free  # nothing copied
     # The forks' first steps attend the trunk's stored rows (History shares them), and every cell
     # of the prefix is the trunk's own.
     trio.step([(fork, 100), (part, 101), (trunk, 102)])
     for i in range(3):
         trio.step([(fork, 110 + i), (part, 120 + i), (trunk, 130 + i)])
-    assert cache.free_cells == free - 3 * 4
+    assert bc.free_cells == free - 3 * 4
     for c in trio.caches.values():
         fork_cells, fork_pos = c.stepper.table.seq_cells(fork)
         part_cells, _ = c.stepper.table.seq_cells(part)
@@ -298,7 +299,7 @@ def busy(kv_dtype: str, group: int = 32, head_dim: int = 64) -> Trio:
 def table_state(cache: CellCache) -> tuple:
     cells, pos, owners = cache.stepper.table.occupied()
     t = cache.stepper.table
-    return snapshot(t), cells.tolist(), pos.tolist(), owners.tolist(), t.live_ids().tolist(), t.free_list().tolist()
+    return snapshot(cache), cells.tolist(), pos.tolist(), owners.tolist(), t.live_ids().tolist(), t.free_list().tolist()
 
 
 def occupied_bits(cache: CellCache) -> list[tuple]:
@@ -322,9 +323,10 @@ def assert_same(a: tuple, b: tuple) -> None:
 def test_a_saved_quantized_cache_loads_back_bit_for_bit(tmp_path, kv_dtype, group):
     trio = busy(kv_dtype, group)
     cache = trio.dense
+    bc = cache.as_batch_control()
     path = cache.save(tmp_path / "cell.safetensors")
     f = persist.read_state(path)
-    n = cache.capacity - cache.free_cells
+    n = bc.capacity - bc.free_cells
     assert "k.0" not in f.tensors
     packed = f.tensors["k.0.packed"]
     assert packed.dtype == "U32" and packed.shape == (1, 2, n, 64 * BITS[kv_dtype] // 32)
@@ -348,8 +350,9 @@ def test_a_saved_quantized_sequence_loads_into_another_cache_bit_for_bit(tmp_pat
     src = trio.dense
     path = src.save_seq(2, tmp_path / "seq.safetensors")  # the fork: its cells are shared in src
     dst = CellCache(config(kv_dtype, 32, 64, capacity=32, max_seqs=4), make_plugin_manager())
-    other = dst.seq_new()
-    dst.declare_step([other])
+    dst_bc = dst.as_batch_control()
+    other = dst_bc.seq_new()
+    dst_bc.declare_step([other])
     stack = trio.stack
     x = stack.tokens(1, seed=5)
     stack.forward_cached(dst, x, [0])
@@ -388,15 +391,16 @@ def everything(cache: CellCache) -> tuple:
 def test_a_sequence_is_refused_by_a_cache_of_another_quantization_and_nothing_changes(tmp_path, kv_dtype, group, why):
     path = busy("q4", 32).dense.save_seq(0, tmp_path / "seq.safetensors")
     dst = CellCache(config(kv_dtype, group, 64), make_plugin_manager())
-    s = dst.seq_new()
-    assert dst.declare_step([s, s])
+    dst_bc = dst.as_batch_control()
+    s = dst_bc.seq_new()
+    assert dst_bc.declare_step([s, s])
     stack = TinyStack(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64, seed=1)
     stack.forward_cached(dst, stack.tokens(2, seed=3), [0, 1])
     before = everything(dst)
     with pytest.raises(StateError, match=why):
         dst.load_seq(path)
     assert_same(everything(dst), before)
-    assert dst.seq_new() == s + 1  # the refused load claimed no id
+    assert dst_bc.seq_new() == s + 1  # the refused load claimed no id
 
 
 # -- the seq layout ------------------------------------------------------------------------
@@ -425,7 +429,7 @@ def kept_bits(cache: SeqCache) -> list[tuple]:
     """A flat layer's [0, length) and a ring's whole storage (its slots and their mirror), as exact bits."""
     out = []
     for policy, kp, vp in zip(cache.book.layers, cache.key_pools, cache.value_pools):
-        n = policy.storage if policy.kind == "ring" else cache.length
+        n = policy.storage if policy.kind == "ring" else cache.as_control().length
         out += [bits_of(kp.read(0, n)), bits_of(vp.read(0, n))]
     return out
 
@@ -450,10 +454,10 @@ def test_a_saved_quantized_seq_cache_loads_back_bit_for_bit(tmp_path, kv_dtype, 
     assert f.tensors["k.1.packed"].dtype == "U32" and f.tensors["k.1.scales"].dtype == "F16"
     back = kvlayout.load(path)
     assert isinstance(back, SeqCache) and back.config == cache.config
-    assert (back.length, back.book.floor) == (cache.length, cache.book.floor)
+    assert (back.as_control().length, back.book.floor) == (cache.as_control().length, cache.book.floor)
     assert_same_bits(kept_bits(back), kept_bits(cache))
     for layer in (0, 2):  # the flat layers' slots hold the independent record
-        got = np.array(back.key_pools[layer].read(0, back.length).packed)[0]
+        got = np.array(back.key_pools[layer].read(0, back.as_control().length).packed)[0]
         np.testing.assert_array_equal(got, np.stack([history[layer][p][0][0] for p in range(16)], axis=1))
     # both go on the same, bit for bit, and as the oracle says
     outs = [seq_run(stack, c, x[:, 16:17], 16, [dict(h) for h in history], bits, group, windows) for c in (cache, back)]

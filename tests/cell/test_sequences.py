@@ -14,13 +14,13 @@ def test_a_fork_shares_every_cell_until_both_owners_are_gone():
     s0 = t.seq_new()
     fill(t, s0, range(4))
     fork = t.seq_clone(s0)
-    assert t.free_cells == 12
-    assert (t.seq_len(fork), t.next_pos(fork)) == (4, 4)
+    assert t.table.free_cells == 12
+    assert (t.table.seq_len(fork), t.table.next_pos(fork)) == (4, 4)
     t.seq_rm(s0)
-    assert t.free_cells == 12 and t.used_end == 4
-    assert (t.seq_len(s0), t.seq_len(fork)) == (0, 4)
+    assert t.table.free_cells == 12 and t.table.used_end == 4
+    assert (t.table.seq_len(s0), t.table.seq_len(fork)) == (0, 4)
     t.seq_rm(fork)
-    assert t.free_cells == 16 and t.used_end == 0
+    assert t.table.free_cells == 16 and t.table.used_end == 0
 
 
 def test_a_fork_at_upto_claims_only_the_prefix():
@@ -28,10 +28,10 @@ def test_a_fork_at_upto_claims_only_the_prefix():
     s0 = t.seq_new()
     fill(t, s0, range(4))
     fork = t.seq_clone(s0, upto=2)
-    assert (t.seq_len(fork), t.next_pos(fork)) == (2, 2)
+    assert (t.table.seq_len(fork), t.table.next_pos(fork)) == (2, 2)
     t.seq_rm(s0, 0, 2)
-    assert t.free_cells == 12  # the fork still holds positions 0 and 1
-    assert (t.seq_len(s0), t.next_pos(s0)) == (2, 4)
+    assert t.table.free_cells == 12  # the fork still holds positions 0 and 1
+    assert (t.table.seq_len(s0), t.table.next_pos(s0)) == (2, 4)
 
 
 def test_a_fork_and_its_trunk_continue_apart():
@@ -93,7 +93,7 @@ def test_a_thousand_sequences_fit_in_one_table():
     t.place_step(1, [0] * 1000)  # the forward's last layer
     t.seq_rm(999)
     fork = t.seq_clone(998)
-    assert fork == 999 and t.seq_len(fork) == 1
+    assert fork == 999 and t.table.seq_len(fork) == 1
     shared = int(t.table.seq_cells(998)[0][0])
     st = step(t, [(998, 1), (999, 1)])
     # each sees the shared cell and its own new one
@@ -107,10 +107,10 @@ def test_removing_the_middle_and_the_tail_keeps_length_and_next_position_current
     s0 = t.seq_new()
     fill(t, s0, range(5))
     t.seq_rm(s0, 0, 2)
-    assert (t.seq_len(s0), t.free_cells, t.next_pos(s0)) == (3, 13, 5)
+    assert (t.table.seq_len(s0), t.table.free_cells, t.table.next_pos(s0)) == (3, 13, 5)
     t.seq_rm(s0, 4, None)
-    assert (t.seq_len(s0), t.next_pos(s0)) == (2, 4)
-    assert t.used_end == 4
+    assert (t.table.seq_len(s0), t.table.next_pos(s0)) == (2, 4)
+    assert t.table.used_end == 4
 
 
 def test_after_removing_the_tail_only_newer_positions_are_accepted():
@@ -130,11 +130,11 @@ def test_used_end_shrinks_past_every_freed_tail_cell():
     fill(t, a, range(2))
     fill(t, b, range(3))
     fill(t, a, [2])
-    assert t.used_end == 6
+    assert t.table.used_end == 6
     t.seq_rm(a, 2)  # frees cell 5; b's cells end at 5
-    assert t.used_end == 5
+    assert t.table.used_end == 5
     t.seq_rm(b)
-    assert t.used_end == 2
+    assert t.table.used_end == 2
 
 
 @pytest.mark.parametrize("bad", [-1, 64, 1000])
@@ -144,8 +144,8 @@ def test_an_id_out_of_range_is_refused_by_every_verb(bad):
     fill(t, s0, range(2))
     before = snapshot(t)
     calls = [
-        lambda: t.seq_len(bad),
-        lambda: t.next_pos(bad),
+        lambda: t.table.seq_len(bad),
+        lambda: t.table.next_pos(bad),
         lambda: t.seq_clone(bad),
         lambda: t.seq_rm(bad),
         lambda: t.declare_step([s0, bad]),
@@ -161,7 +161,7 @@ def test_an_id_not_live_answers_zero_but_cannot_be_acted_on():
     s0 = t.seq_new()
     fill(t, s0, range(2))
     before = snapshot(t)
-    assert (t.seq_len(5), t.next_pos(5)) == (0, 0)
+    assert (t.table.seq_len(5), t.table.next_pos(5)) == (0, 0)
     for call in (lambda: t.seq_clone(5), lambda: t.seq_rm(5), lambda: t.declare_step([5])):
         with pytest.raises(SequenceError, match="=5: expected a live sequence"):
             call()
@@ -181,7 +181,7 @@ def test_a_malformed_range_is_refused_and_changes_nothing(kwargs):
 
 def test_a_clone_with_no_id_left_is_none_and_changes_nothing():
     t = stepper(max_seqs=2)
-    s0, s1 = t.seq_new(), t.seq_new()
+    s0, _ = t.seq_new(), t.seq_new()
     fill(t, s0, range(2))
     before = snapshot(t)
     assert t.seq_clone(s0) is None
@@ -193,4 +193,4 @@ def test_sequences_sharing_a_prefix_may_together_hold_more_than_capacity():
     s0 = t.seq_new()
     fill(t, s0, range(4))
     forks = [t.seq_clone(s0) for _ in range(3)]
-    assert sum(t.seq_len(s) for s in [s0, *forks]) == 16 and t.free_cells == 0
+    assert sum(t.table.seq_len(s) for s in [s0, *forks]) == 16 and t.table.free_cells == 0

@@ -34,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvlayout.errors import SequenceError, StepError
 from kvlayout_cell.groups import PLACEMENT_PAGE
-from kvlayout_cell.stepper import Stepper
+from kvlayout_cell.stepper import Stepper, batch_control
 from kvlayout_cell.table import CellTable
 from tests.cell.support import naive_placement, placement_manager
 
@@ -140,6 +140,7 @@ class CellTableMachine(RuleBasedStateMachine):
     @initialize(capacity=st.integers(4, 32), max_seqs=MAX_SEQS, windows=WINDOWS, page=PAGES)
     def setup(self, capacity, max_seqs, windows, page):
         self.t = Stepper(CellTable(capacity, max_seqs), windows, plugin_manager(page))
+        self.bc = batch_control(self.t)  # the face a cache hands out over its stepper
         self.m = NaiveCells(capacity, max_seqs, page)
         self.windows = windows
 
@@ -161,8 +162,8 @@ class CellTableMachine(RuleBasedStateMachine):
 
     def observed(self):
         t = self.t
-        per_id = [(t.seq_len(s), t.next_pos(s)) for s in range(t.max_seqs)]
-        return t.free_cells, t.used_end, tuple(t.table.free_list().tolist()), per_id
+        per_id = [(t.table.seq_len(s), t.table.next_pos(s)) for s in range(t.table.max_seqs)]
+        return t.table.free_cells, t.table.used_end, tuple(t.table.free_list().tolist()), per_id
 
     def refused(self, error, call, match=None):
         """`call()` raises `error` and changes nothing, the model's standing step included."""
@@ -303,13 +304,14 @@ class CellTableMachine(RuleBasedStateMachine):
         else:
             bad = data.draw(out_of_range | st.sampled_from(dead), label="bad id")
         # mid-forward, a verb is refused for the forward before its arguments are looked at
-        error, at = (StepError, "during a forward") if self.half_served() and verb not in ("seq_len", "next_pos") else (SequenceError, None)
+        refused_for_the_forward = self.half_served() and verb not in ("seq_len", "next_pos")
+        error, at = (StepError, "during a forward") if refused_for_the_forward else (SequenceError, None)
         if verb == "declare_step":
             ids = data.draw(st.lists(st.sampled_from(self.live()), max_size=3), label="live ids") if self.m.live else []
             ids.insert(data.draw(st.integers(0, len(ids)), label="at"), bad)
             self.refused(error, lambda: self.t.declare_step(ids), match=at or r"seq_ids\[")
         else:
-            self.refused(error, lambda: getattr(self.t, verb)(bad), match=at or f"={bad}")
+            self.refused(error, lambda: getattr(self.bc, verb)(bad), match=at or f"={bad}")
 
     @precondition(lambda self: self.m.declared is not None)
     @rule(data=st.data())
@@ -328,7 +330,9 @@ class CellTableMachine(RuleBasedStateMachine):
             return  # every position is newer than nothing: no token can go back
         positions = self.positions_for(data, ids)
         # token i may go back to anything its sequence already holds (before it or earlier in the step)
-        held = [max([self.m.next_pos(s) - 1] + [positions[j] for j in range(i) if ids[j] == s]) for i, s in enumerate(ids)]
+        held = [
+            max([self.m.next_pos(s) - 1] + [positions[j] for j in range(i) if ids[j] == s]) for i, s in enumerate(ids)
+        ]
         i = data.draw(st.sampled_from([i for i, h in enumerate(held) if h >= 0]), label="token")
         positions[i] = data.draw(st.integers(max(0, held[i] - 3), held[i]), label="old position")
         layer = data.draw(st.integers(0, len(self.windows) - 1), label="layer")
@@ -367,13 +371,13 @@ class CellTableMachine(RuleBasedStateMachine):
     def the_table_agrees_with_the_model(self):
         t, m = self.t, self.m
         free = m.free()
-        assert t.free_cells == len(free)
+        assert t.table.free_cells == len(free)
         assert t.table.free_list().tolist() == free
-        assert t.used_end == m.used_end()
-        assert t.can_extend(len(free)) and not t.can_extend(len(free) + 1)
+        assert t.table.used_end == m.used_end()
+        assert t.table.can_extend(len(free)) and not t.table.can_extend(len(free) + 1)
         newest_cells = t.table.newest_cells(np.arange(m.max_seqs)).tolist()
         for s in range(m.max_seqs):
-            assert (t.seq_len(s), t.next_pos(s)) == (m.seq_len(s), m.next_pos(s)), f"seq {s}"
+            assert (t.table.seq_len(s), t.table.next_pos(s)) == (m.seq_len(s), m.next_pos(s)), f"seq {s}"
             assert newest_cells[s] == m.newest_cell(s), f"seq {s}"  # where the placement continues it
         # Each sequence's cells by position (the per-sequence index grouped attention plans from).
         ids = np.arange(m.max_seqs)

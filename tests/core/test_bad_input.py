@@ -17,7 +17,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvlayout import AttendSpec, CacheConfig, ConfigError, KVLayoutError, LayerConfig, LayerPolicy, LayoutNotFound, MaskKind, StateError
+from kvlayout import (
+    AttendSpec,
+    CacheConfig,
+    ConfigError,
+    KVLayoutError,
+    LayerConfig,
+    LayerPolicy,
+    LayoutNotFound,
+    MaskKind,
+    StateError,
+)
 from kvlayout.config import machine_memory, show_bytes
 from kvlayout.mlx import MAX_SLOTS, MLXPool
 from kvlayout.registry import available, build, make_plugin_manager, resolve
@@ -74,10 +84,18 @@ CONFIG = {
     "max_seqs zero": (CacheConfig, {**GOOD_CACHE, "max_seqs": 0}, "CacheConfig.max_seqs"),
     "max_seqs a numpy float": (CacheConfig, {**GOOD_CACHE, "max_seqs": np.float64(4)}, "CacheConfig.max_seqs"),
     "from_mapping unknown key": (CacheConfig.from_mapping, dict(data={**GOOD_CACHE, "capacty": 8}), "capacty"),
-    "from_mapping missing key": (CacheConfig.from_mapping, dict(data={"capacity": 8, "layers": [{"n_kv_heads": 1, "head_dim": 2}]}), "n_layers"),
+    "from_mapping missing key": (
+        CacheConfig.from_mapping,
+        dict(data={"capacity": 8, "layers": [{"n_kv_heads": 1, "head_dim": 2}]}),
+        "n_layers",
+    ),
     "from_mapping of a list": (CacheConfig.from_mapping, dict(data=[("capacity", 8)]), "CacheConfig"),
     "from_mapping of None": (CacheConfig.from_mapping, dict(data=None), "CacheConfig"),
-    "layer missing head_dim": (CacheConfig.from_mapping, dict(data={**GOOD_CACHE, "layers": [{"n_kv_heads": 1}]}), "head_dim"),
+    "layer missing head_dim": (
+        CacheConfig.from_mapping,
+        dict(data={**GOOD_CACHE, "layers": [{"n_kv_heads": 1}]}),
+        "head_dim",
+    ),
     "layer(i) out of range": (CacheConfig(**GOOD_CACHE).layer, dict(i=2), "layer index=2"),
     "layer(i) negative": (CacheConfig(**GOOD_CACHE).layer, dict(i=-1), "layer index=-1"),
     "layer(i) a float": (CacheConfig(**GOOD_CACHE).layer, dict(i=0.0), "layer index=0.0"),
@@ -156,7 +174,8 @@ def test_a_bad_pool_call_is_refused_naming_the_argument_and_leaves_the_pool_as_i
     before = pool_state(pool)
     raises_naming(KVLayoutError, name, lambda: getattr(pool, method)(*args))
     after = pool_state(pool)
-    assert {k: before[k] for k in ("slots", "max_slots", "dtype")} == {k: after[k] for k in ("slots", "max_slots", "dtype")}
+    kept = ("slots", "max_slots", "dtype")
+    assert {k: before[k] for k in kept} == {k: after[k] for k in kept}
     np.testing.assert_array_equal(before["bits"], after["bits"])
 
 
@@ -192,7 +211,12 @@ REGISTRY = {
     "build: cell config a string": (build, ("mlx", "cell", "capacity=8"), ConfigError, "config"),
     "build: cell config a bad mapping": (build, ("mlx", "cell", {"capacity": 8}), ConfigError, "n_layers"),
     "build: seq config None": (build, ("mlx", "seq", None), ConfigError, "config"),
-    "build: seq config a bad mapping": (build, ("mlx", "seq", {"capacity": -8, "n_layers": 1, "layers": [{"n_kv_heads": 1, "head_dim": 2}]}), ConfigError, "capacity"),
+    "build: seq config a bad mapping": (
+        build,
+        ("mlx", "seq", {"capacity": -8, "n_layers": 1, "layers": [{"n_kv_heads": 1, "head_dim": 2}]}),
+        ConfigError,
+        "capacity",
+    ),
 }
 
 
@@ -263,12 +287,27 @@ def test_a_bad_runner_mapping_is_refused_naming_the_dotted_key(data, name):
 
 TOML = {
     "not TOML": ("[cache\ncapacity = 1", "x.toml"),
-    "a string capacity": ('[cache]\ncapacity = "big"\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n', "cache.capacity"),
-    "a float capacity": ('[cache]\ncapacity = 1e3\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n', "cache.capacity"),
-    "a nan temperature": ('[sampling]\ntemperature = nan\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n', "sampling.temperature"),
-    "an inf temperature": ('[sampling]\ntemperature = inf\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n', "sampling.temperature"),
+    "a string capacity": (
+        '[cache]\ncapacity = "big"\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n',
+        "cache.capacity",
+    ),
+    "a float capacity": (
+        '[cache]\ncapacity = 1e3\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n',
+        "cache.capacity",
+    ),
+    "a nan temperature": (
+        '[sampling]\ntemperature = nan\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n',
+        "sampling.temperature",
+    ),
+    "an inf temperature": (
+        '[sampling]\ntemperature = inf\n[model]\npreset = "tiny"\n[[requests]]\nprompt = "hi"\n',
+        "sampling.temperature",
+    ),
     "requests as a table": ('[model]\npreset = "tiny"\n[requests]\nprompt = "hi"\n', "requests"),
-    "a huge prompt id": ('[model]\npreset = "tiny"\n[[requests]]\nprompt_ids = [1, -9223372036854775808]\n', "requests[0].prompt_ids"),
+    "a huge prompt id": (
+        '[model]\npreset = "tiny"\n[[requests]]\nprompt_ids = [1, -9223372036854775808]\n',
+        "requests[0].prompt_ids",
+    ),
 }
 
 
@@ -368,8 +407,8 @@ def files(tmp_path):
 
 def saved_caches():
     cell, seq = build("mlx", "cell", SMALL), build("mlx", "seq", SMALL)
-    s = cell.seq_new()
-    assert cell.declare_step([s])
+    s = cell.as_batch_control().seq_new()
+    assert cell.as_batch_control().declare_step([s])
     for layer in range(2):
         cell.update_and_fetch(layer, [0], mx.ones((1, H, 1, D)), mx.ones((1, H, 1, D)))
         seq.update_and_fetch(layer, [0], mx.ones((1, H, 1, D)), mx.ones((1, H, 1, D)))
@@ -378,7 +417,9 @@ def saved_caches():
 
 @pytest.mark.parametrize("path, message", [*PATHS.values(), *WRITE_ONLY.values()], ids=[*PATHS, *WRITE_ONLY])
 @pytest.mark.parametrize("save", ["cell save", "cell save_seq", "seq save"])
-def test_a_save_to_something_that_is_no_file_path_is_refused_naming_it_and_writes_nothing(tmp_path, save, path, message):
+def test_a_save_to_something_that_is_no_file_path_is_refused_naming_it_and_writes_nothing(
+    tmp_path, save, path, message
+):
     # Was: TypeError (None), IsADirectoryError, FileNotFoundError, OSError from os.replace ('').
     path = at(tmp_path, path)
     before = files(tmp_path)
@@ -396,7 +437,8 @@ def test_a_load_from_something_that_is_no_file_path_is_refused_naming_it(tmp_pat
     call = kvlayout.load if load == "kvlayout.load" else cell.load_seq
     with pytest.raises(StateError, match=message):
         call(at(tmp_path, path))
-    assert (cell.free_cells, cell.used_end, cell.stepper.table.live_ids().tolist()) == (8, 0, [])
+    control = cell.as_batch_control()
+    assert (control.free_cells, control.used_end, cell.stepper.table.live_ids().tolist()) == (8, 0, [])
 
 
 def test_a_write_the_os_refuses_is_a_state_error_naming_the_path_and_keeps_the_previous_file(tmp_path, monkeypatch):
@@ -425,7 +467,8 @@ def test_load_with_a_config_that_is_not_one_is_refused_naming_it(tmp_path, confi
     saved_caches()["cell save"](tmp_path / "c.kv")
     with pytest.raises(ConfigError, match="config|n_layers"):
         kvlayout.load(tmp_path / "c.kv", config=config)
-    assert kvlayout.load(tmp_path / "c.kv", config=SMALL.to_mapping()).capacity == 8  # a mapping of it is one
+    # a mapping of it is one
+    assert kvlayout.load(tmp_path / "c.kv", config=SMALL.to_mapping()).as_batch_control().capacity == 8
 
 
 # -- attend ----------------------------------------------------------------------------------
@@ -435,8 +478,8 @@ def layout_spec(layout: str, T: int):
     """What layer 0 of a real step of T tokens hands attend(): [1, H, S, D] keys, queries=T."""
     cache = build(*layout.split(":"), SMALL)
     if layout == "mlx:cell":
-        s = cache.seq_new()
-        assert cache.declare_step([s] * T)
+        s = cache.as_batch_control().seq_new()
+        assert cache.as_batch_control().declare_step([s] * T)
     return cache.update_and_fetch(0, list(range(T)), mx.ones((1, H, T, D)), mx.ones((1, H, T, D)))
 
 

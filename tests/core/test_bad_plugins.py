@@ -35,7 +35,6 @@ import textwrap
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import kvlayout
@@ -103,7 +102,8 @@ REGISTRATION = {
     "an-unknown-hookimpl-option": (
         HEAD + "@hookimpl(firstresult=True)\ndef kvlayout_builders():\n    return []\n", None, None, None,
         "TypeError", ()),
-    "import-raises": ("raise ImportError('no native library')\n", None, None, "ImportError: no native library", None, ()),
+    "import-raises": (
+        "raise ImportError('no native library')\n", None, None, "ImportError: no native library", None, ()),
     "import-calls-sys-exit": ("import sys\nsys.exit(3)\n", None, None, "SystemExit: 3", None, ()),
     "builders-calls-sys-exit": (
         HEAD + "import sys\n\n@hookimpl\ndef kvlayout_builders():\n    sys.exit(4)\n", None, "kvlayout_builders",
@@ -131,7 +131,8 @@ REGISTRATION = {
         "kvlayout_builders returned a Builder with kind='': expected a non-empty name without ':' or spaces", None, ()),
     "a-builder-with-kind-none": (
         builders("[Builder('fake', None, _b)]"), None, "kvlayout_builders",
-        "kvlayout_builders returned a Builder with kind=None: expected a non-empty name without ':' or spaces", None, ()),
+        "kvlayout_builders returned a Builder with kind=None: expected a non-empty name without ':' or spaces",
+        None, ()),
     "a-builder-with-a-colon-in-its-kind": (
         builders("[Builder('fake', 'x:y', _b)]"), None, "kvlayout_builders",
         "kvlayout_builders returned a Builder with kind='x:y': expected a non-empty name without ':' or spaces",
@@ -290,7 +291,9 @@ def test_run_with_the_layout_of_a_skipped_plugin_says_why_in_one_line(request, t
         done = request.getfixturevalue("registration_runs")[row]
     else:
         args = run_args(tiny_dir, "--layout", "fake:x")
-        done = in_process(request.getfixturevalue("fake_dists"), request.getfixturevalue("capsys"), row, source, target, args)
+        done = in_process(
+            request.getfixturevalue("fake_dists"), request.getfixturevalue("capsys"), row, source, target, args
+        )
     assert done.returncode == 2
     line = one_line(done)
     ep = "q" if target == "twice" else "p"
@@ -335,7 +338,10 @@ def test_a_run_of_another_layout_goes_on_saying_once_what_was_skipped(registrati
 # -- a Builder's build and load ------------------------------------------------------------------
 
 FACELESS = "class _C:\n    def as_batch_control(self):\n        raise RuntimeError('no face today')\n\n"
-REFUSES = "def _refuse(config):\n    from kvlayout import ConfigError\n    raise ConfigError('cache.capacity: this layout wants more')\n\n"
+REFUSES = (
+    "def _refuse(config):\n    from kvlayout import ConfigError\n"
+    "    raise ConfigError('cache.capacity: this layout wants more')\n\n"
+)
 
 # row -> (source, the one line `kvlayout run --layout fake:x` prints after "kvlayout: error: ", recorded?)
 BUILDERS = {
@@ -376,7 +382,9 @@ def test_a_bad_build_is_one_line_naming_the_layout_and_its_distribution(request,
         done = request.getfixturevalue("builder_runs")[row]
     else:
         args = run_args(tiny_dir, "--layout", "fake:x")
-        done = in_process(request.getfixturevalue("fake_dists"), request.getfixturevalue("capsys"), row, BUILDERS[row][0], None, args)
+        done = in_process(
+            request.getfixturevalue("fake_dists"), request.getfixturevalue("capsys"), row, BUILDERS[row][0], None, args
+        )
     assert done.returncode == 2
     assert one_line(done) == "kvlayout: error: " + BUILDERS[row][1].format(d=dist_of(row))
 
@@ -394,7 +402,8 @@ def test_a_bad_build_through_the_api_is_recorded_against_the_plugin(fake_dists, 
         assert isinstance(exc, PluginError) == recorded
     else:
         assert not recorded  # a cache the registry cannot judge; the runner refuses it (above)
-    assert [(f.distribution, f.hook, f.keys) for f in pm.failures] == ([(dist, "Builder.build", ("fake:x",))] if recorded else [])
+    failures = [(dist, "Builder.build", ("fake:x",))] if recorded else []
+    assert [(f.distribution, f.hook, f.keys) for f in pm.failures] == failures
     assert registry.notices(pm) == []  # the layout is there; the error said why it failed
     assert resolve("mlx", "cell", pm).distribution == "kvlayout-cell"
 
@@ -507,7 +516,9 @@ def table_state(cache, ids) -> tuple:
     t = cache.stepper.table
     cells, pos, owners = t.occupied()
     per_id = tuple((t.seq_len(s), t.next_pos(s)) for s in ids)
-    return t.free_list().tolist(), t.used_end, cells.tolist(), pos.tolist(), owners.tolist(), t.live_ids().tolist(), per_id
+    return (
+        t.free_list().tolist(), t.used_end, cells.tolist(), pos.tolist(), owners.tolist(), t.live_ids().tolist(), per_id
+    )
 
 
 KV = mx.zeros((1, 1, 2, 4))
@@ -547,7 +558,8 @@ def test_a_misbehaving_hook_refuses_the_step_naming_the_plugin_and_changes_nothi
 
 def test_an_observer_of_an_abort_that_raises_is_named_and_the_abort_happens(fake_dists):
     dist = install(fake_dists, "step-aborted-raises",
-                   hook("raise RuntimeError('abort observer exploded')", name="kvlayout_step_aborted", args="step, window"))
+                   hook("raise RuntimeError('abort observer exploded')",
+                        name="kvlayout_step_aborted", args="step, window"))
     cache = cell_cache(make_plugin_manager(), ring=True)
     bc = cache.as_batch_control()
     s = bc.seq_new()
@@ -557,7 +569,9 @@ def test_an_observer_of_an_abort_that_raises_is_named_and_the_abort_happens(fake
         cache.update_and_fetch(layer, [0, 1], KV, KV)
     with pytest.raises(PluginStepError) as info:
         cache.abort_step()
-    assert str(info.value) == f"plugin 'p' from {dist} 1.0: kvlayout_step_aborted raised RuntimeError: abort observer exploded"
+    assert str(info.value) == (
+        f"plugin 'p' from {dist} 1.0: kvlayout_step_aborted raised RuntimeError: abort observer exploded"
+    )
     assert table_state(cache, [s]) == before  # aborted all the same
     assert cache.abort_step() is False  # and nothing is left open
 
@@ -652,7 +666,9 @@ def hook_run(request, row: str, source: str) -> subprocess.CompletedProcess:
     if row in SUBPROCESS:
         return request.getfixturevalue("hook_runs")[row]
     model = request.getfixturevalue("ring_dir" if row in RING_ROWS else "tiny_dir")
-    return in_process(request.getfixturevalue("fake_dists"), request.getfixturevalue("capsys"), row, source, None, run_args(model))
+    return in_process(
+        request.getfixturevalue("fake_dists"), request.getfixturevalue("capsys"), row, source, None, run_args(model)
+    )
 
 
 @pytest.mark.parametrize("row", STEP_HOOKS, ids=STEP_HOOKS)
@@ -668,7 +684,9 @@ def test_run_fails_the_samples_of_a_misbehaving_hook_says_why_once_and_exits_1(r
     assert "array(" not in errors[0]
     out = json.loads(done.stdout)
     [sample] = [s for r in out["requests"] for s in r["samples"]]
-    assert sample["finish_reason"] == "error" and errors[0] == f"kvlayout: error: 1 of 1 samples failed: {sample['error']}"
+    assert sample["finish_reason"] == "error" and errors[0] == (
+        f"kvlayout: error: 1 of 1 samples failed: {sample['error']}"
+    )
     assert out["stats"]["failed_forwards"] == 1  # a plugin's fault is not retried as a transient failure
     if row not in WARM_ROWS:
         assert sample["token_ids"] == []
@@ -689,7 +707,8 @@ def test_an_abort_observer_that_raises_fails_the_step_it_could_have_retried(fake
     from tests.runner.conftest import make_config
 
     dist = install(fake_dists, "abort-observer",
-                   hook("raise RuntimeError('abort observer exploded')", name="kvlayout_step_aborted", args="step, window"))
+                   hook("raise RuntimeError('abort observer exploded')",
+                        name="kvlayout_step_aborted", args="step, window"))
     model, args, tok, name = tiny_loaded
     calls = []
 
@@ -710,7 +729,9 @@ def test_an_abort_observer_that_raises_fails_the_step_it_could_have_retried(fake
     result = job.prepare(cfg, loaded=(fails_once, args, tok, name)).generate()
     [sample] = result.outputs[0]
     assert sample.finish_reason == "error"
-    assert sample.error == f"plugin 'p' from {dist} 1.0: kvlayout_step_aborted raised RuntimeError: abort observer exploded"
+    assert sample.error == (
+        f"plugin 'p' from {dist} 1.0: kvlayout_step_aborted raised RuntimeError: abort observer exploded"
+    )
     assert calls == [len(tok.encode("hello"))] and result.stats.failed_forwards == 1  # not retried
 
 
@@ -744,7 +765,8 @@ def kvlayout_builders():
 
 
 def test_a_failure_that_may_be_transient_is_retried_and_still_exits_1(fake_dists, capsys, tiny_dir):
-    done = in_process(fake_dists, capsys, "flaky-layout", FLAKY_LAYOUT, None, run_args(tiny_dir, "--layout", "fake:flaky"))
+    args = run_args(tiny_dir, "--layout", "fake:flaky")
+    done = in_process(fake_dists, capsys, "flaky-layout", FLAKY_LAYOUT, None, args)
     assert done.returncode == 1
     errors = [line for line in done.stderr.splitlines() if line.startswith("kvlayout: error")]
     assert errors == ["kvlayout: error: 1 of 1 samples failed: RuntimeError: the layout lost its pool"]

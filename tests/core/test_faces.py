@@ -11,8 +11,8 @@ from kvlayout.faces import (
     BatchControl,
     CacheControl,
     CellStep,
-    CellView,
     CellStepper,
+    CellView,
     FacesBase,
     KVCache,
     SequenceControl,
@@ -144,7 +144,7 @@ def test_a_face_object_exposes_its_contract_and_nothing_else():
     assert public(batch.as_batch_control()) == BATCH  # not place_step
     assert public(batch.as_cell_stepper()) == ["place_step"]
     with pytest.raises(AttributeError):
-        seq.as_control().update_and_fetch
+        _ = seq.as_control().update_and_fetch
 
 
 def test_a_face_object_forwards_calls_and_reads_properties_live():
@@ -159,6 +159,56 @@ def test_a_face_object_forwards_calls_and_reads_properties_live():
 def test_a_face_over_an_object_lacking_a_member_is_refused_naming_it():
     with pytest.raises(TypeError, match="PlainCache lacks .*rewind.* of the SequenceControl face"):
         face_of(SequenceControl, PlainCache())
+
+
+class Counts:
+    """The reads of a batch layout, kept apart from its verbs (as the cell layout's table is)."""
+
+    capacity, free_cells, used_end, max_seqs = 8, 6, 2, 4
+
+    def can_extend(self, n=1):
+        return n <= self.free_cells
+
+    def seq_len(self, seq_id):
+        return 2
+
+    def next_pos(self, seq_id):
+        return 2
+
+    def seq_new(self):  # the table's own primitive: the face takes the verbs' part's instead
+        return 99
+
+
+class Verbs:
+    """The verbs that change the cells (as the cell layout's stepper does, ending the open step)."""
+
+    def clear(self):
+        pass
+
+    def declare_step(self, seq_ids):
+        return True
+
+    def seq_new(self):
+        return 0
+
+    def seq_clone(self, src, upto=None):
+        return 1
+
+    def seq_rm(self, seq_id, p0=0, p1=None):
+        pass
+
+
+def test_a_face_over_several_parts_takes_each_member_from_the_first_part_that_has_it():
+    verbs, counts = Verbs(), Counts()
+    bc = face_of(BatchControl, verbs, counts)
+    assert isinstance(bc, BatchControl) and public(bc) == BATCH
+    assert bc.seq_new() == 0 and bc.seq_len(0) == 2 and bc.can_extend(6)  # the verbs' seq_new, the counts' reads
+    counts.free_cells = 3
+    assert bc.free_cells == 3  # read through, from the part that has it
+    with pytest.raises(
+        TypeError, match=r"^Verbs \+ PlainCache lacks can_extend, capacity, .* of the BatchControl face$"
+    ):
+        face_of(BatchControl, verbs, PlainCache())
 
 
 def test_protocols_are_runtime_checkable_against_what_a_cache_implements():

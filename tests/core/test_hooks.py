@@ -299,3 +299,28 @@ def test_a_wrapper_is_not_guarded_and_still_wraps(pm):
     pm.register(LowestFree())
     pm.register(Wrapper())
     assert choose(pm, 2).tolist() == [2, 3] and seen == [[2, 3]]
+
+
+def test_a_wrapper_that_replaces_the_answer_with_a_bad_one_is_the_plugin_named(pm):
+    class Replaces:
+        @hookimpl(wrapper=True)
+        def kvlayout_choose_cells(self, free, count):
+            yield
+            return [2, 2]
+
+    pm.register(LowestFree(), name="lowest")
+    pm.register(Replaces(), name="replaces")
+    with pytest.raises(
+        PluginStepError, match=r"^plugin 'replaces': kvlayout_choose_cells answered \[2, 2\]: .*more than once"
+    ):
+        choose(pm, 2)
+
+
+def test_the_registry_calls_implementations_through_pluggy_leaving_its_records_as_pluggy_made_them():
+    pm = make_plugin_manager()  # the shipped plugins, guarded
+    pm.register(HighestFree(), name="highest")
+    for caller in pm.hook.__dict__.values():
+        for impl in caller.get_hookimpls():
+            # each implementation pluggy calls is the attribute it found on the object registered
+            assert any(getattr(impl.plugin, a, None) == impl.function for a in dir(impl.plugin)), impl
+    assert choose(pm, 2, free=np.arange(200)).tolist() == [199, 198]

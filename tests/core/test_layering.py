@@ -5,7 +5,9 @@ imports, top-level or inside functions, are checked against the layering:
 the neutral core and the layouts' bookkeeping never import MLX; engines
 never import the runner, the bench or a layout package; nothing but the
 bench imports a layout package by name (layouts are reached through the
-registry); and no module imports another's underscored name.
+registry); no module imports another's underscored name; and no modules
+import each other in a circle, however deep, so an import moved inside a
+function (where it runs late enough not to fail) cannot hide one.
 """
 
 from __future__ import annotations
@@ -31,19 +33,24 @@ NEUTRAL = [
 LAYOUTS = ("kvlayout_seq", "kvlayout_cell")
 # (importer prefix, forbidden prefixes): each part imports downward only.
 FORBIDDEN = [
-    ("kvlayout.mlx", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
-    ("kvlayout.models", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
-    ("kvlayout.engines", ("kvlayout.runner", "kvlayout.server", "kvlayout.models", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
-    ("kvlayout.distributed", ("kvlayout.runner", "kvlayout.server", "kvlayout.models", "kvlayout.engines", "kvlayout.bench",
-                              "kvlayout.cli", *LAYOUTS)),
+    ("kvlayout.mlx", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli",
+                      *LAYOUTS)),
+    ("kvlayout.models", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli",
+                         *LAYOUTS)),
+    ("kvlayout.engines", ("kvlayout.runner", "kvlayout.server", "kvlayout.models", "kvlayout.bench", "kvlayout.cli",
+                          *LAYOUTS)),
+    ("kvlayout.distributed", ("kvlayout.runner", "kvlayout.server", "kvlayout.models", "kvlayout.engines",
+                              "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
     ("kvlayout.runner", ("kvlayout.server", "kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
     ("kvlayout.server", ("kvlayout.bench", "kvlayout.cli", *LAYOUTS)),
-    ("kvlayout_seq", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", "kvlayout_cell")),
-    ("kvlayout_cell", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli", "kvlayout_seq")),
+    ("kvlayout_seq", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli",
+                      "kvlayout_cell")),
+    ("kvlayout_cell", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli",
+                       "kvlayout_seq")),
 ]
 for core in ("builder", "checks", "config", "errors", "faces", "hookspecs", "persist", "pool", "registry", "spec"):
-    FORBIDDEN.append((f"kvlayout.{core}", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench", "kvlayout.cli",
-                                           "kvlayout.mlx", *LAYOUTS)))
+    FORBIDDEN.append((f"kvlayout.{core}", ("kvlayout.runner", "kvlayout.server", "kvlayout.engines", "kvlayout.bench",
+                                           "kvlayout.cli", "kvlayout.mlx", *LAYOUTS)))
 
 
 def modules() -> dict[str, Path]:
@@ -140,3 +147,59 @@ def test_a_module_breaking_each_rule_is_caught(tmp_path):
         "underscored: kvlayout_cell.table._owns",
         "underscored attribute: table._pos",
     ]
+
+
+def import_graph(found: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules of `found` it imports, top-level or inside functions: `from a import b`
+    is an import of module a.b when that is a module, else of a."""
+    graph = {}
+    for name, path in found.items():
+        targets = set()
+        for module, names in imports(name, path):
+            submodules = {f"{module}.{n}" for n in names} & found.keys()
+            targets |= submodules
+            if module in found and (not names or len(submodules) < len(names)):
+                targets.add(module)
+        graph[name] = targets - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other in a circle (strongly connected, more than one), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert circles(import_graph(MODULES)) == []
+
+
+def test_a_circle_hidden_by_an_import_inside_a_function_is_caught(tmp_path):
+    (tmp_path / "cache.py").write_text("from kvlayout_cell import persist\n")
+    (tmp_path / "persist.py").write_text("def load_cache(f):\n    from kvlayout_cell.cache import CellCache\n")
+    (tmp_path / "plugin.py").write_text("def _build(config):\n    from kvlayout_cell.cache import CellCache\n")
+    found = {f"kvlayout_cell.{p.stem}": p for p in tmp_path.iterdir()}
+    assert circles(import_graph(found)) == [["kvlayout_cell.cache", "kvlayout_cell.persist"]]

@@ -179,7 +179,7 @@ def test_load_refuses_a_config_other_than_the_expected_one(tmp_path):
     other = attrs.evolve(CONFIG, capacity=32)
     with pytest.raises(StateError, match=r"another config \(capacity: 16 vs 32\)"):
         kvlayout.load(path, config=other)
-    assert kvlayout.load(path, config=CONFIG).capacity == 16
+    assert kvlayout.load(path, config=CONFIG).as_control().capacity == 16
 
 
 def test_load_refuses_a_layout_whose_builder_cannot_load(tmp_path):

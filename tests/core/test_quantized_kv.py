@@ -15,7 +15,14 @@ import pytest
 
 import kvlayout
 from kvlayout import (
-    AttendBatch, AttendGroups, AttendSpec, CacheConfig, ConfigError, KVLayoutError, LayerConfig, MaskKind,
+    AttendBatch,
+    AttendGroups,
+    AttendSpec,
+    CacheConfig,
+    ConfigError,
+    KVLayoutError,
+    LayerConfig,
+    MaskKind,
 )
 from kvlayout.mlx import QuantizedPool, attend, cell_bytes, kv_pool, pool_bytes, slot_bytes
 from kvlayout.mlx.pool import MLXPool

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import kvlayout
-from kvlayout import Builder, DuplicateLayout, KVLayoutError, LayoutNotFound, PluginError, hookimpl, registry
+from kvlayout import Builder, DuplicateLayout, LayoutNotFound, PluginError, hookimpl, registry
 from kvlayout.registry import available, build, make_plugin_manager, resolve
 
 
@@ -46,7 +46,8 @@ def test_a_broken_plugin_is_recorded_and_skipped_and_said_once_by_whoever_runs(p
     assert not pm.has_plugin("kvlayout-fake-broken:broken")
     assert resolve("fake", "good", pm).distribution == "kvlayout-fake-good"  # the others still load
     assert registry.notices(pm) == [
-        "skipped plugin 'broken' from kvlayout-fake-broken 0.0.1: ImportError: kvl_fake_broken cannot find its native library"
+        "skipped plugin 'broken' from kvlayout-fake-broken 0.0.1: "
+        "ImportError: kvl_fake_broken cannot find its native library"
     ]
 
 
@@ -54,7 +55,8 @@ def test_a_missing_key_names_the_plugins_that_were_skipped(plugin_world):
     with pytest.raises(LayoutNotFound) as info:
         resolve("fake", "broken", make_plugin_manager())
     assert str(info.value).endswith(
-        "; skipped: plugin 'broken' from kvlayout-fake-broken 0.0.1 (ImportError: kvl_fake_broken cannot find its native library)"
+        "; skipped: plugin 'broken' from kvlayout-fake-broken 0.0.1 "
+        "(ImportError: kvl_fake_broken cannot find its native library)"
     )
 
 
@@ -150,7 +152,8 @@ def test_a_plugin_returning_something_else_than_builders_is_skipped_and_named(fa
 
     fake_dists.add(
         "kvlayout-fake-odd", "3.0", {"odd": "kvl_fake_odd"},
-        {"kvl_fake_odd": "from kvlayout import hookimpl\n\n@hookimpl\ndef kvlayout_builders():\n    return ['fake:odd']\n"},
+        {"kvl_fake_odd": "from kvlayout import hookimpl\n\n@hookimpl\n"
+                         "def kvlayout_builders():\n    return ['fake:odd']\n"},
     )
     fake_dists.add("kvlayout-fake-good", "1.2.3", {"good": "kvl_fake_good"}, {"kvl_fake_good": GOOD_PLUGIN})
     pm = make_plugin_manager()
@@ -226,7 +229,9 @@ def test_plugins_lists_every_registered_plugin_with_its_hooks(fake_dists):
     )
     pm = make_plugin_manager()
     [watch] = [p for p in pm.plugins() if p.distribution == "kvlayout-fake-watch"]
-    assert (watch.name, watch.version, watch.hooks) == ("watch", "0.3", ("kvlayout_step_aborted", "kvlayout_step_placed"))
+    assert (watch.name, watch.version, watch.hooks) == (
+        "watch", "0.3", ("kvlayout_step_aborted", "kvlayout_step_placed")
+    )
     assert fakes(available(pm)) == []  # a plugin with no layout is still a plugin
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import mlx_lm.utils as mlx_lm_utils  # the independent oracle; a test extra, never skipped
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import QuantizedKVCache
 
 import kvlayout
 from kvlayout.errors import ConfigError
@@ -21,10 +24,6 @@ from kvlayout.models.presets import write_preset
 from kvlayout.runner import job
 from kvlayout.runner.report import print_report
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
-
-import mlx_lm.utils as mlx_lm_utils  # the independent oracle; a test extra, never skipped
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import QuantizedKVCache
 
 STEPS = 10
 
@@ -45,7 +44,9 @@ def mlx_lm_greedy(model_dir: Path, prompt: list[int], bits: int, group: int) -> 
     theirs, _ = mlx_lm_utils.load_model(model_dir)
     theirs.set_dtype(mx.float16)
     cache = [QuantizedKVCache(group_size=group, bits=bits) for _ in theirs.layers]  # quantized from the prefill on
-    steps = generate_step(mx.array(prompt), theirs, max_tokens=STEPS, prompt_cache=cache, sampler=lambda x: mx.argmax(x, -1))
+    steps = generate_step(
+        mx.array(prompt), theirs, max_tokens=STEPS, prompt_cache=cache, sampler=lambda x: mx.argmax(x, -1)
+    )
     return [int(t) for t, _ in steps]
 
 
@@ -56,12 +57,12 @@ def our_greedy(model, args, layout: str, prompt: list[int], kv_dtype: str, group
         capacity=128, n_layers=args.num_hidden_layers, layers=layers[:1], kv_dtype=kv_dtype, kv_group_size=group
     )
     cache = kvlayout.build(*layout.split(":"), config)
-    seq = cache.seq_new() if layout == "mlx:cell" else None
+    seq = cache.as_batch_control().seq_new() if layout == "mlx:cell" else None
     tokens, start, out = list(prompt), 0, []
     for _ in range(STEPS):
         new = tokens[start:]
         if seq is not None:
-            assert cache.declare_step([seq] * len(new))
+            assert cache.as_batch_control().declare_step([seq] * len(new))
         logits = model(new, range(start, start + len(new)), cache, rows=[len(new) - 1])  # [1, V]
         out.append(int(mx.argmax(logits[0]).item()))
         start = len(tokens)
@@ -100,7 +101,9 @@ def test_a_batched_cell_run_gives_each_sequence_what_seq_gives_it_alone(d64_load
     assert cell.stats.peak_cells < cell.stats.peak_tokens  # the forks shared their prompt's quantized cells
     assert token_ids(cell) == token_ids(seq)
     # And the bits matter: float32 K/V gives other tokens somewhere on this random model.
-    floats = job.run(make_config(d64_dir, "mlx:cell", requests=requests, engine={"prefill_chunk": 16}), loaded=d64_loaded)
+    floats = job.run(
+        make_config(d64_dir, "mlx:cell", requests=requests, engine={"prefill_chunk": 16}), loaded=d64_loaded
+    )
     assert token_ids(floats) != token_ids(cell) or kv_dtype == "q8"
 
 

@@ -38,20 +38,20 @@ class ThreeTokenSteps(FacesBase):
 
     @property
     def capacity(self) -> int:
-        return self.inner.capacity
+        return self.inner.as_control().capacity
 
     @property
     def length(self) -> int:
-        return self.inner.length
+        return self.inner.as_control().length
 
     def can_extend(self, n: int = 1) -> bool:
-        return self.inner.can_extend(n)
+        return self.inner.as_control().can_extend(n)
 
     def clear(self) -> None:
-        self.inner.clear()
+        self.inner.as_control().clear()
 
     def rewind(self, new_len: int) -> bool:
-        return self.inner.rewind(new_len)
+        return self.inner.as_control().rewind(new_len)
 
     def abort_step(self) -> bool:
         return self.inner.abort_step()
@@ -85,7 +85,9 @@ def test_a_third_party_seq_layout_gets_steps_within_its_own_rule_and_the_same_to
 ):
     requests = [{"prompt": SYSTEM + q, "max_tokens": 8, "n": 2} for q in QUESTIONS]
     # A chunk of 16 is what the shipped seq layout takes on this model (no ring layer bounds it).
-    shipped = job.run(make_config(tiny_dir, "mlx:seq", requests=requests, engine={"prefill_chunk": 16}), loaded=tiny_loaded)
+    shipped = job.run(
+        make_config(tiny_dir, "mlx:seq", requests=requests, engine={"prefill_chunk": 16}), loaded=tiny_loaded
+    )
     cfg = make_config(tiny_dir, "test:three", requests=requests, engine={"prefill_chunk": 16})
     prepared = job.prepare(cfg, loaded=tiny_loaded)
     result = prepared.generate()

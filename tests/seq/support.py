@@ -56,7 +56,7 @@ def rows(mask) -> list[str]:
 def snapshot(cache: SeqCache) -> dict:
     """Everything a refused call must leave as it was: counts, ring records, every pool byte."""
     return dict(
-        length=cache.length,
+        length=cache.as_control().length,
         floor=cache.book.floor,
         retained=[getattr(p, "retained", None) for p in cache.book.policies],
         slots=[p.slots for p in cache.key_pools + cache.value_pools],
@@ -88,7 +88,7 @@ def wrapped_cache() -> SeqCache:
     cache = make_cache(windows=(0, 4), capacity=12, max_write=2)
     k, v = kv(10)
     forward(cache, 0, k, v, chunk=2)
-    assert (cache.length, cache.book.floor) == (10, 8)
+    assert (cache.as_control().length, cache.book.floor) == (10, 8)
     return cache
 
 

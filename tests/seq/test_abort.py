@@ -14,7 +14,7 @@ from tests.seq.support import forward, kv, make_cache, step
 
 
 def book_state(cache) -> tuple:
-    return cache.length, cache.book.floor, [getattr(p, "retained", None) for p in cache.book.policies]
+    return cache.as_control().length, cache.book.floor, [getattr(p, "retained", None) for p in cache.book.policies]
 
 
 def test_the_seq_cache_implements_the_step_abort_face():
@@ -27,7 +27,7 @@ def test_an_appending_step_aborted_after_one_layer_returns_everything_on_flat_la
     forward(cache, 0, k[:, :, :6], v[:, :, :6])
     before = book_state(cache)
     step(cache, 6, k[:, :, 6:9], v[:, :, 6:9], layer=0)  # layers 1 and 2 never run
-    assert cache.length == 9
+    assert cache.as_control().length == 9
     assert cache.abort_step() is True
     assert book_state(cache) == before
     assert cache.abort_step() is False
@@ -53,10 +53,10 @@ def test_a_ring_that_was_written_keeps_its_record_and_the_floor_stays_at_or_belo
     step(cache, 12, k[:, :, 12:16], v[:, :, 12:16], layer=0)  # the ring layer ran, overwrote 5..8
     retained = cache.book.policies[0].retained
     assert cache.abort_step()
-    assert cache.length == length == 12
+    assert cache.as_control().length == length == 12
     assert cache.book.policies[0].retained == retained  # what the ring overwrote stays unreachable
-    assert floor <= cache.book.floor <= cache.length
-    assert cache.rewind(cache.book.floor - 1) is False  # below what the written ring still holds
+    assert floor <= cache.book.floor <= cache.as_control().length
+    assert cache.as_control().rewind(cache.book.floor - 1) is False  # below what the written ring still holds
 
 
 def test_a_step_that_overwrote_below_the_length_keeps_only_what_lies_before_it():
@@ -65,18 +65,18 @@ def test_a_step_that_overwrote_below_the_length_keeps_only_what_lies_before_it()
     forward(cache, 0, k[:, :, :8], v[:, :, :8])
     step(cache, 5, k[:, :, 5:7], v[:, :, 5:7], layer=0)  # overwrites 5, 6 in layer 0 only
     assert cache.abort_step()
-    assert cache.length == 5  # positions 5..7 are no longer whole in every layer
+    assert cache.as_control().length == 5  # positions 5..7 are no longer whole in every layer
 
 
 def test_rewind_and_clear_end_the_step():
     cache = make_cache(windows=(0, 0))
     k, v = kv(6)
     forward(cache, 0, k[:, :, :4], v[:, :, :4])
-    assert cache.rewind(3)
-    assert cache.abort_step() is False and cache.length == 3
+    assert cache.as_control().rewind(3)
+    assert cache.abort_step() is False and cache.as_control().length == 3
     forward(cache, 3, k[:, :, 3:5], v[:, :, 3:5])
-    cache.clear()
-    assert cache.abort_step() is False and cache.length == 0
+    cache.as_control().clear()
+    assert cache.abort_step() is False and cache.as_control().length == 0
 
 
 def test_a_rewind_that_would_keep_part_of_a_half_written_step_is_refused_and_leaves_it_open():
@@ -86,9 +86,9 @@ def test_a_rewind_that_would_keep_part_of_a_half_written_step_is_refused_and_lea
     step(cache, 2, k[:, :, 2:4], v[:, :, 2:4], layer=0)  # layer 1 has not written 2..3
     for new_len in (3, 4, 5):
         with pytest.raises(StepError, match=rf"rewind\(new_len={new_len}\) during a forward: layer\(s\) \[1\]"):
-            cache.rewind(new_len)
-    assert cache.length == 4 and cache.book.open_step() == (2, [1])
-    assert cache.rewind(2) and cache.length == 2  # to its start: nothing of it is kept
+            cache.as_control().rewind(new_len)
+    assert cache.as_control().length == 4 and cache.book.open_step() == (2, [1])
+    assert cache.as_control().rewind(2) and cache.as_control().length == 2  # to its start: nothing of it is kept
     assert cache.abort_step() is False
 
 
@@ -100,9 +100,11 @@ def test_a_step_past_a_half_written_one_is_refused_and_the_forward_goes_on():
     forward(cache, 0, k[:, :, :2], v[:, :, :2])
     step(cache, 2, k[:, :, 2:3], v[:, :, 2:3], layer=0)
     for layer in (0, 1):
-        with pytest.raises(StepError, match=r"positions start at 3, past the step at 2 that layer\(s\) \[1\] have not written"):
+        with pytest.raises(
+            StepError, match=r"positions start at 3, past the step at 2 that layer\(s\) \[1\] have not written"
+        ):
             step(cache, 3, k[:, :, 3:4], v[:, :, 3:4], layer=layer)
-    assert cache.length == 3 and cache.book.open_step() == (2, [1])
+    assert cache.as_control().length == 3 and cache.book.open_step() == (2, [1])
     spec = step(cache, 2, k[:, :, 2:3], v[:, :, 2:3], layer=1)  # layer 1 serves the open step after all
     assert cache.book.open_step() is None
     np.testing.assert_array_equal(np.array(spec.keys), np.array(k[:, :, :3]))  # what was written, no zeros
@@ -115,7 +117,7 @@ def test_a_re_feed_from_the_start_of_a_half_written_step_rewrites_it_on_every_la
     forward(cache, 0, k[:, :, :2], v[:, :, :2])
     step(cache, 2, k[:, :, 2:4], v[:, :, 2:4], layer=0)  # a forward that failed before layer 1
     specs = forward(cache, 1, k2[:, :, 1:3], v2[:, :, 1:3])  # re-fed from below its start, every layer
-    assert cache.length == 3 and cache.book.open_step() is None
+    assert cache.as_control().length == 3 and cache.book.open_step() is None
     want = np.concatenate([np.array(k[:, :, :1]), np.array(k2[:, :, 1:3])], axis=2)
     for spec in specs:
         np.testing.assert_array_equal(np.array(spec.keys), want)
@@ -180,7 +182,7 @@ def test_generation_continues_exactly_as_without_the_failed_step(fail_layer, win
             with pytest.raises(Boom):
                 run_stack(stack, cache, x[:, 8:10], 8, fail_layer)
             assert cache.abort_step()
-            assert cache.length == 8
+            assert cache.as_control().length == 8
         outs[name] = [np.array(run_stack(stack, cache, x[:, s : s + 2], s)) for s in range(8, 16, 2)]
     for got, want in zip(outs["failed"], outs["clean"], strict=True):
         np.testing.assert_array_equal(got, want)

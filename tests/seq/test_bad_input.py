@@ -20,7 +20,6 @@ import pytest
 import kvlayout.config
 from kvlayout import ConfigError, KVLayoutError, StepError
 from kvlayout_seq.mlx_cache import SeqCache
-
 from tests.seq.support import D, H, assert_same, one, snapshot, wrapped_cache
 
 HUGE, BIG, U64 = 2**70, 2**62, 2**63
@@ -35,7 +34,7 @@ def still_works(cache) -> None:
     """The corrected step goes through on every layer."""
     for layer in range(cache.n_layers):
         cache.update_and_fetch(layer, [10], one(), one())
-    assert cache.length == 11
+    assert cache.as_control().length == 11
 
 
 K, V = one(), one(seed=10)
@@ -111,7 +110,7 @@ VERBS = {
 def test_a_bad_count_is_refused_by_name_and_changes_nothing(cache, verb, args, message):
     before = snapshot(cache)
     with pytest.raises(KVLayoutError) as info:
-        getattr(cache, verb)(*args)
+        getattr(cache.as_control(), verb)(*args)
     assert isinstance(info.value, StepError), type(info.value)
     assert message in str(info.value), str(info.value)
     assert_same(snapshot(cache), before)
@@ -121,7 +120,7 @@ def test_a_bad_count_is_refused_by_name_and_changes_nothing(cache, verb, args, m
 @pytest.mark.parametrize("verb, args", [("rewind", (2**70,)), ("can_extend", (2**70,)), ("rewind", (11,))])
 def test_a_count_too_large_is_an_answer_not_an_error(cache, verb, args):
     before = snapshot(cache)
-    assert getattr(cache, verb)(*args) is False
+    assert getattr(cache.as_control(), verb)(*args) is False
     assert_same(snapshot(cache), before)
 
 
@@ -130,8 +129,9 @@ def test_a_count_too_large_is_an_answer_not_an_error(cache, verb, args):
 # Layer 0 has written the step at 10, layer 1 not yet. A rewind keeping position 10, or a step
 # starting past it, would leave it unwritten in layer 1 (read as zeros ever after): refused.
 MID_FORWARD = {
-    "rewind to the length": (lambda c, d: c.rewind(11), r"rewind\(new_len=11\) during a forward: layer\(s\) \[1\]"),
-    "rewind past the length": (lambda c, d: c.rewind(12), r"rewind\(new_len=12\) during a forward"),
+    "rewind to the length": (
+        lambda c, d: c.as_control().rewind(11), r"rewind\(new_len=11\) during a forward: layer\(s\) \[1\]"),
+    "rewind past the length": (lambda c, d: c.as_control().rewind(12), r"rewind\(new_len=12\) during a forward"),
     "a step past it, layer 0": (lambda c, d: c.update_and_fetch(0, [11], K, V), r"start at 11, past the step at 10"),
     "a step past it, layer 1": (lambda c, d: c.update_and_fetch(1, [11], K, V), r"start at 11, past the step at 10"),
     "save": (lambda c, d: c.save(d / "c.kv"), r"save during a forward: layer\(s\) \[1\]"),
@@ -147,7 +147,7 @@ def test_a_call_in_the_middle_of_a_forward_is_refused_and_changes_nothing(cache,
     assert_same(snapshot(cache), before)
     assert list(tmp_path.iterdir()) == []
     cache.update_and_fetch(1, [10], one(), one())  # the forward goes on
-    assert (cache.length, cache.book.open_step()) == (11, None)
+    assert (cache.as_control().length, cache.book.open_step()) == (11, None)
 
 
 LAYER = {"n_kv_heads": H, "head_dim": D}
@@ -159,7 +159,8 @@ CONFIGS = {
     "capacity zero": ({"capacity": 0, "n_layers": 1, "layers": [LAYER]}, "capacity"),
     "capacity 2**70 as a float": ({"capacity": float(HUGE), "n_layers": 1, "layers": [LAYER]}, "capacity"),
     "an unknown key": ({"capacity": 8, "n_layers": 1, "layers": [LAYER], "window": 4}, "window"),
-    "a ring without a window": ({"capacity": 8, "n_layers": 1, "layers": [{**LAYER, "policy": {"kind": "ring"}}]}, "window"),
+    "a ring without a window": (
+        {"capacity": 8, "n_layers": 1, "layers": [{**LAYER, "policy": {"kind": "ring"}}]}, "window"),
 }
 
 
@@ -173,17 +174,24 @@ def test_a_cache_from_a_bad_config_is_refused_by_name(config, message):
 
 RING = {**LAYER, "policy": {"kind": "ring", "window": 10**12}}
 SIZES = {
-    "capacity 10**12": ({"capacity": 10**12, "n_layers": 2, "layers": [LAYER]}, r"capacity=1000000000000: layer 0's pools would span 1000000000000 slots"),
-    "capacity 2**63-1": ({"capacity": 2**63 - 1, "n_layers": 1, "layers": [LAYER]}, rf"capacity={2**63 - 1}: .*past the 2147483647"),
+    "capacity 10**12": (
+        {"capacity": 10**12, "n_layers": 2, "layers": [LAYER]},
+        r"capacity=1000000000000: layer 0's pools would span 1000000000000 slots"),
+    "capacity 2**63-1": (
+        {"capacity": 2**63 - 1, "n_layers": 1, "layers": [LAYER]}, rf"capacity={2**63 - 1}: .*past the 2147483647"),
     "capacity 2**31": ({"capacity": 2**31, "n_layers": 1, "layers": [LAYER]}, r"2147483648 slots .*lower capacity"),
-    "a ring of 10**12 over capacity 2**31": ({"capacity": 2**31, "n_layers": 2, "layers": [LAYER, RING]}, r"layer 0's pools"),
+    "a ring of 10**12 over capacity 2**31": (
+        {"capacity": 2**31, "n_layers": 2, "layers": [LAYER, RING]}, r"layer 0's pools"),
     "a ring of 10**12 mirrored": (
-        {"capacity": 2**31 - 1, "n_layers": 1, "max_write": 1, "layers": [{**LAYER, "policy": {"kind": "ring", "window": 2**30 + 10}}]},
+        {"capacity": 2**31 - 1, "n_layers": 1, "max_write": 1,
+         "layers": [{**LAYER, "policy": {"kind": "ring", "window": 2**30 + 10}}]},
         r"2147483668 slots \(a ring of window=1073741834 and max_write=1 keeps 1073741834, twice over"),
-    "n_kv_heads 2**40": ({"capacity": 8, "n_layers": 1, "initial_capacity": 0, "layers": [{"n_kv_heads": 2**40, "head_dim": D}]},
-                         rf"LayerConfig.n_kv_heads={2**40}: expected at most 2147483647"),
-    "head_dim 2**33": ({"capacity": 8, "n_layers": 1, "initial_capacity": 0, "layers": [{"n_kv_heads": H, "head_dim": 2**33}]},
-                       rf"LayerConfig.head_dim={2**33}: expected at most 2147483647"),
+    "n_kv_heads 2**40": (
+        {"capacity": 8, "n_layers": 1, "initial_capacity": 0, "layers": [{"n_kv_heads": 2**40, "head_dim": D}]},
+        rf"LayerConfig.n_kv_heads={2**40}: expected at most 2147483647"),
+    "head_dim 2**33": (
+        {"capacity": 8, "n_layers": 1, "initial_capacity": 0, "layers": [{"n_kv_heads": H, "head_dim": 2**33}]},
+        rf"LayerConfig.head_dim={2**33}: expected at most 2147483647"),
 }
 
 

@@ -11,7 +11,6 @@ import pytest
 from kvlayout import KVLayoutError, StepError
 from kvlayout.spec import MaskKind
 from kvlayout_seq.bookkeeping import Run, SeqBook, SeqStepPlan, band_mask
-
 from tests.seq.support import rows
 
 

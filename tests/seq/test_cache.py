@@ -8,7 +8,6 @@ import pytest
 
 from kvlayout import CacheConfig, CapacityError, ConfigError, MaskKind, StepError
 from kvlayout_seq.mlx_cache import SeqCache
-
 from tests.seq.support import forward, kv, layer, make_cache, rows, step, tokens
 
 
@@ -19,7 +18,7 @@ def test_prefill_of_4_is_causal_and_returns_the_input():
     assert spec.mask_kind is MaskKind.CAUSAL and spec.mask is None
     np.testing.assert_array_equal(np.array(spec.keys), np.array(k))
     np.testing.assert_array_equal(np.array(spec.values), np.array(v))
-    assert cache.length == 4
+    assert cache.as_control().length == 4
 
 
 def test_a_decode_after_prefill_needs_no_mask_and_sees_the_concatenation():
@@ -36,10 +35,10 @@ def test_position_32_in_a_capacity_32_cache_raises():
     cache = make_cache(capacity=32)
     k, v = kv(33)
     step(cache, 0, k[:, :, :32], v[:, :, :32])
-    assert not cache.can_extend()
+    assert not cache.as_control().can_extend()
     with pytest.raises(CapacityError, match="32"):
         step(cache, 32, k[:, :, 32:], v[:, :, 32:])
-    assert cache.length == 32
+    assert cache.as_control().length == 32
 
 
 def test_fp32_into_fp16_storage_equals_a_plain_cast():
@@ -143,14 +142,14 @@ def test_a_ring_step_of_5_with_window_4_is_refused():
     k, v = kv(5)
     with pytest.raises(StepError, match="5 token.*max_write=4"):
         step(cache, 0, k, v)
-    assert cache.length == 0
+    assert cache.as_control().length == 0
 
 
 def test_after_rewind_3_a_new_token_attends_exactly_the_kept_three_and_itself():
     cache = make_cache()
     k, v = kv(5)
     step(cache, 0, k, v)
-    assert cache.rewind(3)
+    assert cache.as_control().rewind(3)
     k2, v2 = kv(1, seed=1)
     spec = step(cache, 3, k2, v2)
     assert spec.mask_kind is MaskKind.NONE
@@ -158,18 +157,18 @@ def test_after_rewind_3_a_new_token_attends_exactly_the_kept_three_and_itself():
     want_v = np.concatenate([tokens(v, [0, 1, 2]), np.array(v2)], axis=2)
     np.testing.assert_array_equal(np.array(spec.keys), want_k)
     np.testing.assert_array_equal(np.array(spec.values), want_v)
-    assert cache.length == 4
+    assert cache.as_control().length == 4
 
 
 def test_flat_plus_ring4_at_length_10_rewinds_to_6_but_not_5_or_11():
     cache = make_cache(windows=(0, 4))
     k, v = kv(10)
     forward(cache, 0, k, v, chunk=4)
-    assert cache.length == 10
-    assert not cache.rewind(5)
-    assert not cache.rewind(11)
-    assert cache.rewind(6)
-    assert cache.length == 6
+    assert cache.as_control().length == 10
+    assert not cache.as_control().rewind(5)
+    assert not cache.as_control().rewind(11)
+    assert cache.as_control().rewind(6)
+    assert cache.as_control().length == 6
 
 
 def test_after_a_ring_rewind_the_next_token_sees_the_window_it_would_have_seen():
@@ -178,8 +177,8 @@ def test_after_a_ring_rewind_the_next_token_sees_the_window_it_would_have_seen()
     k, v = kv(10)
     for t in range(10):
         step(cache, t, k[:, :, t : t + 1], v[:, :, t : t + 1])
-    assert not cache.rewind(8)
-    assert cache.rewind(9)
+    assert not cache.as_control().rewind(8)
+    assert cache.as_control().rewind(9)
     k2, v2 = kv(1, seed=2)
     spec = step(cache, 9, k2, v2)
     want = np.concatenate([tokens(k, [6, 7, 8]), np.array(k2)], axis=2)
@@ -191,7 +190,7 @@ def test_every_layer_of_one_forward_writes_the_same_positions():
     k, v = kv(3)
     for i in range(3):
         spec = step(cache, 0, k, v, i)
-        assert cache.length == 3
+        assert cache.as_control().length == 3
         np.testing.assert_array_equal(np.array(spec.keys), np.array(k))
 
 
@@ -201,7 +200,7 @@ def test_a_step_below_the_length_overwrites_and_truncates_to_its_end():
     step(cache, 0, k, v)
     k2, v2 = kv(1, seed=3)
     spec = step(cache, 2, k2, v2)
-    assert cache.length == 3
+    assert cache.as_control().length == 3
     want = np.concatenate([tokens(k, [0, 1]), np.array(k2)], axis=2)
     np.testing.assert_array_equal(np.array(spec.keys), want)
 
@@ -223,8 +222,8 @@ def test_clear_starts_a_new_sequence_at_zero():
     cache = make_cache(windows=(0, 4), max_write=1)
     k, v = kv(6)
     forward(cache, 0, k, v, chunk=1)
-    cache.clear()
-    assert cache.length == 0 and cache.can_extend(32)
+    cache.as_control().clear()
+    assert cache.as_control().length == 0 and cache.as_control().can_extend(32)
     k2, v2 = kv(1, seed=4)
     for spec in forward(cache, 0, k2, v2):
         np.testing.assert_array_equal(np.array(spec.keys), np.array(k2))
@@ -242,7 +241,7 @@ def test_the_cache_offers_a_sequence_control_face_with_its_contracts_verbs_only(
     assert cache.as_batch_control() is None and cache.as_cell_stepper() is None
     assert control.capacity == 32
     forward(cache, 0, *kv(3))
-    assert control.length == 3 and control.rewind(1) and cache.length == 1
+    assert control.length == 3 and control.rewind(1) and cache.as_control().length == 1
 
 
 def test_heads_and_head_dim_follow_each_layers_config():

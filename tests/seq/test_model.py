@@ -14,7 +14,6 @@ import pytest
 
 from kvlayout import CacheConfig, LayerConfig, LayerPolicy
 from kvlayout_seq.mlx_cache import SeqCache
-
 from tests.helpers import TinyStack
 
 N = 40
@@ -64,7 +63,7 @@ def test_incremental_forward_equals_the_cache_free_forward(windows, chunks):
     x = stack.tokens(N, seed=0)
     cache = build(stack, windows, max_write=max(chunks))
     outputs = run(stack, cache, x, 0, chunks)
-    assert cache.length == N
+    assert cache.as_control().length == N
     assert_matches(outputs, stack.forward_reference(x, windows))
 
 
@@ -76,8 +75,8 @@ def test_after_a_rewind_the_forward_equals_the_cache_free_forward_of_the_new_seq
     cache = build(stack, windows, max_write=5)
     before = run(stack, cache, x, 0, [5] * 6)
     assert_matches(before, stack.forward_reference(x[:, :30], windows))
-    assert cache.rewind(27)
+    assert cache.as_control().rewind(27)
     spliced = mx.concatenate([x[:, :27], y[:, 27:]], axis=1)
     after = run(stack, cache, spliced, 27, [1, 1, 5, 5, 1])
-    assert cache.length == N
+    assert cache.as_control().length == N
     assert_matches(after, stack.forward_reference(spliced, windows))

@@ -26,13 +26,13 @@ def kept_bits(cache: SeqCache) -> list[bytes]:
     """What the file keeps: a flat layer's [0, length), a ring's every slot."""
     out = []
     for policy, kp, vp in zip(cache.book.layers, cache.key_pools, cache.value_pools):
-        n = policy.slots if policy.kind == "ring" else cache.length
+        n = policy.slots if policy.kind == "ring" else cache.as_control().length
         out += [bits(kp.read(0, n)), bits(vp.read(0, n))]
     return out
 
 
 def book(cache: SeqCache) -> tuple:
-    return cache.length, cache.book.floor, [getattr(p, "retained", None) for p in cache.book.policies]
+    return cache.as_control().length, cache.book.floor, [getattr(p, "retained", None) for p in cache.book.policies]
 
 
 def run(stack, cache, x, start):
@@ -73,15 +73,17 @@ def test_a_restored_cache_generates_exactly_as_the_original_goes_on(tmp_path, kv
     cache, stack, x = filled(kv_dtype, n=n)
     back = kvlayout.load(cache.save(tmp_path / "seq.safetensors"))
     for start in range(n, n + 10, 2):
-        np.testing.assert_array_equal(run(stack, back, x[:, start : start + 2], start), run(stack, cache, x[:, start : start + 2], start))
+        np.testing.assert_array_equal(
+            run(stack, back, x[:, start : start + 2], start), run(stack, cache, x[:, start : start + 2], start)
+        )
 
 
 def test_rewind_after_a_restore_is_bounded_as_before(tmp_path):
     cache, _, _ = filled()
     back = kvlayout.load(cache.save(tmp_path / "seq.safetensors"))
     floor = cache.book.floor
-    assert back.rewind(floor - 1) is False and cache.rewind(floor - 1) is False
-    assert back.rewind(floor) and cache.rewind(floor)
+    assert back.as_control().rewind(floor - 1) is False and cache.as_control().rewind(floor - 1) is False
+    assert back.as_control().rewind(floor) and cache.as_control().rewind(floor)
 
 
 def test_an_empty_cache_round_trips(tmp_path):
@@ -105,7 +107,12 @@ def test_a_state_whose_length_is_past_the_tensors_is_refused(tmp_path):
     good = persist.read_state(cache.save(tmp_path / "good.safetensors"))
     state = {**good.state, "length": good.state["length"] + 1}
     persist.save_state(
-        tmp_path / "bad.safetensors", layout="mlx:seq", content="cache", config=cache.config, state=state, tensors=good.tensors
+        tmp_path / "bad.safetensors",
+        layout="mlx:seq",
+        content="cache",
+        config=cache.config,
+        state=state,
+        tensors=good.tensors,
     )
     with pytest.raises(StateError, match="tensor 'k.0' is F32\\[1, 2, 14, 4\\], expected F32\\[1, 2, 15, 4\\]"):
         kvlayout.load(tmp_path / "bad.safetensors")

@@ -26,11 +26,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvlayout import KVLayoutError, MaskKind, StepError
-
 from tests.seq.support import D, H, assert_same, make_cache, snapshot
 
 
@@ -126,7 +126,7 @@ class SeqCacheMachine(RuleBasedStateMachine):
         if n > start:
             new_len = data.draw(st.integers(start + 1, n + 1), label="rewind mid-forward")
             with pytest.raises(StepError, match="during a forward"):
-                self.cache.rewind(new_len)
+                self.cache.as_control().rewind(new_len)
         if n < self.m.capacity:
             layer = data.draw(st.integers(0, len(self.m.windows) - 1), label="layer of a step past it")
             k, v = self.kv([0])
@@ -181,7 +181,7 @@ class SeqCacheMachine(RuleBasedStateMachine):
         new_len = data.draw(st.integers(0, n + 2), label="new_len")
         ok = new_len == 0 or self.m.can_start_at(new_len)  # back to empty needs nothing a ring lost
         before = snapshot(self.cache)
-        assert self.cache.rewind(new_len) is ok
+        assert self.cache.as_control().rewind(new_len) is ok
         if new_len == 0:
             self.m.clear()
         elif ok:
@@ -191,16 +191,17 @@ class SeqCacheMachine(RuleBasedStateMachine):
 
     @rule()
     def clear(self):
-        self.cache.clear()
+        self.cache.as_control().clear()
         self.m.clear()
 
     @invariant()
     def the_cache_agrees_with_the_model(self):
         n, room = len(self.m.tokens), self.m.capacity - len(self.m.tokens)
-        assert self.cache.length == n
-        assert self.cache.can_extend(room) and not self.cache.can_extend(room + 1)
+        assert self.cache.as_control().length == n
+        assert self.cache.as_control().can_extend(room) and not self.cache.as_control().can_extend(room + 1)
         assert self.cache.book.floor == self.m.floor()
-        assert min(self.cache.max_step, self.m.capacity) == self.m.max_step  # rings only: it may exceed capacity
+        # rings only: it may exceed capacity
+        assert min(self.cache.as_control().max_step, self.m.capacity) == self.m.max_step
 
 
 # Half the suite's default examples: the seq layout's bookkeeping is small, and this machine was

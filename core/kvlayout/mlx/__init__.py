@@ -1,10 +1,11 @@
 """The MLX byte layer every MLX layout shares."""
 
 from kvlayout.mlx.attention import attend
+from kvlayout.mlx.checks import check_kv
 from kvlayout.mlx.pool import (
     DTYPES,
-    Cells,
     MAX_SLOTS,
+    Cells,
     MLXPool,
     cell_bytes,
     check_layer_dims,
@@ -23,6 +24,7 @@ __all__ = [
     "QuantizedPool",
     "attend",
     "cell_bytes",
+    "check_kv",
     "check_layer_dims",
     "config_pool_bytes",
     "kv_pool",

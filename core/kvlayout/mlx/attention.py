@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import threading
 from typing import Any
 
 import mlx.core as mx
 
-from kvlayout.errors import StepError
+from kvlayout.checks import finite
+from kvlayout.errors import ShapeError, StepError
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind, QuantizedKV
 
 
@@ -96,7 +95,7 @@ def _check(q: Any, spec: Any, scale: Any) -> None:
         raise StepError(f"q holds T={t} queries for a step of {spec.queries} token(s): expected T={spec.queries}")
     if spec.mask_kind is MaskKind.CAUSAL and t > keys[2]:
         raise StepError(f"q holds T={t} queries, more than the {keys[2]} keys of a causal step")
-    if isinstance(scale, (bool, mx.array)) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+    if not finite(scale):  # an mx.array is no number here: refused too
         raise StepError(f"scale={scale!r}: expected a finite number")
 
 
@@ -133,7 +132,7 @@ def _attend_batch(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch
     quantized = isinstance(keys, QuantizedKV)
     if b.page:
         if slots % b.page:
-            raise ValueError(f"pages of {b.page} cells do not tile the {slots} slots of keys")
+            raise ShapeError(f"pages of {b.page} cells do not tile the {slots} slots of keys")
         if not quantized and keys.dtype == qg.dtype and pages_in_place(keys.dtype):
             return _attend_pages(qg, keys, values, b, scale)
         # Storage narrower than q, or pages this device cannot read in place: gather the pages'

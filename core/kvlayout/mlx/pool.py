@@ -9,7 +9,8 @@ measures both).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np

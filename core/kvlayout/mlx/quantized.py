@@ -14,7 +14,8 @@ The three parts grow, are written and are read together, slot for slot:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 

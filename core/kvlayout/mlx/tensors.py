@@ -10,7 +10,8 @@ dequantized copy: tensor `NAME.packed` (U32), `NAME.scales` and
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -71,5 +72,7 @@ def _read_one(f: StateFile, config: Any, name: str, lead: tuple[int, int, int], 
         return from_raw(f.tensor(name, DTYPE_CODES[config.kv_dtype], (*lead, head_dim)))
     widths = (head_dim * bits // 32, head_dim // config.kv_group_size, head_dim // config.kv_group_size)
     codes = (CODES[PACKED], CODES[SCALES], CODES[SCALES])
-    parts = (from_raw(f.tensor(f"{name}.{part}", code, (*lead, w))) for part, code, w in zip(QUANTIZED_PARTS, codes, widths))
+    parts = (
+        from_raw(f.tensor(f"{name}.{part}", code, (*lead, w))) for part, code, w in zip(QUANTIZED_PARTS, codes, widths)
+    )
     return QuantizedKV(*parts, bits, config.kv_group_size)

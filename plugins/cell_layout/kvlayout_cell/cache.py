@@ -2,10 +2,11 @@
 
 A CellCache holds a Stepper (the step protocol), which holds a CellTable
 (the cells). It implements the KVCache, StepAbort and Persistent faces
-itself and hands out two face objects over its stepper:
-`as_batch_control()` (BatchControl: ids, declarations, counts) and
-`as_cell_stepper()` (CellStepper: `place_step`), each with its contract's
-verbs and no more.
+itself and hands out three face objects, the layout's only public verbs:
+`as_batch_control()` (BatchControl: the stepper's verbs that change the
+table, the table's counts), `as_cell_stepper()` (CellStepper: `place_step`)
+and `as_cell_view()` (CellView: the table's owners, read-only), each with
+its contract's members and no more, each member implemented once.
 
 Every layer keeps a K and a V MLXPool spanning the whole cell table
 (`max_slots` = capacity, rounded up to whole pages of 256 slots), whatever
@@ -28,29 +29,31 @@ positions.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 import mlx.core as mx
 import numpy as np
 
+from kvlayout.checks import int_array, int_scalar
 from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import BatchControl, CellStepper, CellView, FacesBase, face_of
-from kvlayout.mlx import MAX_SLOTS, Cells, check_layer_dims, config_pool_bytes, kv_pool
+from kvlayout.mlx import MAX_SLOTS, Cells, check_kv, check_layer_dims, config_pool_bytes, kv_pool
 from kvlayout.mlx.attention import pages_in_place
+from kvlayout.persist import StateFile
 from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
-from kvlayout.checks import int_array, int_scalar
 from kvlayout_cell import persist
 from kvlayout_cell.groups import PAGE_SIZES, PATHS, plan_cells
-from kvlayout_cell.stepper import Stepper
+from kvlayout_cell.stepper import Stepper, batch_control
 from kvlayout_cell.table import CellTable
 
 
 class CellCache(FacesBase):
-    """Many sequences over one pool of cells: KVCache, StepAbort and Persistent, and two face objects.
+    """Many sequences over one pool of cells: KVCache, StepAbort and Persistent, and three face objects.
 
     `pm` is the plugin manager whose `kvlayout_choose_cells` and
     `kvlayout_step_placed` hooks the cache calls (the process's by default;
@@ -76,9 +79,11 @@ class CellCache(FacesBase):
             [lc.policy.window for lc in layers],  # 0 for flat layers
             plugin_manager() if pm is None else pm,
         )
-        self._batch_control = face_of(BatchControl, self.stepper)
+        # The faces are the cache's only public verbs, each implemented once: the stepper's where a
+        # verb changes the table (it ends the open step first), the table's own counts and reads.
+        self._batch_control = batch_control(self.stepper)
         self._cell_stepper = face_of(CellStepper, self.stepper)
-        self._cell_view = face_of(CellView, self.stepper)
+        self._cell_view = face_of(CellView, self.stepper.table)
 
         def pool(lc):  # an MLXPool, or a QuantizedPool for kv_dtype "q8"/"q4"
             return kv_pool(initial, max_slots, lc.n_kv_heads, lc.head_dim, config)
@@ -123,49 +128,6 @@ class CellCache(FacesBase):
         """Undo the open step of a forward that failed part way (see `Stepper.abort_step`)."""
         return self.stepper.abort_step()
 
-    # The BatchControl verbs, on the cache as on its face (as SeqCache has its SequenceControl's);
-    # each is the stepper's, which ends the open step where a verb changes cells.
-
-    @property
-    def capacity(self) -> int:
-        return self.stepper.capacity
-
-    @property
-    def max_seqs(self) -> int:
-        return self.stepper.max_seqs
-
-    @property
-    def free_cells(self) -> int:
-        return self.stepper.free_cells
-
-    @property
-    def used_end(self) -> int:
-        return self.stepper.used_end
-
-    def can_extend(self, n: int = 1) -> bool:
-        return self.stepper.can_extend(n)
-
-    def clear(self) -> None:
-        self.stepper.clear()
-
-    def declare_step(self, seq_ids: Sequence[int]) -> bool:
-        return self.stepper.declare_step(seq_ids)
-
-    def seq_new(self) -> int | None:
-        return self.stepper.seq_new()
-
-    def seq_clone(self, src: int, upto: int | None = None) -> int | None:
-        return self.stepper.seq_clone(src, upto)
-
-    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
-        self.stepper.seq_rm(seq_id, p0, p1)
-
-    def seq_len(self, seq_id: int) -> int:
-        return self.stepper.seq_len(seq_id)
-
-    def next_pos(self, seq_id: int) -> int:
-        return self.stepper.next_pos(seq_id)
-
     # Save and restore (kvlayout_cell.persist has the format).
 
     def save(self, path) -> Path:
@@ -187,24 +149,8 @@ class CellCache(FacesBase):
         if layer >= self.n_layers:
             raise StepError(f"layer={layer}: expected a layer in [0, {self.n_layers})")
         lc = self.config.layer(layer)
-        expected = (1, lc.n_kv_heads, None, lc.head_dim)  # [1, H_kv, T, D]
-        for name, x in (("k", k), ("v", v)):
-            shape = tuple(getattr(x, "shape", ()))
-            if not isinstance(x, mx.array) or len(shape) != 4 or any(
-                want is not None and got != want for got, want in zip(shape, expected)
-            ):
-                raise StepError(
-                    f"layer {layer}: {name} of shape {shape} ({type(x).__name__}): expected an mlx "
-                    f"array [1, {lc.n_kv_heads}, T, {lc.head_dim}]"
-                )
-            if not mx.issubdtype(x.dtype, mx.floating):  # before placing: the pool would refuse it after
-                raise StepError(f"layer {layer}: {name} of dtype {x.dtype}: expected a floating mlx array")
-        if k.shape != v.shape:
-            raise StepError(f"layer {layer}: k {tuple(k.shape)} and v {tuple(v.shape)}: expected one shape")
         pos = int_array("positions", positions, StepError)
-        T = k.shape[2]
-        if pos.size != T:  # before placing, so a miscounted call claims no cell
-            raise StepError(f"layer {layer}: {pos.size} position(s) for k/v of {T} token(s)")
+        T = check_kv(layer, k, v, lc.n_kv_heads, lc.head_dim, pos.size)  # before placing: a refusal claims no cell
 
         step = self.stepper.place_step(layer, pos)
         start = _run_start(step.cells)
@@ -292,7 +238,9 @@ class CellCache(FacesBase):
             first = step.read_len - step.length
             if (positions == np.arange(first, step.read_len)).all() and (cell_pos == np.arange(step.read_len)).all():
                 return None
-            return (mx.array(cell_pos.astype(np.int32))[None, :] <= mx.array(positions.astype(np.int32))[:, None])[None, None]
+            return (
+                mx.array(cell_pos.astype(np.int32))[None, :] <= mx.array(positions.astype(np.int32))[:, None]
+            )[None, None]
 
         m = self._once(self._mx_whole, 0, step, mask)
         return (MaskKind.CAUSAL, None) if m is None else (MaskKind.EXPLICIT, m)
@@ -317,6 +265,13 @@ class CellCache(FacesBase):
     def _step_mask(self, layer: int, step) -> mx.array:
         """A lazy spec's mask may be read after the step ended: the step's own (`CellStep.mask`)."""
         return self._once(self._mx_mask, self.stepper.window(layer), step, lambda: mx.array(step.mask)[None, None])
+
+
+def load_cache(f: StateFile) -> CellCache:
+    """The Builder's `load`: the CellCache `CellCache.save` wrote to `f` (kvlayout_cell.persist has the format)."""
+    cache = CellCache(persist.saved_config(f))
+    persist.restore_cache(cache, f)
+    return cache
 
 
 PAGE_TILE = max(PAGE_SIZES)

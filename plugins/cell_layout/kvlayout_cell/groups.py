@@ -197,6 +197,25 @@ def plan_cells(
     if path == "auto" and held is not None and not window and (seq_ids == seq_ids[0]).all():
         if not choose(path, n_tokens, read_len, 1, n_tokens, int(held(seq_ids[:1])[0])):
             return None
+    n_seqs, key_cells, key_pos, lo, hi = _token_runs(seq_ids, positions, window, owned)
+    if path == "auto" and n_seqs == 1:  # one group: decide before sorting
+        if not choose(path, n_tokens, read_len, 1, n_tokens, int(hi[-1] - lo[0])):
+            return None
+    order, counts, rank = _by_sequence(seq_ids)
+    first, starts, q_counts = _pick_blocks(rank, counts, (hi - lo)[order])
+    g_lo = lo[order][starts]  # [G]: a group's run starts where its first token's does
+    k_counts = hi[order][starts + q_counts - 1] - g_lo  # [G]: and ends where its last token's does
+    cost, labels = batch_groups(q_counts, k_counts)  # k_counts >= 1: a token sees its own cell
+    if not prefer_grouped(path, cost, dense_cost(n_tokens, read_len)):
+        return None
+    batch = _run_batches(key_cells, key_pos, positions, window, g_lo, k_counts)
+    return _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, pool)
+
+
+def _token_runs(seq_ids: np.ndarray, positions: np.ndarray, window: int, owned):
+    """(sequences, key_cells, key_pos, lo, hi): how many distinct sequences the step has; the cells they
+    own and their positions, each sequence's by position (`owned`, as in `plan_cells`); and the run
+    `[lo[t], hi[t])` of that list that token t sees."""
     ids, row = np.unique(seq_ids, return_inverse=True)
     row = row.reshape(-1)  # [T]: index of each token's sequence in ids
     key_cells, key_pos, key_starts = owned(ids)  # [M], [M], [N + 1]
@@ -207,16 +226,12 @@ def plan_cells(
     lo = key_starts[row] if not window else np.searchsorted(
         keys, row * span + np.maximum(positions - (window - 1), 0), side="left"
     )  # [T]: the oldest it sees
-    if path == "auto" and ids.size == 1:  # one group: decide before sorting
-        if not choose(path, n_tokens, read_len, 1, n_tokens, int(hi[-1] - lo[0])):
-            return None
-    order, counts, rank = _by_sequence(seq_ids)
-    first, starts, q_counts = _pick_blocks(rank, counts, (hi - lo)[order])
-    g_lo = lo[order][starts]  # [G]: a group's run starts where its first token's does
-    k_counts = hi[order][starts + q_counts - 1] - g_lo  # [G]: and ends where its last token's does
-    cost, labels = batch_groups(q_counts, k_counts)  # k_counts >= 1: a token sees its own cell
-    if not prefer_grouped(path, cost, dense_cost(n_tokens, read_len)):
-        return None
+    return ids.size, key_cells, key_pos, lo, hi
+
+
+def _run_batches(key_cells, key_pos, positions, window: int, g_lo, k_counts):
+    """`_assemble`'s `batch(gi, b_tokens, k_b)` for groups whose cells are runs of `key_cells` (group g's:
+    the `k_counts[g]` from `g_lo[g]`), each token's mask row by position and the window."""
 
     def batch(gi, b_tokens, k_b):
         j = np.arange(k_b)[None, :]  # [1, K_b]
@@ -229,7 +244,7 @@ def plan_cells(
             b_mask &= kp[:, None, :] >= tp - (window - 1)
         return b_cells, b_mask
 
-    return _assemble(order, first, starts, q_counts, k_counts, labels, batch, path, pool)
+    return batch
 
 
 def _by_sequence(seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -99,13 +99,16 @@ def _scatter(cache: Any, cells: np.ndarray, layers: list[tuple[mx.array, mx.arra
         cache.value_pools[i].write_cells(cells, v)
 
 
-def load_cache(f: StateFile) -> Any:
-    """The Builder's `load`: a CellCache from a file `save_cache` wrote."""
-    from kvlayout_cell.cache import CellCache
-
+def saved_config(f: StateFile) -> Any:
+    """The CacheConfig of a whole cache `save_cache` wrote: what to build before `restore_cache`."""
     _check_state(f, "cache")
-    config = f.cache_config()
-    cache = CellCache(config)
+    return f.cache_config()
+
+
+def restore_cache(cache: Any, f: StateFile) -> None:
+    """Make `cache`, just built from `saved_config(f)`, the cache `save_cache` wrote to `f`; StateError
+    for a file whose contents do not fit (nothing restored: the cache stays as built)."""
+    config = cache.config
     cells = numpy_of(f.tensor("cells", "I64", (None,)))
     n = cells.size
     pos = numpy_of(f.tensor("pos", "I64", (n,)))
@@ -114,7 +117,6 @@ def load_cache(f: StateFile) -> Any:
     layers = read_kv(f, config, [n] * config.n_layers)
     cache.stepper.restore(cells, pos, owners, live, StateError)
     _scatter(cache, cells, layers)
-    return cache
 
 
 def _compatible(f: StateFile, saved: Any, config: Any) -> None:

@@ -20,7 +20,7 @@ def _build(config):
 
 
 def _load(state_file):
-    from kvlayout_cell.persist import load_cache
+    from kvlayout_cell.cache import load_cache  # or loaded
 
     return load_cache(state_file)
 

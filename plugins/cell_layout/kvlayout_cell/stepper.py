@@ -20,24 +20,29 @@ A step stays valid while the table's epoch is the one placement left: any verb
 does a new declaration. While it is half served (placed, some layers not yet
 served: a forward in progress), those verbs and `declare_step` are refused
 (StepError, nothing changed), so no state ever holds K/V that some layers
-never wrote; `clear` alone goes ahead, aborting the step first. The
-BatchControl face (`kvlayout.faces`) is this
-class's verbs of that contract; the rest (`abort_step`, `place_sequence`,
+never wrote; `clear` alone goes ahead, aborting the step first.
+
+The BatchControl face (`kvlayout.faces`) takes this class's verbs that change
+the table (`declare_step`, `seq_new`, `seq_clone`, `seq_rm`, `clear`) and the
+table's own counts (`free_cells`, `seq_len`, ...), each implemented once
+(`batch_control`); the rest (`abort_step`, `place_sequence`,
 `restore`, `unserved_layers`, `step_tokens`) serve the cache and its persist
-module.
+module. A `kvlayout_choose_cells` answer is trusted: the plugin manager's
+referee checked it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
 from kvlayout.checks import int_array, int_scalar
 from kvlayout.errors import ConfigError, SequenceError, StepError
-from kvlayout.faces import CellStep
+from kvlayout.faces import BatchControl, CellStep, face_of
 from kvlayout_cell.table import CellTable
 
 HOOKS = ("kvlayout_choose_cells", "kvlayout_step_placed", "kvlayout_step_aborted")  # what the stepper calls
@@ -57,6 +62,15 @@ class _Placed:
     before: tuple = ()  # the table's summaries from before the placement, for abort_step
     built: set[int] = attrs.Factory(set)  # windows whose (lazy) mask has been built
     frozen: tuple | None = None  # the table's cells as the step saw them, kept once it moves on
+
+    @classmethod
+    def claim(cls, table: CellTable, seq_ids: np.ndarray, pos: np.ndarray, cells: np.ndarray,
+              served: set[int]) -> _Placed:
+        """Occupy `cells` (checked free) of `table` with the tokens: the step placed, which
+        abort_step can undo."""
+        before = table.before_occupy(seq_ids)
+        table.occupy(cells, seq_ids, pos)  # the only mutation
+        return cls(seq_ids, pos.copy(), cells, table.used_end, table.epoch, served, {}, before)
 
 
 @attrs.define(eq=False)
@@ -88,45 +102,16 @@ class Stepper:
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s window (0 = flat); StepError for a layer out of range."""
-        return self._windows[self._layer(layer)]
+        return self._windows[checked_layer(self.n_layers, layer)]
 
     def served_step(self, layer: int) -> CellStep | None:
         """The open step's CellStep for `layer` (shared by its window), once `layer` has served it;
         else None. StepError for a layer out of range."""
-        layer = self._layer(layer)
+        layer = checked_layer(self.n_layers, layer)
         placed = self._open_step()
         if placed is None or layer not in placed.served:
             return None
         return placed.steps.get(self._windows[layer])
-
-    # -- the table's counts, read through (BatchControl) ------------------------
-
-    @property
-    def capacity(self) -> int:
-        return self.table.capacity
-
-    @property
-    def max_seqs(self) -> int:
-        return self.table.max_seqs
-
-    @property
-    def free_cells(self) -> int:
-        return self.table.free_cells
-
-    @property
-    def used_end(self) -> int:
-        return self.table.used_end
-
-    def can_extend(self, n: int = 1) -> bool:
-        return self.table.can_extend(n)
-
-    def seq_len(self, seq_id: int) -> int:
-        """Cells `seq_id` owns (0 for an id not live)."""
-        return self.table.seq_len(seq_id)
-
-    def next_pos(self, seq_id: int) -> int:
-        """One past the newest position `seq_id` holds (0 when it holds none)."""
-        return self.table.next_pos(seq_id)
 
     # -- verbs that change the table: each ends the open step first ------------
 
@@ -138,12 +123,6 @@ class Stepper:
             self.abort_step()
         self._keep_masks()
         self.table.clear()
-
-    def cell_owners(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(cells, positions, owners bool [n, max_seqs]) of every occupied cell (the CellView face)."""
-        cells, pos, words = self.table.occupied()
-        bits = np.unpackbits(words.astype("<u8").view(np.uint8), axis=1, bitorder="little")  # [n, 64 * words]
-        return cells, pos, bits[:, : self.table.max_seqs].astype(bool)
 
     def seq_new(self) -> int | None:
         """The lowest id not live, now live and empty; None when all are in use."""
@@ -205,7 +184,7 @@ class Stepper:
         a `kvlayout_step_placed` observer that raises (the observers that heard
         of the refused window hear it taken back through `kvlayout_step_aborted`).
         """
-        layer = self._layer(layer)
+        layer = checked_layer(self.n_layers, layer)
         pos = int_array("positions", positions, StepError)
         placed = self._open_step()
         if placed is not None:
@@ -234,7 +213,9 @@ class Stepper:
                 f"layer {layer}: {pos.size} position(s) for a step declared with "
                 f"{declared.seq_ids.size} token(s)"
             )
-        placed = self._place(declared.seq_ids, pos, {layer})
+        self.table.check_tokens(declared.seq_ids, pos)  # refuses before anything changes
+        cells = self._choose(declared.seq_ids, pos)
+        placed = self._placed = _Placed.claim(self.table, declared.seq_ids, pos, cells, {layer})
         try:
             step = self._step(placed, self._windows[layer])
         except BaseException:  # an observer refused the placement: undone, the declaration stands
@@ -306,7 +287,7 @@ class Stepper:
         self._keep_masks()
         seq_id = self.table.seq_new()
         if pos.size:
-            placed = self._claim(seq_ids, pos, cells, set(range(self.n_layers)))
+            placed = self._placed = _Placed.claim(self.table, seq_ids, pos, cells, set(range(self.n_layers)))
             try:
                 for window in sorted(set(self._windows)):
                     self._step(placed, window)
@@ -332,12 +313,6 @@ class Stepper:
         return placed.seq_ids, placed.positions
 
     # -- inside ----------------------------------------------------------------
-
-    def _layer(self, layer: Any) -> int:
-        layer = int_scalar("layer", layer, StepError, minimum=0)
-        if layer >= self.n_layers:
-            raise StepError(f"layer={layer}: expected a layer in [0, {self.n_layers})")
-        return layer
 
     def _refuse_mid_forward(self, verb: str) -> None:
         """StepError, nothing changed, while the open step is half served: the verb would end it
@@ -365,54 +340,26 @@ class Stepper:
         if placed is not None and placed.frozen is None and len(placed.built) < len(placed.steps):
             placed.frozen = self.table.snapshot()
 
-    def _place(self, seq_ids: np.ndarray, pos: np.ndarray, served: set[int]) -> _Placed:
-        """Check the tokens, claim cells for them from the hook; the open step. Refuses (StepError,
-        SequenceError) before anything changes."""
-        self.table.check_tokens(seq_ids, pos)
-        return self._claim(seq_ids, pos, self._choose(seq_ids, pos), served)
-
-    def _claim(self, seq_ids: np.ndarray, pos: np.ndarray, cells: np.ndarray, served: set[int]) -> _Placed:
-        """Occupy `cells` (checked free) with the tokens; the open step, undoable by abort_step."""
-        table = self.table
-        before = table.before_occupy(seq_ids)
-        table.occupy(cells, seq_ids, pos)  # the only mutation
-        placed = _Placed(seq_ids, pos.copy(), cells, table.used_end, table.epoch, served, {}, before)
-        self._placed = placed
-        return placed
-
     def _choose(self, seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """A distinct free cell for each token from the hook; StepError quoting a bad answer.
+        """A distinct free cell for each token, from the hook; StepError when no plugin answers.
 
         The hook hears each token's sequence, position and the cell its sequence's newest position
-        is in (-1: none; ids not yet live hold none), read-only copies a policy cannot disturb."""
+        is in (-1: none; ids not yet live hold none), read-only copies a policy cannot disturb.
+        The answer is trusted: the plugin manager's referee (`kvlayout.registry`) refused any
+        answer that is not `count` distinct cells of `free`, naming the plugin."""
         count = positions.size
-        free = self.table.free_list()
-        prev_cells = self.table.newest_cells(seq_ids)  # ids checked in range; one not live holds none: -1
         answer = self._pm.hook.kvlayout_choose_cells(
-            free=free,
+            free=self.table.free_list(),
             count=count,
             seq_ids=_read_only(seq_ids),
             positions=_read_only(positions),
-            prev_cells=_read_only(prev_cells),
+            prev_cells=_read_only(self.table.newest_cells(seq_ids)),  # ids checked in range; not live: -1
         )
-        expected = f"expected {count} distinct cells from the free list"
         if answer is None:
-            raise StepError(f"kvlayout_choose_cells: no plugin answered; {expected}")
-        try:
-            cells = np.asarray(answer)
-        except Exception:
-            cells = np.asarray([])
-        ok = (
-            cells.ndim == 1
-            and cells.size == count
-            and (count == 0 or (np.issubdtype(cells.dtype, np.integer) and cells.dtype != np.bool_))
-        )
-        if ok:
-            cells = cells.astype(np.int64)
-            ok = np.unique(cells).size == count and self.table.are_free(cells)
-        if not ok:
-            raise StepError(f"kvlayout_choose_cells answered {answer!r:.120}: {expected}")
-        return cells
+            raise StepError(
+                f"kvlayout_choose_cells: no plugin answered; expected {count} distinct cells from the free list"
+            )
+        return np.array(answer, dtype=np.int64)  # a copy: the step keeps its own, whatever the policy keeps
 
     def _step(self, placed: _Placed, window: int) -> CellStep:
         step = placed.steps.get(window)
@@ -438,6 +385,20 @@ class Stepper:
                     self._pm.hook.kvlayout_step_aborted(step=step, window=window)
                 raise
         return step
+
+
+def batch_control(stepper: Stepper) -> BatchControl:
+    """The BatchControl face over `stepper`: its verbs that change the table (each ends the open
+    step first) and the table's own counts, read straight; every verb implemented once."""
+    return face_of(BatchControl, stepper, stepper.table)
+
+
+def checked_layer(n_layers: int, layer: Any) -> int:
+    """`layer` as an int in [0, n_layers); StepError otherwise."""
+    layer = int_scalar("layer", layer, StepError, minimum=0)
+    if layer >= n_layers:
+        raise StepError(f"layer={layer}: expected a layer in [0, {n_layers})")
+    return layer
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

@@ -237,12 +237,6 @@ class CellTable:
         if dead.size:
             self._check_live(f"seq_ids[{dead[0]}]", int(seq_ids[dead[0]]))
 
-    def are_free(self, cells: np.ndarray) -> bool:
-        """Whether `cells` are all in range and free (O(len(cells)))."""
-        if cells.size and (cells.min() < 0 or cells.max() >= self._capacity):
-            return False
-        return bool((self._pos[cells] < 0).all())
-
     def check_tokens(self, seq_ids: np.ndarray, positions: np.ndarray) -> None:
         """Refuse (StepError) unless each token's position is newer than its sequence holds.
 
@@ -274,21 +268,14 @@ class CellTable:
     def occupy(self, cells: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> None:
         """Put token i (position positions[i], owner seq_ids[i]) in cells[i].
 
-        The caller has run `check_tokens`; the cells are checked here to be
-        distinct and free (StepError otherwise, nothing changed).
+        The caller has run `check_tokens`, and `cells` (int64, one per token) are distinct cells of
+        `free_list()`: the placement hook's answer, checked by the plugin manager's referee
+        (`kvlayout.registry`), not again here.
         """
-        if cells.shape != seq_ids.shape:
-            raise StepError(f"{cells.size} cell(s) for {seq_ids.size} token(s)")
         if cells.size == 0:
             return
         if cells.size == 1:
             return self._occupy_one(int(cells[0]), int(seq_ids[0]), int(positions[0]))
-        if cells.min() < 0 or cells.max() >= self._capacity:
-            raise StepError(f"cells {cells.tolist()!r:.80}: expected cells in [0, {self._capacity})")
-        if np.unique(cells).size != cells.size:
-            raise StepError(f"cells {cells.tolist()!r:.80}: expected distinct cells")
-        if (self._pos[cells] >= 0).any():
-            raise StepError(f"cells {cells.tolist()!r:.80}: expected free cells, got an occupied one")
         self._pos[cells] = positions
         self._index.append(seq_ids, positions, cells)
         # Each cell is distinct and had no owner, so plain fancy assignment sets one bit per cell.
@@ -311,10 +298,6 @@ class CellTable:
     def _occupy_one(self, cell: int, seq_id: int, position: int) -> None:
         """`occupy` of one token (a lone decode, every step of one sequence) in scalar steps:
         the array path's dozen numpy calls cost more than the rest of the step's bookkeeping."""
-        if not 0 <= cell < self._capacity:
-            raise StepError(f"cells [{cell}]: expected cells in [0, {self._capacity})")
-        if self._pos[cell] >= 0:
-            raise StepError(f"cells [{cell}]: expected free cells, got an occupied one")
         self._pos[cell] = position
         self._index.append_one(seq_id, position, cell)
         self._owners[cell, seq_id >> 6] = _ONE << np.uint64(seq_id & 63)
@@ -449,6 +432,12 @@ class CellTable:
         """uint64 words per cell in the owner bitset."""
         return self._words
 
+    def cell_owners(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cells, positions, owners bool [n, max_seqs]) of every occupied cell (the CellView face)."""
+        cells, pos, words = self.occupied()
+        bits = np.unpackbits(words.astype("<u8").view(np.uint8), axis=1, bitorder="little")  # [n, 64 * words]
+        return cells, pos, bits[:, : self._max_seqs].astype(bool)
+
     def live_ids(self) -> np.ndarray:
         """The live ids, ascending."""
         return np.flatnonzero(self._live)
@@ -474,7 +463,10 @@ class CellTable:
         or an owner out of range or not live, a sequence holding one position twice."""
         n = cells.shape[0] if cells.ndim == 1 else -1
         if n < 0 or pos.shape != (n,) or owners.shape != (n, self._words):
-            raise error(f"cells {cells.shape}, positions {pos.shape}, owners {owners.shape}: expected [n], [n], [n, {self._words}]")
+            raise error(
+                f"cells {cells.shape}, positions {pos.shape}, owners {owners.shape}: "
+                f"expected [n], [n], [n, {self._words}]"
+            )
         if n and (cells.min() < 0 or cells.max() >= self._capacity or np.unique(cells).size != n):
             raise error(f"cells: expected distinct cells in [0, {self._capacity})")
         if n and pos.min() < 0:
@@ -493,7 +485,9 @@ class CellTable:
             if not owned.any():
                 continue
             if s >= self._max_seqs or not is_live[s]:
-                raise error(f"owners: sequence {s} owns cells but is {'out of range' if s >= self._max_seqs else 'not live'}")
+                raise error(
+                    f"owners: sequence {s} owns cells but is {'out of range' if s >= self._max_seqs else 'not live'}"
+                )
             held = pos[owned]
             if np.unique(held).size != held.size:
                 raise error(f"sequence {s} holds one position in two cells")

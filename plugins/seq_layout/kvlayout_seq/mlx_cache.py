@@ -8,8 +8,9 @@ which to read back; this module only moves bytes and builds the band mask.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -18,10 +19,11 @@ from kvlayout.checks import int_array
 from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import FacesBase, SequenceControl, face_of
-from kvlayout.spec import AttendSpec, MaskKind
-from kvlayout.mlx import MAX_SLOTS, check_layer_dims, config_pool_bytes, kv_pool
+from kvlayout.mlx import MAX_SLOTS, check_kv, check_layer_dims, config_pool_bytes, kv_pool
+from kvlayout.persist import StateFile
 from kvlayout.pool import Pool
-
+from kvlayout.spec import AttendSpec, MaskKind
+from kvlayout_seq import persist
 from kvlayout_seq.bookkeeping import SeqBook, SeqStepPlan, band_mask
 
 
@@ -34,7 +36,8 @@ def _positions(positions: Any) -> np.ndarray:
 
 
 class SeqCache(FacesBase):
-    """One sequence over per-layer flat or ring pools; implements KVCache and SequenceControl.
+    """One sequence over per-layer flat or ring pools: KVCache, StepAbort and Persistent, and the
+    SequenceControl face (`as_control()`), the book's verbs.
 
     Every refused call raises before any pool is written or any count moves,
     so a refusal changes nothing.
@@ -55,58 +58,32 @@ class SeqCache(FacesBase):
         for (heads, dim), policy, slots in zip(self._shapes, self._book.layers, initial):
             self.key_pools.append(kv_pool(slots, policy.storage, heads, dim, config))
             self.value_pools.append(kv_pool(slots, policy.storage, heads, dim, config))
-        self._control = face_of(SequenceControl, self)
-
-    # SequenceControl
+        self._control = face_of(SequenceControl, self._book)  # the layout's only public verbs, the book's own
 
     def as_control(self) -> SequenceControl:
-        """The SequenceControl face: capacity, length, max_step, can_extend, clear, rewind."""
+        """The SequenceControl face: the book's capacity, length, max_step, can_extend, clear, rewind.
+
+        Rewinding truncates the length; the pools keep their bytes: what lies past the length is
+        overwritten before it is read again."""
         return self._control
-
-    @property
-    def capacity(self) -> int:
-        return self._book.capacity
-
-    @property
-    def length(self) -> int:
-        return self._book.length
 
     @property
     def n_layers(self) -> int:
         return self._book.n_layers
 
     @property
-    def max_step(self) -> int:
-        """The most tokens one step may carry: the narrowest ring's max_write, else capacity."""
-        return self._book.max_step
-
-    @property
     def book(self) -> SeqBook:
-        """The neutral bookkeeping (length, policies, rewind floor); read it, don't drive it."""
+        """The neutral bookkeeping (length, policies, rewind floor): read it; it changes through the
+        SequenceControl face (its own verbs) and the steps this cache writes."""
         return self._book
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.key_pools + self.value_pools)
 
-    def can_extend(self, n: int = 1) -> bool:
-        return self._book.can_extend(n)
-
-    def rewind(self, new_len: int) -> bool:
-        """Truncate to `new_len`; False (nothing changes) when longer than now or
-        older than a ring layer still holds (0 always succeeds: nothing is
-        needed). Pools keep their bytes: what lies past the length is
-        overwritten before it is read again."""
-        return self._book.rewind(new_len)
-
-    def clear(self) -> None:
-        self._book.clear()
-
     def save(self, path) -> Path:
         """Write the cache to `path`, atomically; `kvlayout.load(path)` reads it back."""
-        from kvlayout_seq.persist import save_cache
-
-        return save_cache(self, path)
+        return persist.save_cache(self, path)
 
     def abort_step(self) -> bool:
         """Undo the open step (a forward that failed part way); False when none is open.
@@ -146,17 +123,7 @@ class SeqCache(FacesBase):
     def _plan(self, layer: Any, pos: np.ndarray, k: Any, v: Any) -> tuple[int, SeqStepPlan]:
         """Check the whole step (layer, K/V shapes, positions) and plan it; changes nothing."""
         layer = self._book.check_layer(layer)
-        heads, dim = self._shapes[layer]
-        for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.floating):
-                got = getattr(x, "dtype", type(x).__name__)
-                raise StepError(f"{name}: expected a floating mlx array, got {got}")
-            if x.ndim != 4 or x.shape[0] != 1 or x.shape[1] != heads or x.shape[3] != dim:
-                raise StepError(
-                    f"{name} shape {tuple(x.shape)}: expected [1, {heads}, T, {dim}] at layer {layer}"
-                )
-            if x.shape[2] != pos.size:
-                raise StepError(f"{name} holds {x.shape[2]} token(s) but positions name {pos.size}")
+        check_kv(layer, k, v, *self._shapes[layer], pos.size)
         if pos.size == 0:
             raise StepError(f"positions is empty: a step of 0 token(s) at layer {layer}: expected at least 1")
         start = int(pos[0])
@@ -165,6 +132,13 @@ class SeqCache(FacesBase):
                 f"positions {_show(pos)}: expected {pos.size} consecutive integers starting at {start}"
             )
         return layer, self._book.plan(layer, start, pos.size)
+
+
+def load_cache(f: StateFile) -> SeqCache:
+    """The Builder's `load`: the SeqCache `SeqCache.save` wrote to `f` (kvlayout_seq.persist has the format)."""
+    cache = SeqCache(persist.saved_config(f))
+    persist.restore_cache(cache, f)
+    return cache
 
 
 def _check_sizes(config: CacheConfig, book: SeqBook) -> list[int]:
@@ -197,7 +171,9 @@ def _check_sizes(config: CacheConfig, book: SeqBook) -> list[int]:
                 f"an MLX array dimension holds (int32); {fix} (at capacity the pools would hold {at_capacity})"
             )
     rings = " (rings whole)" if any(p.kind == "ring" for p in book.layers) else ""
-    check_up_front(what, {f"K/V pools at build{rings}": pools(initial)}, "lower capacity, initial_capacity or the ring windows")
+    check_up_front(
+        what, {f"K/V pools at build{rings}": pools(initial)}, "lower capacity, initial_capacity or the ring windows"
+    )
     return initial
 
 

@@ -60,22 +60,27 @@ def _int(f: StateFile, key: str, value: Any, low: int, high: int) -> int:
     return int_scalar(f"state.{key}", value, f.refuse, low, high, numpy=False)
 
 
-def load_cache(f: StateFile) -> Any:
-    """The Builder's `load`: a SeqCache from a file `save_cache` wrote."""
-    from kvlayout_seq.mlx_cache import SeqCache
-
+def saved_config(f: StateFile) -> Any:
+    """The CacheConfig of the cache `save_cache` wrote: what to build before `restore_cache`."""
     if f.layout != LAYOUT or f.content != "cache":
         raise f.refuse(f"holds a {f.content} of {f.layout}, expected a cache of {LAYOUT}")
     version = f.state.get("state_version")
     if version != STATE_VERSION:
         raise f.refuse(f"seq-layout state version {version!r}; this kvlayout-seq reads version {STATE_VERSION}")
-    config = f.cache_config()
-    cache = SeqCache(config)
+    return f.cache_config()
+
+
+def restore_cache(cache: Any, f: StateFile) -> None:
+    """Make `cache`, just built from `saved_config(f)`, the cache `save_cache` wrote to `f`; StateError
+    for a file whose state does not fit it."""
+    config = cache.config
     book = cache.book
     length = _int(f, "length", f.state.get("length"), 0, book.capacity)
     retained = f.state.get("retained")
     if not isinstance(retained, list) or len(retained) != len(book.policies):
-        raise f.refuse(f"state.retained={retained!r}: expected one entry per distinct layer policy ({len(book.policies)})")
+        raise f.refuse(
+            f"state.retained={retained!r}: expected one entry per distinct layer policy ({len(book.policies)})"
+        )
     retained = [_int(f, "retained", r, 0, length if p.kind == "ring" else 0) for r, p in zip(retained, book.policies)]
     layers = read_kv(f, config, [_kept(policy, length) for policy in book.layers])
     for policy, r in zip(book.policies, retained):
@@ -89,4 +94,3 @@ def load_cache(f: StateFile) -> Any:
             for start in {0, book.layers[i].mirror}:  # a mirrored ring holds its slots twice
                 cache.key_pools[i].write(start, k)
                 cache.value_pools[i].write(start, v)
-    return cache

@@ -20,7 +20,7 @@ def build_seq(config: Any):
 
 def load_seq_cache(state_file: Any):
     """A SeqCache from a `kvlayout.persist.StateFile` its `save` wrote."""
-    from kvlayout_seq.persist import load_cache
+    from kvlayout_seq.mlx_cache import load_cache
 
     return load_cache(state_file)
 
