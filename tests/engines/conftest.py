@@ -11,7 +11,7 @@ import pytest
 
 import kvlayout
 from kvlayout.config import CacheConfig
-from kvlayout.engines import CellEngine, Sampling, SeqEngine, Stats, make_requests
+from kvlayout.engines import CellEngine, EngineOptions, Sampling, SeqEngine, Stats, make_requests
 from kvlayout.models.presets import build_preset
 
 SYSTEM = "You are a terse assistant. Answer in one line.\n"
@@ -53,7 +53,9 @@ def engine_for(kind: str, tiny, cache=None, chunk: int = 16, temperature: float 
     stats, done = Stats(), []
     sampling = Sampling(temperature=temperature, top_p=0.9, seed=3)
     extra = {} if on_token is None else {"on_token": on_token}
-    engine = ENGINES[kind](model, cache, control, frozenset(tok.eos_ids), sampling, chunk, stats, done.append, **extra)
+    options = EngineOptions(eos=frozenset(tok.eos_ids), sampling=sampling, chunk=chunk, stats=stats,
+                            progress=done.append, **extra)
+    engine = ENGINES[kind](model, cache, control, options)
     return Setup(engine, cache, stats, done)
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kvlayout.engines import CellEngine, Sampling, SeqEngine, Stats, make_requests
+from kvlayout.engines import CellEngine, EngineOptions, Sampling, SeqEngine, make_requests
 from kvlayout.engines.prefixes import PrefixCache
+from kvlayout.errors import PluginError
 from tests.engines.conftest import QUESTIONS, SYSTEM, cache_for, outputs
 from tests.engines.test_prefixes import assert_only_entries_hold
 from tests.engines.test_stopping import Heard, StopAt
-from kvlayout.errors import PluginError
 from tests.runner.flaky import Boom, FlakyModel
 
 KINDS = ["seq", "cell"]
@@ -33,11 +33,12 @@ def engine(kind, tiny, pipeline, eos=(), capacity=1024, on_token=None, model=Non
     cache = cache_for(kind, args, capacity)
     control = cache.as_control() if kind == "seq" else cache.as_batch_control()
     extra = {"on_token": on_token} if on_token is not None else {}
-    if prefixes:
-        extra["prefixes"] = PrefixCache(control)
-    cls = SeqEngine if kind == "seq" else CellEngine
-    e = cls(model or base, cache, control, frozenset(eos), Sampling(temperature=0.0, seed=3), chunk, Stats(),
-            lambda n: None, pipeline=pipeline, **extra)
+    options = EngineOptions(eos=frozenset(eos), sampling=Sampling(temperature=0.0, seed=3), chunk=chunk,
+                            pipeline=pipeline, **extra)
+    if kind == "seq":
+        e = SeqEngine(model or base, cache, control, options)
+    else:
+        e = CellEngine(model or base, cache, control, options, PrefixCache(control) if prefixes else None)
     return e, cache
 
 
@@ -91,7 +92,7 @@ def test_a_token_is_in_flight_between_steps_for_a_greedy_sample_and_never_for_a_
     def in_flight(e):
         if kind == "seq":
             return e.generating is not None and e.generating.drawn is not None
-        return any(s.drawn is not None for s in e.running)
+        return any(s.drawn is not None for s in e.scheduler.running)
 
     for sampled, expect in (((), True), ((0,), False)):
         e, _ = engine(kind, tiny, True)
@@ -124,7 +125,9 @@ def test_a_stopper_ending_a_sample_whose_next_forward_is_queued_keeps_nothing_af
 
 @pytest.mark.parametrize("part", [1, 3, 6])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_state_saved_mid_run_with_a_token_in_flight_is_continued_by_the_host_path_to_the_same_end(kind, tiny, tmp_path, part):
+def test_a_state_saved_mid_run_with_a_token_in_flight_is_continued_by_the_host_path_to_the_same_end(
+    kind, tiny, tmp_path, part
+):
     import kvlayout
 
     want = requests(tiny)
@@ -140,8 +143,8 @@ def test_a_state_saved_mid_run_with_a_token_in_flight_is_continued_by_the_host_p
     control = restored.as_control() if kind == "seq" else restored.as_batch_control()
     cls = SeqEngine if kind == "seq" else CellEngine
     model, _, _ = tiny
-    fresh = cls(model, restored, control, frozenset(), Sampling(temperature=0.0, seed=3), 16, Stats(),
-                lambda n: None, pipeline=False)
+    fresh = cls(model, restored, control, EngineOptions(sampling=Sampling(temperature=0.0, seed=3), chunk=16,
+                                                        pipeline=False))
     fresh.restore(state, got)
     assert fresh.run() is True
     assert outputs(got) == outputs(want)

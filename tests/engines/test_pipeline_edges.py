@@ -58,7 +58,7 @@ def test_cancel_after_an_eos_is_drawn_ends_with_stop_as_the_host_path(kind, tiny
 def _in_flight(kind, e):
     if kind == "seq":
         return e.generating is not None and e.generating.drawn is not None
-    return any(s.drawn is not None for s in e.running)
+    return any(s.drawn is not None for s in e.scheduler.running)
 
 
 @pytest.mark.parametrize("kind", KINDS)

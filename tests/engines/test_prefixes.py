@@ -4,9 +4,10 @@ with a prefix cache against the engine without one and the cache-free forward.""
 from __future__ import annotations
 
 import attrs
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvlayout.engines import CellEngine, Sampling, Stats, make_requests
+from kvlayout.engines import CellEngine, EngineOptions, make_requests
 from kvlayout.engines.prefixes import PrefixCache, common_length
 from tests.engines.conftest import SYSTEM, outputs
 from tests.runner.conftest import oracle_greedy
@@ -105,8 +106,8 @@ def cell_engine(tiny, prefixes: bool, capacity: int = 1024, max_seqs: int = 16, 
     cache = kvlayout.build("mlx", "cell", config)
     bc = cache.as_batch_control()
     kept = PrefixCache(bc) if prefixes else None
-    return CellEngine(model, cache, bc, frozenset(tok.eos_ids), Sampling(), chunk, Stats(), lambda n: None,
-                      prefixes=kept), bc, kept
+    options = EngineOptions(eos=frozenset(tok.eos_ids), chunk=chunk)
+    return CellEngine(model, cache, bc, options, prefixes=kept), bc, kept
 
 
 def assert_only_entries_hold(engine, bc, kept):
@@ -140,8 +141,8 @@ def one_by_one(engine, tok, prompts, max_tokens=6, n=1):
     return done
 
 
-TURNS = [SYSTEM + "Q: what is a KV cache?\nA:", SYSTEM + "Q: what is a KV cell?\nA:", SYSTEM + "Q: what is a KV cache?\nA:",
-         SYSTEM + "Q: why fork?\nA:"]
+TURNS = [SYSTEM + "Q: what is a KV cache?\nA:", SYSTEM + "Q: what is a KV cell?\nA:",
+         SYSTEM + "Q: what is a KV cache?\nA:", SYSTEM + "Q: why fork?\nA:"]
 
 
 def test_requests_after_one_sharing_its_prefix_reuse_its_cells_and_generate_the_same(tiny):
@@ -198,14 +199,16 @@ def test_cancel_ends_a_request_frees_what_it_generated_and_leaves_the_others_alo
     model, _, tok = tiny
     heard = []
     engine, bc, kept = cell_engine(tiny, True)
-    engine.on_token = lambda r, s, t: heard.append((r.index, s.index, t, s.finish_reason))
+    engine.options.on_token = lambda r, s, t: heard.append((r.index, s.index, t, s.finish_reason))
     reqs = make_requests([tok.encode(p) for p in TURNS[:2]], [40, 6], [2, 1], 3)
     engine.add(reqs)
     while not reqs[0].samples[0].generated:
         engine.step()
     engine.cancel(reqs[0])
     assert [s.finish_reason for s in reqs[0].samples] == ["cancelled", "cancelled"]
-    assert [(i, j, t, f) for i, j, t, f in heard if f == "cancelled"] == [(0, 0, None, "cancelled"), (0, 1, None, "cancelled")]
+    assert [(i, j, t, f) for i, j, t, f in heard if f == "cancelled"] == [
+        (0, 0, None, "cancelled"), (0, 1, None, "cancelled")
+    ]
     engine.run()
     assert reqs[1].samples[0].generated == oracle_greedy(model, tok.encode(TURNS[1]), 6, frozenset(tok.eos_ids))[0]
     # Held now: the kept prefixes only (request 0's prompt, request 1's whole sequence).

@@ -123,7 +123,9 @@ def test_a_forward_that_keeps_failing_fails_only_its_request(tiny_loaded):
     model = tiny_loaded[0]
     body = {"model": "tiny", "max_tokens": 6}
     with serving(tiny_loaded) as live:
-        expected = [live.post("/v1/completions", {**body, "prompt": p})[1]["choices"][0]["text"] for p in ("abc", "xyz")]
+        expected = [
+            live.post("/v1/completions", {**body, "prompt": p})[1]["choices"][0]["text"] for p in ("abc", "xyz")
+        ]
     flaky = FlakyModel(model, 1, poison=True)  # every forward carrying "~" fails, after layer 0 wrote K/V
     with serving(tiny_loaded, model=flaky) as live:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -134,6 +136,32 @@ def test_a_forward_that_keeps_failing_fails_only_its_request(tiny_loaded):
         # The engine retried and failed only that request (no step raised out of it); every cell freed:
         # the prompts and answers are shorter than a block, so none is kept.
         assert h["status"] == "ok" and h["failed_steps"] == 0 and h["cells"]["used"] == 0
+
+
+def test_a_step_that_raises_fails_what_ran_and_the_waiting_request_runs_on_the_fresh_engine(tiny_loaded):
+    model, _, tok, _ = tiny_loaded
+    with serving(tiny_loaded, {"server": {"max_sequences": 1, "queue": 2}}) as live:
+        worker = live.service.worker
+        first = open_stream(live, {"prompt": "one", "max_tokens": LONG})
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(live.post, "/v1/completions", {"model": "tiny", "prompt": "Q: two?", "max_tokens": 6})
+            wait_for(lambda: live.health()["requests"] == {"running": 1, "waiting": 1}, "the second request queued")
+            engine = worker.engine
+
+            def boom():  # the next step raises out of the engine (not a forward the engine retries)
+                raise RuntimeError("a broken step")
+
+            engine.step = boom
+            status, body, _ = queued.result(timeout=30)
+        said = b""
+        while chunk := first.recv(65536):  # the first stream ends, saying why
+            said += chunk
+        first.close()
+        assert b"the step failed (RuntimeError: a broken step)" in said
+        assert worker.engine is not engine and live.health()["failed_steps"] == 1
+        ids, _ = oracle_greedy(model, tok.encode("Q: two?"), 6, frozenset(tok.eos_ids))
+        assert status == 200 and body["choices"][0]["text"] == tok.decode(ids)
+        wait_for(lambda: live.health()["requests"] == {"running": 0, "waiting": 0}, "both requests over")
 
 
 def test_the_seq_layout_serves_one_sequence_at_a_time_and_cancels_too(tiny_loaded):

@@ -10,13 +10,15 @@ records of `engines.records`. Nothing here imports `kvlayout.runner`.
 
 from kvlayout.engines.cell import CellEngine
 from kvlayout.engines.interface import Engine
+from kvlayout.engines.options import EngineOptions
 from kvlayout.engines.records import OnProgress, OnToken, Request, Sample, Sampling, Stats, Stopper, make_requests
-from kvlayout.engines.recovery import ForwardFailed, Interrupted
 from kvlayout.engines.seq import SeqEngine
+from kvlayout.errors import ForwardFailed, Interrupted
 
 __all__ = [
     "CellEngine",
     "Engine",
+    "EngineOptions",
     "ForwardFailed",
     "Interrupted",
     "OnProgress",

@@ -8,7 +8,8 @@ JSON out, so whoever writes the files never looks inside an engine.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 from kvlayout.engines.records import Request
 

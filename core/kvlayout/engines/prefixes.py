@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
+
+from kvlayout.checks import int_scalar
+from kvlayout.errors import ConfigError
 
 DEFAULT_BLOCK = 16  # tokens per block of the index: reuse starts at one whole block
 
@@ -68,9 +71,7 @@ class PrefixCache:
     """
 
     def __init__(self, control, block: int = DEFAULT_BLOCK):
-        if block < 1:
-            raise ValueError(f"block={block}: expected at least 1 token per block")
-        self.bc, self.block = control, block
+        self.bc, self.block = control, int_scalar("PrefixCache.block", block, ConfigError, minimum=1)
         self.entries: dict[int, Entry] = {}
         self.index: dict[int, set[int]] = collections.defaultdict(set)
         self.clock = itertools.count(1)

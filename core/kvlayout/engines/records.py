@@ -13,7 +13,8 @@ happens: what streaming output and a server listen to).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -63,7 +64,9 @@ class Request:
 
     `sampling`: the request's own settings (a server's client sends them), in place of the
     engine's; None: the engine's. `cached_tokens`: prompt tokens an engine found in a prefix
-    cache and did not prefill (engines.prefixes; 0 without one).
+    cache and did not prefill (engines.prefixes; 0 without one). `started`: an engine began one
+    of its samples (admitted it), so it no longer waits in the engine's queue (a server counts it
+    running from then).
     """
 
     index: int
@@ -73,6 +76,7 @@ class Request:
     samples: list[Sample] = attrs.field(factory=list)
     sampling: Sampling | None = None
     cached_tokens: int = 0
+    started: bool = False
 
 
 @attrs.define
@@ -145,7 +149,9 @@ def ignore_tokens(request: Request, sample: Sample, token: int | None) -> None:
 
 
 
-def make_requests(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], ns: Sequence[int], seed: int) -> list[Request]:
+def make_requests(
+    prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], ns: Sequence[int], seed: int
+) -> list[Request]:
     reqs = []
     for i, (prompt, mt, n) in enumerate(zip(prompts, max_tokens, ns)):
         r = Request(i, list(prompt), mt, n)

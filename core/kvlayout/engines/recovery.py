@@ -25,37 +25,19 @@ A `RunEnded` (a tensor-parallel rank whose peers are gone, or whose forward
 failed: one rank cannot retry alone) is aborted the same way and raised as
 it is: the run ends. A KeyboardInterrupt during a forward is aborted the
 same way and comes out as `Interrupted`, which tells the caller the engine's state is whole and may
-be saved (`kvlayout run --save-state`).
+be saved (`kvlayout run --save-state`). Both exceptions live in `kvlayout.errors`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.errors import PluginError, RunEnded
+from kvlayout.errors import ForwardFailed, Interrupted, PluginError, RunEnded
 from kvlayout.faces import StepAbort
-
-
-class ForwardFailed(Exception):
-    """A forward raised and its step was aborted; `cause` is what it raised.
-
-    `retry`: whether the failure may be transient (False for a plugin's fault).
-    The message is the cause's: a PluginError's own (it names the plugin and
-    the hook), else prefixed with the exception's type.
-    """
-
-    def __init__(self, cause: BaseException):
-        plugin = isinstance(cause, PluginError)
-        super().__init__(str(cause) if plugin else f"{type(cause).__name__}: {cause}")
-        self.cause = cause
-        self.retry = not plugin
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a forward; the step was aborted, so the run's state is whole."""
 
 
 def host_logits(logits: mx.array) -> np.ndarray:

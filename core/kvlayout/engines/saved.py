@@ -5,15 +5,17 @@ message starts with the value's path in the saved JSON (`running[0].tokens`,
 `samples[1][0].rng.state`) and says what was expected, so whoever reports it
 can name the field (prefixing its own path: `engine.running[0].tokens`).
 Nothing is converted silently: a bool is not an integer, a float not an
-integer, an extra key is refused like a missing one.
+integer, an extra key is refused like a missing one. Integers and numbers are
+checked by `kvlayout.checks`, quoted as JSON (`from_json`).
 """
 
 from __future__ import annotations
 
-import json
-import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
+from kvlayout import checks
+from kvlayout.checks import INT64_MAX, kind, shown
 from kvlayout.errors import StateError
 
 
@@ -24,28 +26,9 @@ def at(path: str, key: str | int) -> str:
     return f"{path}.{key}" if path else key
 
 
-def shown(value: Any, width: int = 60) -> str:
-    """`value` as JSON writes it, cut to `width` characters (a damaged field may be huge)."""
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def bound(n: int) -> str:
-    """An integer bound as a reader takes it in: a large power of two as one."""
-    return f"2**{(n + 1).bit_length() - 1} - 1" if n > 2**32 and (n + 1) & n == 0 else str(n)
-
-
 def name(value: Any) -> str:
     """A saved name as it reads in a sentence: a short string bare, anything else shown."""
     return value if isinstance(value, str) and len(value) <= 40 else shown(value)
-
-
-def kind(value: Any) -> str:
-    return {type(None): "null", dict: "an object", list: "an array", str: "a string", bool: "a bool",
-            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
 
 
 def refuse(path: str, what: str) -> StateError:
@@ -82,24 +65,9 @@ def array(value: Any, path: str, length: int | None = None, minimum: int = 0) ->
     return value
 
 
-INT64_MAX = 2**63 - 1  # a count, an id, a position: nothing a run saves is larger
-
-
 def integer(value: Any, path: str, minimum: int | None = None, maximum: int | None = INT64_MAX) -> int:
     """`value`, a JSON integer (never a bool or a float) within [minimum, maximum]."""
-    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
-        return value
-    if maximum == INT64_MAX:
-        expected = "an integer" + (f" >= {minimum}" if minimum is not None else "") + " that fits in 64 bits"
-    elif minimum is not None and maximum is not None:
-        expected = f"an integer in [{minimum}, {bound(maximum)}]" if minimum <= maximum else "no value (none fits here)"
-    elif minimum is not None:
-        expected = f"an integer >= {minimum}"
-    elif maximum is not None:
-        expected = f"an integer <= {bound(maximum)}"
-    else:
-        expected = "an integer"
-    raise bad(path, value, expected if type(value) is int else f"{expected}, got {kind(value)}")
+    return checks.int_scalar(path, value, StateError, minimum, maximum, numpy=False, from_json=True)
 
 
 def integers(value: Any, path: str, minimum: int, maximum: int) -> list[int]:
@@ -109,10 +77,7 @@ def integers(value: Any, path: str, minimum: int, maximum: int) -> list[int]:
 
 def number(value: Any, path: str, minimum: float = 0.0) -> float:
     """`value`, a finite JSON number >= minimum (an integer is a number)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value < minimum:
-        raise bad(path, value, f"a finite number >= {minimum:g}")
-    return float(value)
+    return checks.finite_number(path, value, StateError, minimum, from_json=True)
 
 
 def text(value: Any, path: str) -> str:

@@ -4,29 +4,16 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 
-from kvlayout.engines import ahead
+from kvlayout.engines import ahead, seq_state
 from kvlayout.engines.interface import Stop, run_steps
-from kvlayout.engines.records import (
-    Agree,
-    OnProgress,
-    OnToken,
-    Request,
-    Sample,
-    Sampling,
-    Stats,
-    draw_token,
-    end_sample,
-    ignore_tokens,
-    record_token,
-    same_tokens,
-)
-from kvlayout.engines.recovery import ForwardFailed, Interrupted, guarded_forward, host_logits
-from kvlayout.engines import saved
-from kvlayout.errors import CapacityError
+from kvlayout.engines.options import EngineOptions
+from kvlayout.engines.records import Request, Sample, draw_token, end_sample, record_token
+from kvlayout.engines.recovery import guarded_forward, host_logits
+from kvlayout.errors import CapacityError, ForwardFailed, Interrupted
 
 
 @attrs.define(eq=False)
@@ -61,35 +48,19 @@ class SeqEngine:
     Implements the Engine interface (engines.interface). `state()` names the
     sample the cache holds (`generating`) and how many of its tokens are in
     it, so a stopped run can resume it without recomputing them.
-    `on_token` hears of every sampled token and every sample that fails
+    `options.on_token` hears of every sampled token and every sample that fails
     (engines.records.OnToken).
 
-    `pipeline`: greedy samples draw their next token on the device and the
+    `options.pipeline`: greedy samples draw their next token on the device and the
     next forward is queued before the host reads it (engines.ahead); tokens,
     cache and state are those of the host path.
     """
 
-    def __init__(
-        self,
-        model,
-        cache,
-        control,
-        eos,
-        sampling: Sampling,
-        chunk: int,
-        stats: Stats,
-        progress: OnProgress,
-        on_token: OnToken = ignore_tokens,
-        agree: Agree = same_tokens,
-        pipeline: bool = True,
-    ):
-        self.model, self.cache, self.control = model, cache, control
-        self.agree = agree
-        # Tokens agreed through a collective are read on every step (engines.ahead).
-        self.pipeline = pipeline and agree is same_tokens
-        self.eos, self.sampling = eos, sampling
-        self.chunk = min(chunk, control.max_step)  # the layout's rule, whoever drives the engine
-        self.stats, self.progress, self.on_token = stats, progress, on_token
+    def __init__(self, model, cache, control, options: EngineOptions):
+        self.model, self.cache, self.control, self.options = model, cache, control, options
+        self.stats = options.stats
+        self.pipeline = options.draws_ahead
+        self.chunk = min(options.chunk, control.max_step)  # the layout's rule, whoever drives the engine
         self.queue: collections.deque[tuple[Request, Sample]] = collections.deque()  # in order, none started
         self.generating: Generating | None = None
         # Set by restore(): (request, sample, cached) of the sample the restored cache holds; the
@@ -131,7 +102,7 @@ class SeqEngine:
             self._resume = None
         for sample in request.samples:
             if sample.finish_reason is None:
-                end_sample(request, sample, "cancelled", self.on_token, self.progress)
+                end_sample(request, sample, "cancelled", self.options.on_token, self.options.progress)
 
     def state(self) -> dict:
         """Which sample the cache holds (request, sample) and how many of its tokens; a token in
@@ -139,37 +110,15 @@ class SeqEngine:
         self.settle()
         g = self.generating
         if g is not None:
-            return {"kind": "seq", "current": [g.request.index, g.sample.index], "cached": g.cached}
-        if self._resume is not None:  # restored, not yet started again
-            r, j, cached = self._resume
-            return {"kind": "seq", "current": [r, j], "cached": cached}
-        return {"kind": "seq", "current": None, "cached": 0}
+            return seq_state.save(g.request.index, g.sample.index, g.cached)
+        return seq_state.save(*self._resume) if self._resume is not None else seq_state.save()
 
     def restore(self, state: dict, requests: Sequence[Request]) -> None:
         """The queue becomes the unfinished samples of `requests`; the first of them continues
         from the cache when it is the one `state` names. StateError, naming the field by its
         path in `state` and changing nothing, when `state` is not what `state()` gives for
-        them: another engine's, a value of the wrong kind or out of range, a sample named that
-        is finished or not the next to run, or a cache holding another number of its tokens."""
-        if isinstance(state, dict) and state.get("kind", "seq") != "seq":
-            raise saved.refuse("kind", f"saved by the {saved.name(state['kind'])} engine, resumed by another")
-        state = saved.table(state, "", ("kind", "current", "cached"))
-        resume = None
-        if state["current"] is None:
-            saved.integer(state["cached"], "cached", 0, 0)
-        else:
-            current = saved.array(state["current"], "current", length=2)
-            r = requests[saved.integer(current[0], "current[0]", 0, len(requests) - 1)]
-            s = r.samples[saved.integer(current[1], "current[1]", 0, len(r.samples) - 1)]
-            # The samples run in order: the one in the cache is the first unfinished one.
-            first = next(((q, x) for q in requests for x in q.samples if x.finish_reason is None), None)
-            if first is None or (first[0].index, first[1].index) != (r.index, s.index):
-                raise saved.refuse("current", f"request {r.index}'s sample {s.index} is not the next unfinished sample")
-            cached = saved.integer(state["cached"], "cached", 0, len(r.prompt) + len(s.generated) - 1)
-            if self.control.length != cached:
-                raise saved.refuse("cached", f"the cache holds {self.control.length} token(s), the run says {cached}")
-            resume = (r.index, s.index, cached)
-        self._resume = resume
+        them (engines.seq_state.load)."""
+        self._resume = seq_state.load(state, requests, self.control.length)
         self.generating = None
         self.queue.clear()
         self.add(requests)
@@ -190,6 +139,7 @@ class SeqEngine:
             self.control.clear()
             cached = 0
         self._resume = None
+        r.started = True
         self.generating = Generating(r, s, list(r.prompt) + list(s.generated), cached)
 
     def _realign(self, cached: int) -> None:
@@ -212,7 +162,7 @@ class SeqEngine:
         t0 = time.perf_counter()
         positions = range(cached, cached + k)
         done = drawn is not None or cached + k == len(tokens)
-        on_device = done and ahead.drawn_on_device(self.pipeline, self.sampling, r, s, drawn is not None)
+        on_device = done and ahead.drawn_on_device(self.pipeline, self.options.sampling, r, s, drawn is not None)
         fed = ahead.fed([(drawn, 0)]) if drawn is not None else tokens[cached : cached + k]
         decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) or drawn is not None else 0
         read = (lambda logits: ahead.draw(logits, self.stats, k - decode, decode)) if on_device else host_logits
@@ -231,7 +181,7 @@ class SeqEngine:
             if not g.retried and exc.retry:  # a plugin's fault is not retried
                 g.retried = True  # the next step retries it
                 return
-            end_sample(r, s, "error", self.on_token, self.progress, str(exc))
+            end_sample(r, s, "error", self.options.on_token, self.options.progress, str(exc))
             self.generating = None
             return
         g.retried = False
@@ -250,7 +200,8 @@ class SeqEngine:
         elif on_device:
             g.drawn = row  # read by the next step, once its forward is queued
         elif done:
-            (token,) = self.agree([draw_token(s, row[0], r, self.sampling)])  # a collective when tensor-parallel
+            # a collective when tensor-parallel
+            (token,) = self.options.agree([draw_token(s, row[0], r, self.options.sampling)])
             self._take(g, token)
         self.stats.account(time.perf_counter() - t0, k - decode, decode)
         self.stats.note_held(self.control.length, self.control.length, 1)
@@ -259,11 +210,11 @@ class SeqEngine:
         """Record `token` as the sample's next: True when it finished the sample (then no longer
         generating)."""
         r, s = g.request, g.sample
-        finished, moved = record_token(s, token, r, self.eos, self.stats)
-        self.on_token(r, s, token)
+        finished, moved = record_token(s, token, r, self.options.eos, self.stats)
+        self.options.on_token(r, s, token)
         if not finished:
             g.tokens.append(token)
-        self.progress(moved)
+        self.options.progress(moved)
         if finished:
             self.generating = None
         return finished

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -26,10 +27,10 @@ from kvlayout.config import CacheConfig
 from kvlayout.distributed import RankedModel, World
 from kvlayout.engines.cell import CellEngine
 from kvlayout.engines.interface import Engine
+from kvlayout.engines.options import EngineOptions
 from kvlayout.engines.records import OnProgress, OnToken, Sampling, Stats, ignore_tokens, make_requests, same_tokens
-from kvlayout.engines.recovery import Interrupted
 from kvlayout.engines.seq import SeqEngine
-from kvlayout.errors import ConfigError, KVLayoutError
+from kvlayout.errors import ConfigError, Interrupted, KVLayoutError, RunInterrupted, SaveFailed, one_line
 from kvlayout.faces import BatchControl, SequenceControl, contract
 from kvlayout.models.shard import check_shardable, local_args, model_bytes, shard_model, shards_of
 from kvlayout.runner.config import ModelSection, RunConfig
@@ -37,7 +38,7 @@ from kvlayout.runner.prompts import Prompt, build_prompts
 from kvlayout.runner.records import KVBytes, OnText, RunResult, SampleResult, TextEvent
 from kvlayout.runner.text import SampleText
 
-__all__ = ["Job", "RunInterrupted", "RunResult", "load_model_for", "prepare", "run"]
+__all__ = ["Job", "RunResult", "load_model_for", "prepare", "run"]
 
 
 def check_capacity(cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
@@ -61,19 +62,11 @@ def default_kv_dtype(model_dtype: mx.Dtype) -> str:
 
 
 def cache_config(cfg: RunConfig, args, kv_dtype: str) -> CacheConfig:
+    """The config's [cache] for the model `args` describes (one LayerConfig when all are alike)."""
     layers = args.layer_configs()
     if len(set(layers)) == 1:
         layers = layers[:1]
-    return CacheConfig(
-        capacity=cfg.cache.capacity,
-        n_layers=args.num_hidden_layers,
-        layers=layers,
-        kv_dtype=kv_dtype,
-        initial_capacity=min(cfg.cache.initial_capacity, cfg.cache.capacity),
-        max_write=cfg.cache.max_write,
-        max_seqs=cfg.cache.max_seqs,
-        kv_group_size=cfg.cache.kv_group_size,
-    )
+    return cfg.cache.cache_config(args.num_hidden_layers, layers, kv_dtype)
 
 
 def load_model_for(cfg: RunConfig):
@@ -101,7 +94,7 @@ def load_with_fallback(cfg: RunConfig):
     except ConfigError as exc:
         if cfg.model.fallback is None:
             raise
-        reason = " ".join(str(exc).split())  # one line, whatever the reason held
+        reason = one_line(exc)  # whatever the reason held
         m = cfg.model
         cfg = attrs.evolve(cfg, model=ModelSection(preset=m.fallback, dtype=m.dtype, seed=m.seed), plain_chat=True)
         notice = f"model preset {m.preset!r} cannot be had: {reason}; running the {m.fallback!r} preset instead"
@@ -148,27 +141,32 @@ class Job:
         return sum(r.n * r.max_tokens for r in self.cfg.requests)
 
     def make_engine(self, stats: Stats, progress: OnProgress, on_token: OnToken = ignore_tokens,
-                    prefixes: Any = None) -> Engine:
+                    prefixes: Any = None, max_samples: int | None = None) -> Engine:
         """A fresh engine over the cache, chosen by its faces, with no work queued.
 
         A BatchControl face gets continuous batching (CellEngine), a lone
         SequenceControl face one sequence at a time (SeqEngine). `prefixes`
         (an engines.prefixes.PrefixCache over this cache, e.g. a server's)
-        keeps finished sequences' cells for reuse; only CellEngine takes one.
+        keeps finished sequences' cells for reuse; only CellEngine takes one. `max_samples` caps
+        the samples generating at once (a server's max_sequences; EngineOptions).
         """
         cfg, cache = self.cfg, self.cache
-        sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
-        eos = frozenset(self.tokenizer.eos_ids)
+        options = EngineOptions(
+            eos=frozenset(self.tokenizer.eos_ids),
+            sampling=Sampling(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed),
+            chunk=cfg.engine.prefill_chunk,
+            stats=stats,
+            progress=progress,
+            on_token=on_token,
+            # One process draws its own tokens: the engines may draw them on the device (engines.ahead).
+            agree=self.agree_tokens if self.world.distributed else same_tokens,
+            pipeline=cfg.engine.pipeline,
+            max_samples=max_samples,
+        )
         bc = cache.as_batch_control()
-        # One process draws its own tokens: the engines may draw them on the device (engines.ahead).
-        agree = self.agree_tokens if self.world.distributed else same_tokens
-        pipeline = cfg.engine.pipeline
         if bc is not None:
-            return CellEngine(self.model, cache, bc, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token,
-                              prefixes, agree, pipeline)
-        control = cache.as_control()  # the engine keeps its steps within control.max_step
-        return SeqEngine(self.model, cache, control, eos, sampling, cfg.engine.prefill_chunk, stats, progress, on_token,
-                         agree, pipeline)
+            return CellEngine(self.model, cache, bc, options, prefixes)
+        return SeqEngine(self.model, cache, cache.as_control(), options)  # it keeps its steps within max_step
 
     def model_bytes(self) -> int:
         """Bytes of the model's parameters this process holds (its shard, when tensor-parallel)."""
@@ -218,18 +216,10 @@ class Job:
         loses nothing of the run: the result (or the RunInterrupted) carries
         `save_failed`, which says why and what the directory holds now.
         """
-        cfg, tok = self.cfg, self.tokenizer
         requests = self.new_requests()
-        stats = Stats(layout=self.builder.key, kv_dtype=self.kv_dtype, model=self.model_name)
         progress = progress or (lambda n: None)
-        if self.resumed is not None:
-            stats = self.resumed.apply_samples(requests, Stats)
-            progress(self.resumed.done_tokens(requests))
-        # Each sample's text and stop strings: the engine asks it about every token the sample keeps.
-        texts = {}
-        for r, spec in zip(requests, cfg.requests):
-            for s in r.samples:
-                s.stopper = texts[r.index, s.index] = SampleText(tok.decode, spec.stop, s.generated)
+        stats = self._starting_stats(requests, progress)
+        texts = self._sample_texts(requests)
 
         def heard(request, sample, token) -> None:
             new = texts[request.index, sample.index].take_new(final=sample.finish_reason is not None)
@@ -251,6 +241,30 @@ class Job:
             raise RunInterrupted(failed) from exc
         stats.wall_s += time.perf_counter() - t0
         failed = self._save(save_state, requests, engine, stats, complete) if save_state is not None else None
+        return self._result(requests, texts, stats, complete, failed)
+
+    def _starting_stats(self, requests: list, progress: OnProgress) -> Stats:
+        """The run's Stats: fresh, or when resumed the saved run's, its samples taken up again and the
+        tokens they already hold reported as progress."""
+        if self.resumed is None:
+            return Stats(layout=self.builder.key, kv_dtype=self.kv_dtype, model=self.model_name)
+        stats = self.resumed.apply_samples(requests, Stats)
+        progress(self.resumed.done_tokens(requests))
+        return stats
+
+    def _sample_texts(self, requests: list) -> dict[tuple[int, int], SampleText]:
+        """Each sample's text and stop strings, by (request, sample) index; each is also its sample's
+        stopper: the engine asks it about every token the sample keeps."""
+        texts = {}
+        for r, spec in zip(requests, self.cfg.requests):
+            for s in r.samples:
+                s.stopper = texts[r.index, s.index] = SampleText(self.tokenizer.decode, spec.stop, s.generated)
+        return texts
+
+    def _result(self, requests: list, texts: dict[tuple[int, int], SampleText], stats: Stats, complete: bool,
+                failed) -> RunResult:
+        """What the run gave: each sample's tokens and text, the prompts, the figures."""
+        tok = self.tokenizer
 
         def text_of(r, s) -> str:
             st = texts[r.index, s.index]
@@ -275,18 +289,9 @@ class Job:
 
         try:
             resume.save_run(directory, self, requests, engine, stats, complete)
-        except resume.SaveFailed as exc:
+        except SaveFailed as exc:
             return exc
         return None
-
-
-class RunInterrupted(Interrupted):
-    """Ctrl-C inside a forward; the step was aborted. `save_failed`: None when the state was saved
-    (or none was asked for), else the `resume.SaveFailed` saying why not."""
-
-    def __init__(self, save_failed: Exception | None = None):
-        super().__init__()
-        self.save_failed = save_failed
 
 
 def model_source(cfg: RunConfig):
@@ -349,8 +354,10 @@ def prepare(cfg: RunConfig, loaded=None, resume=None, world: World | None = None
             resume, job.fingerprint(), cache_config(cfg, args, kv_dtype), args.vocab_size, tok.eos_ids, name
         )
         # Each rank resumes its own directory: they must hold one run, saved at one step.
-        world.same_everywhere(json.dumps([job.resumed.data["samples"], job.resumed.data["engine"]],
-                                         sort_keys=True, default=str).encode(), "the saved run's samples and engine state")
+        world.same_everywhere(
+            json.dumps([job.resumed.data["samples"], job.resumed.data["engine"]], sort_keys=True, default=str).encode(),
+            "the saved run's samples and engine state",
+        )
     else:
         job.cache = builder.build(cache_config(cfg, args, kv_dtype))
     check_faces(f"{builder.key} ({builder.provider()})", job.cache)

@@ -16,7 +16,8 @@ last message tells the followers to stop.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

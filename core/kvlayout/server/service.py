@@ -54,8 +54,8 @@ class Service:
         Ctrl-C reaches every rank of a launch; rank 0 alone decides when the server stops (its
         grace period, then its last message), so the others ignore it."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        job, prefixes = self.job, self.worker.prefixes
-        follow(job.world, lambda stats: job.make_engine(stats, lambda n: None, ignore_tokens, prefixes),
+        job, prefixes, cap = self.job, self.worker.prefixes, self.worker.max_sequences
+        follow(job.world, lambda stats: job.make_engine(stats, lambda n: None, ignore_tokens, prefixes, cap),
                self.worker.clear, job.tokenizer.decode)
 
     def close(self) -> None:
@@ -122,7 +122,7 @@ def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -
     made: list[Any] = []
 
     def make_engine(stats, heard):
-        engine = job.make_engine(stats, lambda n: None, heard, prefixes)
+        engine = job.make_engine(stats, lambda n: None, heard, prefixes, s.max_sequences)
         if world.distributed and world.leader:  # the other ranks replay what this engine is asked to do
             engine = Leading(engine, world, fresh=bool(made))
         made.append(engine)

@@ -8,12 +8,17 @@ the step after its cancellation. What the engine generates comes back as
 `Event`s, posted to the ticket's asyncio queue on the server's event loop
 (`loop.call_soon_threadsafe`): the model thread never waits for a client.
 
-Admission: a ticket runs at once while the samples generating stay within
-`max_sequences`; else it waits in the server's queue (`queue` long, FIFO)
-and a ticket beyond that is refused (429). A step that raises out of the
-engine (the engine itself retries a failed forward, and fails only the
-request that still fails) ends every request in flight with an error, and
-the cache is cleared and a fresh engine built: the server keeps serving.
+Admission: every accepted ticket goes to the engine at once, and the engine's
+queue is the only one: its scheduler admits a request while the samples
+generating stay within `max_sequences` (EngineOptions.max_samples), first come
+first served. The HTTP side only counts: a ticket is accepted while fewer
+requests wait than `queue` plus the samples still free under
+`max_sequences`, else refused (429). A request waits until the engine starts
+it (`Request.started`). A step that raises out of the engine (the engine
+itself retries a failed forward, and fails only the request that still
+fails) ends every request it had started with an error, and the cache is
+cleared and a fresh engine built, given the requests still waiting: the
+server keeps serving.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ import collections
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
 from kvlayout.engines.prefixes import PrefixCache
 from kvlayout.engines.records import Request, Stats
-from kvlayout.errors import RunEnded
+from kvlayout.errors import QueueFull, RunEnded
 from kvlayout.runner.text import SampleText
 from kvlayout.server import cellmap
 from kvlayout.server.observer import CellObserver
@@ -37,10 +43,6 @@ from kvlayout.server.requests import Order
 
 FRAME_EVERY_S = 0.2  # the cell map is redrawn at most five times a second
 RATE_WINDOW_S = 5.0  # tokens/s are over the last five seconds
-
-
-class QueueFull(Exception):
-    """The server's queue is full: answer 429."""
 
 
 @attrs.frozen
@@ -63,6 +65,7 @@ class Ticket:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = attrs.field(factory=asyncio.Queue)
     finished: int = 0  # samples ended
+    handed: bool = False  # the engine thread gave its request to the engine
     failed: str | None = None  # why the whole request failed (a step that raised)
 
     @property
@@ -115,10 +118,10 @@ class Worker:
         self.stats = Stats()
         self.engine = make_engine(self.stats, self.heard)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.lock = threading.Lock()  # guards waiting, reserved, active (the HTTP side submits)
-        self.waiting: collections.deque[Ticket] = collections.deque()
-        self.reserved = 0  # samples of the tickets handed to the engine and not done
-        self.active: dict[int, Ticket] = {}
+        self.lock = threading.Lock()  # guards tickets, waiting, running_samples (the HTTP side submits)
+        self.tickets: dict[int, Ticket] = {}  # accepted and not over, in order: the engine has (or gets) each
+        self.waiting = 0  # of them, those the engine has not started
+        self.running_samples = 0  # samples of the started ones
         # Tickets whose last sample ended during the step: told they are over once the step's state
         # is published, so a client that has its answer finds /health already showing it.
         self.ending: list[Ticket] = []
@@ -134,18 +137,17 @@ class Worker:
     # -- the HTTP side (any thread)
 
     def submit(self, ticket: Ticket) -> None:
-        """Run `ticket` at the next step, or queue it; QueueFull (nothing changed) when the queue is."""
+        """Hand `ticket` to the engine (it runs when the engine admits it); QueueFull (nothing
+        changed) when `queue` requests wait beyond what `max_sequences` still has room for."""
         with self.lock:
             if self.stopping.is_set():
                 raise QueueFull("the server is shutting down")
-            if not self.waiting and self.reserved + ticket.order.n <= self.max_sequences:
-                self.reserved += ticket.order.n
-                self.active[ticket.request.index] = ticket
-                self.inbox.put(("run", ticket))
-            elif len(self.waiting) < self.queue_limit:
-                self.waiting.append(ticket)
-            else:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (server.queue={self.queue_limit})")
+            room = self.queue_limit + max(0, self.max_sequences - self.running_samples)
+            if self.waiting >= room:
+                raise QueueFull(f"{self.waiting} requests are waiting (server.queue={self.queue_limit})")
+            self.tickets[ticket.request.index] = ticket
+            self.waiting += 1
+        self.inbox.put(("run", ticket))
 
     def cancel(self, ticket: Ticket) -> None:
         """Drop `ticket` (its client went away): before the next step, its cells are freed."""
@@ -190,6 +192,7 @@ class Worker:
                 if verb == "run":
                     if ticket.failed is None:  # not ended meanwhile by a step that raised
                         self.engine.add([ticket.request])
+                        ticket.handed = True
                 else:
                     self.drop(ticket)
                     self.mark_stale()  # freed cells: no hook tells of a verb
@@ -209,11 +212,14 @@ class Worker:
             self.clear()
             self.mark_stale()
             self.engine = self.make_engine(self.stats, self.heard)
-        self.admit_waiting()
+            # What waited lost nothing: the fresh engine's queue takes it up, in order.
+            with self.lock:
+                waiting = [t.request for t in self.tickets.values() if t.handed]
+            self.engine.add(waiting)
 
     def heard(self, request: Request, sample, token: int | None) -> None:
         """The engine's on_token: a sample's new text and, when it ended, why."""
-        ticket = self.active.get(request.index)
+        ticket = self.tickets.get(request.index)
         if ticket is None:
             return
         final = sample.finish_reason is not None
@@ -225,12 +231,8 @@ class Worker:
                 self.release(ticket, later=True)
 
     def drop(self, ticket: Ticket) -> None:
-        with self.lock:
-            if ticket in self.waiting:
-                self.waiting.remove(ticket)
-                ticket.post(None)
-                return
-        if ticket.request.index in self.active and not ticket.done:
+        """The client went away: the engine ends what is left of its request (queued or running)."""
+        if ticket.request.index in self.tickets and not ticket.done:
             self.engine.cancel(ticket.request)  # frees its cells now; heard() hears each sample end
             if not ticket.done:  # samples the engine no longer held
                 self.release(ticket)
@@ -239,34 +241,30 @@ class Worker:
         """The ticket's samples hold nothing in the engine any more: it is over (`later`: once
         `publish` has shown that, see `ending`)."""
         with self.lock:
-            if self.active.pop(ticket.request.index, None) is not None:
-                self.reserved -= ticket.order.n
+            self.tickets.pop(ticket.request.index, None)
+            self.count()
         if later:
             self.ending.append(ticket)
             return
         ticket.post(None)
-        self.admit_waiting()
 
-    def admit_waiting(self) -> None:
-        """Hand queued tickets to the engine while the samples generating stay within the limit."""
-        with self.lock:
-            while self.waiting and self.reserved + self.waiting[0].order.n <= self.max_sequences:
-                ticket = self.waiting.popleft()
-                self.reserved += ticket.order.n
-                self.active[ticket.request.index] = ticket
-                self.engine.add([ticket.request])
+    def count(self) -> None:
+        """Recount the tickets the engine has not started and the samples of those it has
+        (under the lock)."""
+        started = [t for t in self.tickets.values() if t.request.started]
+        self.waiting = len(self.tickets) - len(started)
+        self.running_samples = sum(t.order.n for t in started)
 
     def cancel_all(self, why: str, cancel_in_engine: bool, queued_too: bool = True) -> None:
-        """End every request in flight with `why` (and those still queued, with `queued_too`:
-        after a step that raised they lost nothing and stay queued); the engine cancels them too
-        when it is still usable (not after a step that raised: the cache is cleared and the
-        engine replaced)."""
+        """End every request the engine started with `why` (and those still waiting, with
+        `queued_too`: after a step that raised they lost nothing and stay queued); the engine
+        cancels them too when it is still usable (not after a step that raised: the cache is
+        cleared and the engine replaced)."""
         with self.lock:
-            tickets = list(self.active.values()) + (list(self.waiting) if queued_too else [])
-            self.active.clear()
-            if queued_too:
-                self.waiting.clear()
-            self.reserved = 0
+            tickets = [t for t in self.tickets.values() if queued_too or t.request.started]
+            for ticket in tickets:
+                del self.tickets[ticket.request.index]
+            self.count()
         for ticket in tickets:
             ticket.failed = why
             ticket.post(None)
@@ -310,7 +308,8 @@ class Worker:
         s = self.stats
         held, capacity = self.cells()
         with self.lock:
-            waiting, running = len(self.waiting), len(self.active)
+            self.count()  # the engine started what it admitted this step
+            waiting, running = self.waiting, len(self.tickets) - self.waiting
         self.snapshot = {
             "status": "ok" if not self.stopping.is_set() else "stopping",
             "requests": {"running": running, "waiting": waiting},
@@ -326,5 +325,3 @@ class Worker:
         ending, self.ending = self.ending, []
         for ticket in ending:
             ticket.post(None)
-        if ending:
-            self.admit_waiting()
