@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvlayout import registry
-from kvlayout.errors import ConfigError, KVLayoutError
+from kvlayout.errors import ConfigError, KVLayoutError, LeaderRefused, RunInterrupted, os_reason
 
 
 class Console(rich.console.Console):
@@ -36,43 +36,60 @@ def _plugins(args: argparse.Namespace) -> int:
     builders = registry.available(pm)
     dups = registry.duplicates(builders)
     if args.json:
-        payload = {
-            "plugins": [
-                {"name": p.name, "distribution": p.distribution, "version": p.version, "hooks": list(p.hooks)}
-                for p in plugins
-            ],
-            "layouts": [
-                {
-                    "backend": b.backend_id,
-                    "kind": b.kind,
-                    "distribution": b.distribution,
-                    "version": b.version,
-                    "summary": b.summary,
-                    "duplicate": b.key in dups,
-                }
-                for b in builders
-            ],
-            "failed": [
-                {
-                    "entry_point": f.entry_point,
-                    "distribution": f.distribution,
-                    "version": f.version,
-                    "hook": f.hook,
-                    "error": f.error,
-                }
-                for f in pm.failures
-            ],
-        }
-        print(json.dumps(payload, indent=2))
+        print(json.dumps(_plugins_payload(plugins, builders, dups, pm.failures), indent=2))
         return 0
     console = Console()
+    console.print(_plugins_table(plugins))
+    console.print(_layouts_table(builders, dups))
+    if not builders:
+        console.print("no layouts installed: pip install kvlayout-seq kvlayout-cell")
+    _print_plugin_problems(console, dups, pm.failures)
+    return 0
+
+
+def _plugins_payload(plugins, builders, dups, failures) -> dict:
+    """`kvlayout plugins --json`: the plugins, the layouts (duplicates marked) and the failures."""
+    return {
+        "plugins": [
+            {"name": p.name, "distribution": p.distribution, "version": p.version, "hooks": list(p.hooks)}
+            for p in plugins
+        ],
+        "layouts": [
+            {
+                "backend": b.backend_id,
+                "kind": b.kind,
+                "distribution": b.distribution,
+                "version": b.version,
+                "summary": b.summary,
+                "duplicate": b.key in dups,
+            }
+            for b in builders
+        ],
+        "failed": [
+            {
+                "entry_point": f.entry_point,
+                "distribution": f.distribution,
+                "version": f.version,
+                "hook": f.hook,
+                "error": f.error,
+            }
+            for f in failures
+        ],
+    }
+
+
+def _plugins_table(plugins) -> Table:
     table = Table(title="kvlayout plugins")
     for column in ("plugin", "distribution", "version", "hooks"):
         table.add_column(column)
     for p in plugins:
         cells = (p.name, p.distribution or "?", p.version or "?", ", ".join(p.hooks) or "(none)")
         table.add_row(*(Text(c) for c in cells))
-    console.print(table)
+    return table
+
+
+def _layouts_table(builders, dups) -> Table:
+    """The installed layouts; a "note" column marks the duplicates, when there are any."""
     table = Table(title="kvlayout layouts")
     for column in ("backend", "kind", "distribution", "version", "summary") + (("note",) if dups else ()):
         table.add_column(column)
@@ -81,9 +98,11 @@ def _plugins(args: argparse.Namespace) -> int:
         if dups:
             cells += ("duplicate" if b.key in dups else "",)
         table.add_row(*(Text(c) for c in cells))
-    console.print(table)
-    if not builders:
-        console.print("no layouts installed: pip install kvlayout-seq kvlayout-cell")
+    return table
+
+
+def _print_plugin_problems(console: Console, dups, failures) -> None:
+    """One line for each layout more than one plugin claims, and one for each plugin that failed."""
     for key, claims in dups.items():
         claimants = " and ".join(b.provider() for b in claims)
         console.print(
@@ -91,20 +110,18 @@ def _plugins(args: argparse.Namespace) -> int:
             + f" {key} is claimed by {claimants}: using it fails until all but one are uninstalled",
             highlight=False,
         )
-    for f in pm.failures:
+    for f in failures:
         where = f" in {f.hook}" if f.hook else ""
         console.print(
             Text("failed", style="red") + f" {f.entry_point} from {f.distribution} {f.version}{where}: {f.error}",
             highlight=False,
         )
-    return 0
 
 
 def _run_config(args: argparse.Namespace):
     """The run's config: the file, the embedded default, or one `--prompt`; flags applied.
     A flag that does not go with the others is a ConfigError (one line, exit 2)."""
-    import math
-
+    from kvlayout.checks import finite
     from kvlayout.runner import config
 
     # What each --prompt flag is called in a config file.
@@ -138,7 +155,7 @@ def _run_config(args: argparse.Namespace):
         if max_tokens < 1:
             raise ConfigError(f"--max-tokens {max_tokens}: expected an integer >= 1")
         temperature = 0.0 if args.temperature is None else args.temperature
-        if not math.isfinite(temperature) or temperature < 0:
+        if not finite(temperature) or temperature < 0:
             raise ConfigError(f"--temperature {args.temperature}: expected a number >= 0 (0 is greedy)")
         cfg = config.prompt_config(prompt, args.model, max_tokens, temperature, raw=args.raw)
     if args.layout:
@@ -200,7 +217,7 @@ def _read_stdin() -> str:
             f"--prompt -: standard input is not {exc.encoding} text (byte 0x{exc.object[exc.start]:02x})"
         ) from None
     except OSError as exc:
-        raise ConfigError(f"--prompt -: cannot read standard input ({exc.strerror or exc})") from None
+        raise ConfigError(f"--prompt -: cannot read standard input ({os_reason(exc)})") from None
 
 
 def utf8_text(text: str, what: str) -> str:
@@ -223,7 +240,7 @@ def _run(args: argparse.Namespace) -> int:
     world = distributed.current()  # a world of one unless started by mlx.launch
     try:
         cfg = ranks.leader_config(world, lambda: _run_config(args))  # rank 0 reads it; every rank gets it
-    except ranks.LeaderRefused:
+    except LeaderRefused:
         return 2  # rank 0 said why, in its one line
 
     with ranks.quiet_unless_leader(world):
@@ -231,59 +248,94 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_job(args: argparse.Namespace, cfg, world) -> int:
-    from kvlayout.runner import ranks, report, resume
+    from kvlayout.runner import ranks
     from kvlayout.runner.interrupt import StopOnCtrlC
-    from kvlayout.runner.job import RunInterrupted, prepare
 
-    ranks.check_resume_world(args.resume, world)
-    job = prepare(cfg, resume=ranks.rank_dir(args.resume, world), world=world)  # every user error surfaces here
-    if world.leader:
-        for notice in job.notices:
-            print(f"kvlayout: {notice}", file=sys.stderr)
+    job = _prepare_job(args, cfg, world)
     save = args.save_state
-    if save is not None:
-        # Before the run, which a bad directory (or a layout that cannot save) would otherwise lose.
-        resume.ready_to_save(ranks.rank_dir(save, world), job)
-    tracing = None
-    if args.trace is not None:
-        from kvlayout.server.trace import Tracing
-
-        tracing = Tracing.start(args.trace, job.cache, cfg.layout.key)  # refused here, before the run
+    tracing = _start_trace(args, job, cfg)
     # With --save-state, a first Ctrl-C stops the run after its current step and saves it.
     ctrl_c = StopOnCtrlC() if save is not None else None
     stop = tracing.stop_after(ctrl_c) if tracing is not None else ctrl_c
     again = continue_command(args, cfg, save) if save is not None else None
+    title = f"{cfg.layout.key} · {job.model_name}"
     console = Console()
-    if not world.leader:
-        watching = contextlib.nullcontext(report.Watch(lambda n: None))
-    elif console.is_terminal and not args.json:
-        labels = [report.prompt_label(p.text, p.messages) for p in job.built]
-        title = f"{cfg.layout.key} · {job.model_name}"
-        samples = [r.n for r in job.cfg.requests]
-        watching = report.live_view(title, labels, samples, job.planned_tokens, console)
-    else:
-        watching = report.progress_bar(job.planned_tokens, cfg.layout.key)
+    watching = _watching(args, cfg, job, world, console, title)
     try:
         with ctrl_c or contextlib.nullcontext(), watching as watch:
             result = job.generate(progress=watch.progress, stop=stop, save_state=ranks.rank_dir(save, world),
                                   on_text=watch.on_text)
     except RunInterrupted as exc:  # Ctrl-C inside a forward (the step was aborted first)
-        if tracing is not None:
-            _finish_trace_quietly(tracing, f"{cfg.layout.key} · {job.model_name} (interrupted)")
-        if save is None:
-            print("kvlayout: interrupted", file=sys.stderr)
-            return 130
-        return _save_outcome(exc.save_failed, f"interrupted; state saved to {save}; continue with: {again}", 130)
+        return _interrupted(tracing, title, save, again, exc)
     except KeyboardInterrupt:  # between forwards: a third Ctrl-C, or any without --save-state
-        if tracing is not None:
-            _finish_trace_quietly(tracing, f"{cfg.layout.key} · {job.model_name} (interrupted)")
-        if save is None:
-            print("kvlayout: interrupted", file=sys.stderr)
-        else:  # the step it landed in is not whole: nothing of this run is saved
-            print(f"kvlayout: interrupted; this run's state was not saved; {resume.holds(Path(save))}", file=sys.stderr)
-        return 130
+        return _interrupted(tracing, title, save, again, None)
     if world.distributed and save is not None:  # a run is saved only when every rank saved its shard
         result = ranks.agree_on_save(world, result, save)
+    _print_result(args, result, job, world, console, again)
+    return _exit_status(result, world, tracing, title, save, again)
+
+
+def _prepare_job(args: argparse.Namespace, cfg, world):
+    """The run's Job (every user error surfaces here), its notices said; a --save-state directory is
+    checked now, before the run, which a bad directory (or a layout that cannot save) would otherwise lose."""
+    from kvlayout.runner import ranks, resume
+    from kvlayout.runner.job import prepare
+
+    ranks.check_resume_world(args.resume, world)
+    job = prepare(cfg, resume=ranks.rank_dir(args.resume, world), world=world)
+    if world.leader:
+        for notice in job.notices:
+            print(f"kvlayout: {notice}", file=sys.stderr)
+    if args.save_state is not None:
+        resume.ready_to_save(ranks.rank_dir(args.save_state, world), job)
+    return job
+
+
+def _start_trace(args: argparse.Namespace, job, cfg):
+    """--trace's recorder, started (a target it cannot use is refused here, before the run); None without it."""
+    if args.trace is None:
+        return None
+    from kvlayout.server.trace import Tracing
+
+    return Tracing.start(args.trace, job.cache, cfg.layout.key)
+
+
+def _watching(args: argparse.Namespace, cfg, job, world, console: Console, title: str):
+    """What shows the run's progress: the live view on a terminal, else a progress bar; nothing on a rank
+    other than the leader."""
+    from kvlayout.runner import report
+
+    if not world.leader:
+        return contextlib.nullcontext(report.Watch(lambda n: None))
+    if console.is_terminal and not args.json:
+        labels = [report.prompt_label(p.text, p.messages) for p in job.built]
+        samples = [r.n for r in job.cfg.requests]
+        return report.live_view(title, labels, samples, job.planned_tokens, console)
+    return report.progress_bar(job.planned_tokens, cfg.layout.key)
+
+
+def _interrupted(tracing, title: str, save: str | None, again: str | None, exc) -> int:
+    """Exit status of a run a Ctrl-C stopped, said in one line: inside a forward (`exc`, the RunInterrupted;
+    saved with --save-state) or between forwards (`exc` None)."""
+    from kvlayout.runner import resume
+
+    if tracing is not None:
+        _finish_trace_quietly(tracing, f"{title} (interrupted)")
+    if save is None:
+        print("kvlayout: interrupted", file=sys.stderr)
+        return 130
+    if exc is None:  # the step it landed in is not whole: nothing of this run is saved
+        print(f"kvlayout: interrupted; this run's state was not saved; {resume.holds(Path(save))}", file=sys.stderr)
+        return 130
+    return _save_outcome(exc.save_failed, f"interrupted; state saved to {save}; continue with: {again}", 130)
+
+
+def _print_result(args: argparse.Namespace, result, job, world, console: Console, again: str | None) -> None:
+    """The report, or with --json the JSON with what a stopped or saved run adds; with every rank's figures
+    when the run is distributed."""
+    from kvlayout.runner import ranks, report
+
+    save = args.save_state
     extra = {}
     if world.distributed:  # every rank takes part in gathering the figures; rank 0 prints them
         extra["ranks"] = ranks.rank_figures(world, result.kv_bytes.per_cell, job.model_bytes())
@@ -302,10 +354,16 @@ def _run_job(args: argparse.Namespace, cfg, world) -> int:
         report.print_report(result, console)
         if world.distributed:
             print(report.ranks_line(extra["ranks"]))
+
+
+def _exit_status(result, world, tracing, title: str, save: str | None, again: str | None) -> int:
+    """After the report: a failed sample said once (exit 1), the trace written, how the save went."""
+    from kvlayout.runner import report
+
     failed = report.failure_line(result)  # a sample that failed is said once, and the exit is 1
     if failed and world.leader:
         print(f"kvlayout: error: {failed}", file=sys.stderr)
-    if tracing is not None and not _finish_trace(tracing, f"{cfg.layout.key} · {job.model_name}"):
+    if tracing is not None and not _finish_trace(tracing, title):
         return 2  # after the report: a trace that cannot be written loses nothing of the run
     if result.complete:
         code = _save_outcome(result.save_failed, None, 0)
@@ -319,7 +377,7 @@ def _finish_trace(tracing, title: str) -> bool:
     try:
         print(f"kvlayout: {tracing.finish(title)}", file=sys.stderr)
     except OSError as exc:
-        print(f"kvlayout: error: --trace {tracing.target}: cannot write it ({exc.strerror or exc})", file=sys.stderr)
+        print(f"kvlayout: error: --trace {tracing.target}: cannot write it ({os_reason(exc)})", file=sys.stderr)
         return False
     return True
 
@@ -454,7 +512,7 @@ def _bench(args: argparse.Namespace) -> int:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"--out {out}: cannot create the directory ({exc.strerror or exc})") from None
+            raise ConfigError(f"--out {out}: cannot create the directory ({os_reason(exc)})") from None
     suite.run_suite(mode, rows, out, Path(args.model) if args.model is not None else None)
     return 0
 
@@ -525,11 +583,23 @@ def make_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kvlayout", description="KV-cache layouts for MLX, as plugins.")
     parser.add_argument("--version", action=VersionAction, help="kvlayout's version and the installed layouts'")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_plugins_command(sub)
+    _add_run_command(sub)
+    _add_serve_command(sub)
+    _add_init_model_command(sub)
+    _add_bench_command(sub)
+    return parser
+
+
+def _add_plugins_command(sub) -> None:
     plugins = sub.add_parser(
         "plugins", help="list plugins and the hooks they implement, installed layouts, and plugins that failed"
     )
     plugins.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     plugins.set_defaults(func=_plugins)
+
+
+def _add_run_command(sub) -> None:
     run = sub.add_parser(
         "run",
         help="generate with a model through the layout the config names",
@@ -538,6 +608,13 @@ def make_parser() -> argparse.ArgumentParser:
         "$XDG_CACHE_HOME/kvlayout, else ~/.cache/kvlayout) answers a few chat questions, two samples each; "
         "when it cannot be had, the run says why and runs the tiny random preset instead.",
     )
+    _add_run_config_flags(run)
+    _add_run_output_flags(run)
+    run.set_defaults(func=_run_command)
+
+
+def _add_run_config_flags(run: argparse.ArgumentParser) -> None:
+    """The flags that shape the run's config: the file, or one --prompt, and what overrides it."""
     run.add_argument("config", nargs="?", type=given, help="a TOML run config (default: the embedded one)")
     run.add_argument("--layout", type=given, metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq")
     run.add_argument(
@@ -551,8 +628,16 @@ def make_parser() -> argparse.ArgumentParser:
         "or when the model has no template (the run says so)",
     )
     run.add_argument("--raw", action="store_true", help="with --prompt: send it as plain text, no chat template")
-    run.add_argument("--max-tokens", type=int, metavar="N", help="with --prompt: the most tokens to generate (default 128)")
-    run.add_argument("--temperature", type=float, metavar="T", help="with --prompt: sampling temperature, 0 greedy (default 0)")
+    run.add_argument(
+        "--max-tokens", type=int, metavar="N", help="with --prompt: the most tokens to generate (default 128)"
+    )
+    run.add_argument(
+        "--temperature", type=float, metavar="T", help="with --prompt: sampling temperature, 0 greedy (default 0)"
+    )
+
+
+def _add_run_output_flags(run: argparse.ArgumentParser) -> None:
+    """The flags that say what the run writes: JSON, a trace, its saved state; or only its config."""
     run.add_argument("--json", action="store_true", help="outputs and totals as JSON on stdout")
     run.add_argument("--trace", type=given, metavar="FILE.html",
                      help="also write the cell map of the run, step by step, as a page with a scrubber (cell layouts)")
@@ -571,7 +656,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="print the config this run would use as TOML (the embedded default, the file's or --prompt's, "
         "flags applied) and exit without loading a model; `kvlayout run FILE` runs what it prints",
     )
-    run.set_defaults(func=_run_command)
+
+
+def _add_serve_command(sub) -> None:
     server = sub.add_parser(
         "serve",
         help="an OpenAI-compatible server (chat and text completions, streaming) batching every client's requests",
@@ -581,11 +668,21 @@ def make_parser() -> argparse.ArgumentParser:
     )
     server.add_argument("config", nargs="?", type=given, help="a TOML config: run's [layout], [cache], [model], "
                         "[sampling], [engine], plus [server] limits (default: the built-in one)")
-    server.add_argument("--layout", type=given, metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq")
-    server.add_argument("--model", type=given, metavar="DIR", help="a Hugging Face model directory, in place of the config's [model]")
-    server.add_argument("--host", type=given, default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine only)")
+    server.add_argument(
+        "--layout", type=given, metavar="BACKEND:KIND", help="override the config's layout, e.g. mlx:seq"
+    )
+    server.add_argument(
+        "--model", type=given, metavar="DIR", help="a Hugging Face model directory, in place of the config's [model]"
+    )
+    server.add_argument(
+        "--host", type=given, default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1: this machine only)",
+    )
     server.add_argument("--port", type=int, default=8080, help="the port (default 8080; 0 picks a free one)")
     server.set_defaults(func=_serve)
+
+
+def _add_init_model_command(sub) -> None:
     init = sub.add_parser("init-model", help="write a built-in or converted model in the Hugging Face layout")
     init.add_argument(
         "dir", type=given,
@@ -604,6 +701,9 @@ def make_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights (tiny)")
     init.add_argument("--force", action="store_true", help="replace DIR whole when it is not empty")
     init.set_defaults(func=_init_model)
+
+
+def _add_bench_command(sub) -> None:
     bench = sub.add_parser(
         "bench", help="kvlayout beside mlx-lm on the same work (needs the bench extra: pip install 'kvlayout[bench]')"
     )
@@ -621,7 +721,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--model", type=given, metavar="DIR",
-        help="a model directory you have: rows 8, 9 and 13 (decode, chat, lockstep) measure it beside mlx-lm (the default rows then)",
+        help="a model directory you have: rows 8, 9 and 13 (decode, chat, lockstep) measure it beside mlx-lm "
+        "(the default rows then)",
     )
     bench.add_argument(
         "--blas", type=given, metavar="PATH",
@@ -630,7 +731,6 @@ def make_parser() -> argparse.ArgumentParser:
         "MLX's CPU wheel bundles the reference BLAS, ~20x slower",
     )
     bench.set_defaults(func=_bench)
-    return parser
 
 
 EXIT_BROKEN_PIPE = 128 + 13  # as a shell reports a writer killed by SIGPIPE (`kvlayout run | head`)

@@ -43,7 +43,9 @@ def in_use() -> str:
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
     blas = [lib for lib in mapped_libraries() if "blas" in Path(lib).name.lower()]
-    preloaded = [p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "blas" in Path(p).name.lower()]
+    preloaded = [
+        p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "blas" in Path(p).name.lower()
+    ]
     if preloaded:
         kind = "OpenBLAS" if any("openblas" in lib.lower() for lib in blas) else "preloaded"
         return f"{kind} {preloaded[0]} (LD_PRELOAD)"

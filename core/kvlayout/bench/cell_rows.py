@@ -18,7 +18,7 @@ import numpy as np
 from kvlayout import CacheConfig, LayerConfig
 from kvlayout.bench.layouts import cell_cache, cell_table
 from kvlayout.bench.record import Row
-from kvlayout.bench.sizes import D, H_KV
+from kvlayout.bench.sizes import H_KV, D
 from kvlayout.bench.timing import interleaved, timed
 from kvlayout.mlx import attend
 

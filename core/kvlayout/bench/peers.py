@@ -10,13 +10,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import MissingExtra
 
 INSTALL = "pip install 'kvlayout[bench]'"
-
-
-class MissingExtra(KVLayoutError):
-    """A package of the `bench` extra is not installed; the message says who needs it and how to install it."""
 
 
 def require(module: str, needed_by: str, package: str | None = None) -> None:

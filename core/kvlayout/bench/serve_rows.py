@@ -263,7 +263,9 @@ def row_serve(z: dict, ctx: dict) -> tuple[str, list[Row]]:
 
 def rows_of(k: int, got: dict) -> list[Row]:
     a, b = (summary(got[n]) for n in ("kvlayout serve", "mlx_lm.server"))
-    same = sum(x["text"] == y["text"] for x, y in zip(got["kvlayout serve"]["answers"], got["mlx_lm.server"]["answers"]))
+    same = sum(
+        x["text"] == y["text"] for x, y in zip(got["kvlayout serve"]["answers"], got["mlx_lm.server"]["answers"])
+    )
     n = len(got["kvlayout serve"]["answers"])
     wall = Row(
         "10 serve", f"K={k}: wall, {n} requests", "kvlayout serve", "mlx_lm.server", [a["wall_s"]], [b["wall_s"]],

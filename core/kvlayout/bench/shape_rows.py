@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
@@ -88,71 +89,110 @@ def ideal_inputs(cache, spec, ids: list[int], q: mx.array):
     return qi, ik, iv, kmask, lengths
 
 
+@attrs.frozen(eq=False)
+class DecodeStep:
+    """The measured decode step of every live sequence: its queries and its new K (V is K * 0.5)."""
+
+    cache: object
+    control: object  # the cache's BatchControl
+    ids: list[int]
+    positions: list[int]
+    k1: mx.array  # [1, H_kv, N, D]
+    q: mx.array  # [1, Hq, T, D]
+    scale: float
+
+    @classmethod
+    def after(cls, cache, ids: list[int], rng: np.random.Generator, h_kv: int, d: int) -> DecodeStep:
+        control = cache.as_batch_control()
+        positions = [control.next_pos(s) for s in ids]
+        k1 = mx.array(rng.normal(size=(1, h_kv, len(ids), d)).astype(np.float32))
+        q = mx.array(rng.normal(size=(1, h_kv * REP[d], len(ids), d)).astype(np.float32))
+        mx.eval(q, k1)
+        return cls(cache, control, ids, positions, k1, q, d**-0.5)
+
+    def place(self):
+        """Layer 0's part of the step: declare, place, write and plan; its spec."""
+        assert self.control.declare_step(self.ids)
+        return self.cache.update_and_fetch(0, self.positions, self.k1, self.k1 * 0.5)
+
+    def later_layer(self):
+        """A later layer's part of the step: the placement and plan reused, its own write; its spec."""
+        return self.cache.update_and_fetch(1, self.positions, self.k1, self.k1 * 0.5)
+
+
 def one_case(z: dict, rng: np.random.Generator, h_kv: int, d: int, n: int, kind: str) -> list[Row]:
-    """The two lines of one shape, sequence count and history."""
-    h_q, scale = h_kv * REP[d], d**-0.5
+    """The three lines of one shape, sequence count and history."""
     cache, ids = history(n, h_kv, d, kind, rng, z["shape_prompt"], z["shape_steps"])
-    control = cache.as_batch_control()
-    positions = [control.next_pos(s) for s in ids]
-    k1 = mx.array(rng.normal(size=(1, h_kv, n, d)).astype(np.float32))
-    q = mx.array(rng.normal(size=(1, h_q, n, d)).astype(np.float32))  # [1, Hq, T, D]
-    mx.eval(q, k1)
-
-    def place():
-        assert control.declare_step(ids)
-        return cache.update_and_fetch(0, positions, k1, k1 * 0.5)
-
-    held = [place()]  # the step's spec, dropped before the step is timed (see below)
-    spec = held[0]
-    qi, ik, iv, kmask, lengths = ideal_inputs(cache, spec, ids, q)
+    step = DecodeStep.after(cache, ids, rng, h_kv, d)
+    spec = step.place()
+    qi, ik, iv, kmask, lengths = ideal_inputs(cache, spec, ids, step.q)
+    scale = step.scale
 
     def ideal():
         return timed(lambda: mx.eval(mx.fast.scaled_dot_product_attention(qi, ik, iv, scale=scale, mask=kmask)))
 
-    def layout():
-        return timed(lambda: mx.eval(attend(q, held[0], scale)))
-
-    later_times = []
-
-    def whole():  # the step: declare, place, write, plan, attend (layer 0), then a later layer; taken back
-        t0 = time.perf_counter()
-        mx.eval(attend(q, place(), scale))
-        t1 = time.perf_counter()
-        mx.eval(attend(q, cache.update_and_fetch(1, positions, k1, k1 * 0.5), scale))
-        later_times.append(time.perf_counter() - t1)
-        cache.abort_step()
-        return t1 - t0
-
     want = mx.fast.scaled_dot_product_attention(qi, ik, iv, scale=scale, mask=kmask).transpose(2, 1, 0, 3)
-    err = float(np.abs(np.array(attend(q, spec, scale)) - np.array(want)).max())
-    batches = spec.groups.batches() if spec.groups is not None else ()
-    pages = sorted({b.page for b in batches if b.page})
-    share = sum(b.cells.size * b.page for b in batches if b.page) / int(lengths.sum())
-    t = interleaved({"layout": layout, "ideal": ideal}, 3 * z["repeats"])
+    plan, share = plan_note(step, spec, want, lengths)
+    t = time_attend(step, spec, ideal, 3 * z["repeats"])
     # A spec holding a view of the pools makes the next write copy them whole; a model drops each
     # layer's spec as it attends, so the timed step must too.
-    held.clear()
     del spec
     cache.abort_step()
-    tw = interleaved({"whole step": whole, "ideal": ideal}, 3 * z["repeats"])
-    later_times[:] = later_times[1:]  # the warm-up round's
-    first, later = statistics.median(tw["whole step"]), statistics.median(later_times)
+    tw, later = time_whole_step(step, ideal, 3 * z["repeats"])
     # L layers of one step: the first (placing, planning) and L - 1 later ones, against L ideals.
-    model = {"model step": [first + (MODEL_LAYERS - 1) * later],
+    model = {"model step": [statistics.median(tw["whole step"]) + (MODEL_LAYERS - 1) * later],
              "ideal": [MODEL_LAYERS * statistics.median(tw["ideal"])]}
-    chose = f"paged {'/'.join(map(str, pages))}" if pages else ("gathered" if batches else "dense")
     case = f"{h_kv}x{d} N={n} {kind}"
-    keys = dict(h_kv=h_kv, d=d, n=n, history=kind)
+    keys = {"h_kv": h_kv, "d": d, "n": n, "history": kind}
     return [
-        Row.from_times("12 shapes", f"{case}: attn/ideal", t, "layout", "ideal",
-                       f"{chose}, {share:.0%} of cells read in place; max |layout - ideal| {err:.1e}",
-                       in_place=share, **keys),
+        Row.from_times("12 shapes", f"{case}: attn/ideal", t, "layout", "ideal", plan, in_place=share, **keys),
         Row.from_times("12 shapes", f"{case}: layer step/ideal", tw, "whole step", "ideal",
                        "one layer carrying the step's bookkeeping", **keys),
         Row.from_times("12 shapes", f"{case}: model step/ideal", model, "model step", "ideal",
                        f"{MODEL_LAYERS} layers, the bookkeeping once: goal <= 1.3 (attention <= 1.2); "
                        f"a later layer {later * 1e3:.2f} ms", **keys),
     ]
+
+
+def plan_note(step: DecodeStep, spec, want: mx.array, lengths: np.ndarray) -> tuple[str, float]:
+    """What the layout chose for `spec` (paged, gathered or dense), the share of cells it reads in place,
+    and how far its attention is from the ideal's output `want`; with that share."""
+    err = float(np.abs(np.array(attend(step.q, spec, step.scale)) - np.array(want)).max())
+    batches = spec.groups.batches() if spec.groups is not None else ()
+    pages = sorted({b.page for b in batches if b.page})
+    share = sum(b.cells.size * b.page for b in batches if b.page) / int(lengths.sum())
+    chose = f"paged {'/'.join(map(str, pages))}" if pages else ("gathered" if batches else "dense")
+    return f"{chose}, {share:.0%} of cells read in place; max |layout - ideal| {err:.1e}", share
+
+
+def time_attend(step: DecodeStep, spec, ideal, repeats: int) -> dict[str, list[float]]:
+    """The layout's `attend()` over the placed step's `spec` against the ideal."""
+    q, scale = step.q, step.scale
+
+    def layout():
+        return timed(lambda: mx.eval(attend(q, spec, scale)))
+
+    return interleaved({"layout": layout, "ideal": ideal}, repeats)
+
+
+def time_whole_step(step: DecodeStep, ideal, repeats: int) -> tuple[dict[str, list[float]], float]:
+    """The step for layer 0 (declare, place, write, plan, attend) against the ideal, a later layer of the
+    same step timed alongside, the step taken back after each; with the later layer's median."""
+    q, scale, cache = step.q, step.scale, step.cache
+    later_times = []
+
+    def whole():
+        t0 = time.perf_counter()
+        mx.eval(attend(q, step.place(), scale))
+        t1 = time.perf_counter()
+        mx.eval(attend(q, step.later_layer(), scale))
+        later_times.append(time.perf_counter() - t1)
+        cache.abort_step()
+        return t1 - t0
+
+    tw = interleaved({"whole step": whole, "ideal": ideal}, repeats)
+    later_times[:] = later_times[1:]  # the warm-up round's
+    return tw, statistics.median(later_times)
 
 
 def row_shapes(z: dict, ctx: dict) -> tuple[str, list[Row]]:
