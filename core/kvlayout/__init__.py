@@ -12,14 +12,15 @@ from kvlayout.errors import (
     PluginStepError,
     RunEnded,
     SequenceError,
+    ShapeError,
     StateError,
     StepError,
 )
 from kvlayout.faces import CellStep
-from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout.hookspecs import hookimpl
 from kvlayout.persist import load
 from kvlayout.registry import available, build, plugin_manager, resolve
+from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 
 __all__ = [
     "AttendBatch",
@@ -40,6 +41,7 @@ __all__ = [
     "PluginStepError",
     "RunEnded",
     "SequenceError",
+    "ShapeError",
     "StateError",
     "StepError",
     "available",
@@ -49,4 +51,4 @@ __all__ = [
     "plugin_manager",
     "resolve",
 ]
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it (dynamic version)

@@ -1,5 +1,5 @@
-"""The argument checks every part shares: integers, tables of known keys, yes/no environment
-variables (numpy only, no MLX).
+"""The value checks every part shares: integers, finite numbers, tables of known keys, yes/no
+environment variables (numpy only, no MLX). Every refusal starts with the value's name or path.
 
 A position, an id, a capacity is an integer. Lists, numpy arrays and anything
 numpy can read (an MLX array included) are accepted where an array is; floats,
@@ -7,18 +7,72 @@ bools and NaN are refused by name, because numpy would otherwise coerce `True`
 to 1 or `2.0` to 2 without a word. Each check takes `error`: the exception
 type to raise (or any callable making one from the message, such as a state
 file's `refuse`), so each caller keeps its own error class.
+
+A value read from JSON (a state file, a request's body) is quoted as JSON
+writes it, cut short, and its kind named as JSON names it (`from_json`);
+any other is quoted by its repr and its Python type.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import numbers
 import os
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
 from kvlayout.errors import ConfigError, KVLayoutError
 
 ErrorFactory = Callable[[str], Exception]
+
+INT64_MAX = 2**63 - 1  # a count, an id, a position: nothing larger is stored anywhere
+
+
+# -- how a refusal quotes a value
+
+
+def shown(value: Any, width: int = 60) -> str:
+    """`value` as JSON writes it, cut to `width` characters (a damaged field may be huge)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def kind(value: Any) -> str:
+    """What JSON calls `value`'s type, as it reads in a sentence ("an array", "null")."""
+    return {type(None): "null", dict: "an object", list: "an array", str: "a string", bool: "a bool",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _quoted(value: Any, from_json: bool) -> tuple[str, str]:
+    """(the value, its kind) as a refusal says them."""
+    return (shown(value), kind(value)) if from_json else (repr(value), type(value).__name__)
+
+
+def _bound(n: int) -> str:
+    """An integer bound as a reader takes it in: a large power of two minus one as one (2**128 - 1)."""
+    return f"2**{(n + 1).bit_length() - 1} - 1" if n > 2**32 and (n + 1) & n == 0 else str(n)
+
+
+def expected_integer(minimum: int | None = None, maximum: int | None = None) -> str:
+    """What a refusal says was expected of an integer within [minimum, maximum] (either optional)."""
+    if maximum == INT64_MAX:
+        return "an integer" + (f" >= {minimum}" if minimum is not None else "") + " that fits in 64 bits"
+    if minimum is not None and maximum is not None:
+        return f"an integer in [{minimum}, {_bound(maximum)}]" if minimum <= maximum else "no value (none fits here)"
+    if minimum is not None:
+        return f"an integer >= {minimum}"
+    if maximum is not None:
+        return f"an integer <= {_bound(maximum)}"
+    return "an integer"
+
+
+# -- the checks
 
 
 def int_array(name: str, values: Any, error: type[KVLayoutError] | ErrorFactory) -> np.ndarray:
@@ -50,26 +104,55 @@ def int_scalar(
     minimum: int | None = None,
     maximum: int | None = None,
     numpy: bool = True,
+    from_json: bool = False,
 ) -> int:
     """`value` as an int within [minimum, maximum] (either bound optional); `error` naming `name` otherwise.
 
     `numpy=False` refuses numpy integers too: a config or a state file holds
-    Python ints, which stay JSON-serializable.
+    Python ints, which stay JSON-serializable. `from_json`: the value came
+    from JSON, and is quoted so.
     """
     kinds = (int, np.integer) if numpy else int
     is_int = isinstance(value, kinds) and not isinstance(value, (bool, np.bool_))
     if is_int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
         return int(value)
+    quoted, what = _quoted(value, from_json)
+    got = "" if is_int else f", got {what}"
+    raise error(f"{name}={quoted}: expected {expected_integer(minimum, maximum)}{got}")
+
+
+def finite(value: Any) -> bool:
+    """Whether `value` is a finite real number: an int or a float (numpy's too, never a bool),
+    not NaN, not infinite, and not an int past the range of a float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float range (10**400)
+        return False
+
+
+def finite_number(
+    name: str,
+    value: Any,
+    error: type[KVLayoutError] | ErrorFactory,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    from_json: bool = False,
+) -> float:
+    """`value` as a float once it is `finite` and within [minimum, maximum] (either bound optional);
+    `error` naming `name` otherwise. `from_json`: the value came from JSON, and is quoted so."""
+    if finite(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return float(value)
     if minimum is not None and maximum is not None:
-        expected = f"an integer in [{minimum}, {maximum}]"
+        within = f" in [{minimum:g}, {maximum:g}]"
     elif minimum is not None:
-        expected = f"an integer >= {minimum}"
+        within = f" >= {minimum:g}"
     elif maximum is not None:
-        expected = f"an integer <= {maximum}"
+        within = f" <= {maximum:g}"
     else:
-        expected = "an integer"
-    got = "" if is_int else f", got {type(value).__name__}"
-    raise error(f"{name}={value!r}: expected {expected}{got}")
+        within = ""
+    raise error(f"{name}={_quoted(value, from_json)[0]}: expected a finite number{within}")
 
 
 def reject_unknown(
@@ -87,7 +170,9 @@ def reject_unknown(
     unknown = sorted(set(data) - set(valid))
     if unknown:
         names = ", ".join(repr(f"{prefix}.{k}" if prefix else k) for k in unknown)
-        raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {names}; valid keys: {', '.join(valid)}")
+        raise ConfigError(
+            f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {names}; valid keys: {', '.join(valid)}"
+        )
     missing = [k for k in required if k not in data]
     if missing:
         names = ", ".join(repr(f"{prefix}.{k}" if prefix else k) for k in missing)

@@ -11,7 +11,8 @@ through `check_up_front`, stating the bytes, before allocating anything.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import attrs
 
@@ -27,11 +28,18 @@ DEFAULT_KV_GROUP_SIZE = 64  # mlx-lm's QuantizedKVCache default
 POLICY_KINDS = ("flat", "ring")
 
 
+def field_name(instance: Any, attribute: attrs.Attribute) -> str:
+    """How a refusal names a field: `CacheConfig.capacity`; a record that holds fields of
+    CacheConfig for a config file (`chosen_fields`) names them as its user writes them, with its
+    `TABLE` (`cache.capacity`)."""
+    return f"{getattr(instance, 'TABLE', type(instance).__name__)}.{attribute.name}"
+
+
 def _int_at_least(minimum: int):
     """An attrs validator: an integer (a Python int: configs are serialized) >= `minimum`."""
 
     def check(instance, attribute, value):
-        int_scalar(f"{type(instance).__name__}.{attribute.name}", value, ConfigError, minimum, numpy=False)
+        int_scalar(field_name(instance, attribute), value, ConfigError, minimum, numpy=False)
 
     return check
 
@@ -127,7 +135,13 @@ class CacheConfig:
     elements (32, 64 or 128) sharing a float16 scale and bias; every layer's
     head_dim must divide by the group size. A float kv_dtype takes no group
     size (the default only), so a group size set by mistake is not ignored.
+
+    Every field but the shape a model gives (SHAPE_FIELDS) is the user's
+    choice; a config file's cache section holds exactly those (`chosen_fields`),
+    checked by the same validators.
     """
+
+    KV_DTYPE_CHOICES: ClassVar[tuple[str, ...]] = KV_DTYPES
 
     capacity: int = attrs.field(validator=_int_at_least(1))
     n_layers: int = attrs.field(validator=_int_at_least(1))
@@ -150,33 +164,39 @@ class CacheConfig:
 
     @kv_dtype.validator
     def _check_dtype(self, attribute, value):
-        if value not in KV_DTYPES:
+        if value not in self.KV_DTYPE_CHOICES:
             raise ConfigError(
-                f"CacheConfig.kv_dtype={value!r}: expected one of {', '.join(KV_DTYPES)}"
+                f"{field_name(self, attribute)}={value!r}: expected one of {', '.join(self.KV_DTYPE_CHOICES)}"
             )
 
     @kv_group_size.validator
     def _check_group_size(self, attribute, value):
-        int_scalar("CacheConfig.kv_group_size", value, ConfigError, numpy=False)
+        name = field_name(self, attribute)
+        int_scalar(name, value, ConfigError, numpy=False)
         if value not in KV_GROUP_SIZES:
-            raise ConfigError(
-                f"CacheConfig.kv_group_size={value!r}: expected one of {', '.join(map(str, KV_GROUP_SIZES))}"
-            )
+            raise ConfigError(f"{name}={value!r}: expected one of {', '.join(map(str, KV_GROUP_SIZES))}")
         if self.kv_dtype not in QUANTIZED_KV_BITS and value != DEFAULT_KV_GROUP_SIZE:
             raise ConfigError(
-                f"CacheConfig.kv_group_size={value!r} with kv_dtype={self.kv_dtype!r}: a group size applies "
+                f"{name}={value!r} with kv_dtype={self.kv_dtype!r}: a group size applies "
                 f"to quantized K/V only (kv_dtype {' or '.join(QUANTIZED_KV_BITS)})"
             )
-        if self.kv_dtype in QUANTIZED_KV_BITS:
-            for i, lc in enumerate(self.layers):
-                if lc.head_dim % value:
-                    which = "every layer" if len(self.layers) == 1 else f"layer {i}"
-                    fits = [str(g) for g in KV_GROUP_SIZES if lc.head_dim % g == 0]
-                    fix = f"a kv_group_size of {' or '.join(fits)}" if fits else "a float kv_dtype (no group size divides it)"
-                    raise ConfigError(
-                        f"CacheConfig.kv_dtype={self.kv_dtype!r} with kv_group_size={value}: {which}'s "
-                        f"head_dim={lc.head_dim} does not divide into groups of {value}; expected {fix}"
-                    )
+
+    def __attrs_post_init__(self):
+        # Quantized K/V: every layer's head_dim divides into groups (after each field's own check).
+        if self.kv_dtype not in QUANTIZED_KV_BITS:
+            return
+        group = self.kv_group_size
+        for i, lc in enumerate(self.layers):
+            if lc.head_dim % group:
+                which = "every layer" if len(self.layers) == 1 else f"layer {i}"
+                fits = [str(g) for g in KV_GROUP_SIZES if lc.head_dim % g == 0]
+                fix = (
+                    f"a kv_group_size of {' or '.join(fits)}" if fits else "a float kv_dtype (no group size divides it)"
+                )
+                raise ConfigError(
+                    f"CacheConfig.kv_dtype={self.kv_dtype!r} with kv_group_size={group}: {which}'s "
+                    f"head_dim={lc.head_dim} does not divide into groups of {group}; expected {fix}"
+                )
 
     @property
     def kv_bits(self) -> int | None:
@@ -215,6 +235,29 @@ class CacheConfig:
         if self.max_write is not None:  # TOML has no null
             out["max_write"] = self.max_write
         return out
+
+
+SHAPE_FIELDS = ("n_layers", "layers")  # what a model's shape gives; every other field of CacheConfig is chosen
+
+
+def chosen_fields(**defaults: Any) -> dict[str, Any]:
+    """CacheConfig's chosen fields (all but SHAPE_FIELDS), in its order, with its validators and
+    converters and `defaults` in place of its own: the fields of a config file's cache section
+    (`attrs.frozen(these=chosen_fields(...))`), so each field and each rule is written once, here.
+
+    The section's class sets `TABLE` (how its refusals name a field: `cache.capacity`) and may
+    widen KV_DTYPE_CHOICES (a kv_dtype it resolves itself, such as "auto")."""
+    fields = attrs.fields(CacheConfig)
+    unknown = sorted(set(defaults) - {f.name for f in fields if f.name not in SHAPE_FIELDS})
+    if unknown:
+        raise ConfigError(f"chosen_fields: {', '.join(unknown)}: expected chosen fields of CacheConfig")
+    return {
+        f.name: attrs.field(
+            default=defaults.get(f.name, f.default), validator=f.validator, converter=f.converter, type=f.type
+        )
+        for f in fields
+        if f.name not in SHAPE_FIELDS
+    }
 
 
 # -- what a cache allocates, against what the machine has --------------------------------

@@ -71,7 +71,8 @@ def test_an_unknown_key_is_named_with_the_valid_ones(data, key):
         (_mapping(requests=[{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}]),
          "requests[0].messages[1].role='bot': expected one of system, user, assistant"),
         (_mapping(requests=[{"messages": [{"role": "user", "content": 3}]}]), "requests[0].messages[0].content=3"),
-        (_mapping(requests=[{"messages": [{"role": "user"}]}]), "missing required key 'requests[0].messages[0].content'"),
+        (_mapping(requests=[{"messages": [{"role": "user"}]}]),
+         "missing required key 'requests[0].messages[0].content'"),
         (_mapping(requests=[{"messages": [{"role": "user", "content": "a", "name": "x"}]}]),
          "unknown key 'requests[0].messages[0].name'"),
         (_mapping(requests=[{"messages": ["hi"]}]), "requests[0].messages[0]: expected a table"),
@@ -99,3 +100,40 @@ def test_layout_override_needs_backend_and_kind():
     assert cfg.with_layout("mlx:seq").layout.key == "mlx:seq"
     with pytest.raises(ConfigError, match="backend:kind"):
         cfg.with_layout("seq")
+
+
+def test_the_cache_section_is_cache_config_s_chosen_fields_checked_by_its_rules():
+    import attrs
+
+    from kvlayout.config import SHAPE_FIELDS, CacheConfig, LayerConfig
+    from kvlayout.runner.config import CacheSection
+
+    chosen = [f.name for f in attrs.fields(CacheConfig) if f.name not in SHAPE_FIELDS]
+    assert [f.name for f in attrs.fields(CacheSection)] == chosen
+    # One rule, named as each reader writes the field.
+    with pytest.raises(ConfigError, match=r"^cache\.kv_group_size=32 with kv_dtype='auto': a group size applies"):
+        CacheSection(kv_group_size=32)
+    with pytest.raises(
+        ConfigError, match=r"^CacheConfig\.kv_group_size=32 with kv_dtype='float16': a group size applies"
+    ):
+        CacheConfig(capacity=8, n_layers=1, layers=[LayerConfig(1, 64)], kv_group_size=32)
+    with pytest.raises(ConfigError, match=r"^cache\.kv_dtype='int8': expected one of auto, float16"):
+        CacheSection(kv_dtype="int8")
+
+
+def test_the_cache_section_gives_the_model_s_cache_config_with_pools_no_larger_than_its_capacity():
+    from kvlayout.config import CacheConfig, LayerConfig
+    from kvlayout.runner.config import CacheSection
+
+    section = CacheSection(capacity=100, kv_dtype="auto", initial_capacity=512, max_write=4, max_seqs=3)
+    assert section.cache_config(2, [LayerConfig(2, 64)], "float32") == CacheConfig(
+        capacity=100,
+        n_layers=2,
+        layers=[LayerConfig(2, 64)],
+        kv_dtype="float32",
+        initial_capacity=100,
+        max_write=4,
+        max_seqs=3,
+    )
+    quantized = CacheSection(kv_dtype="q4", kv_group_size=32).cache_config(1, [LayerConfig(1, 96)], "q4")
+    assert (quantized.kv_dtype, quantized.kv_group_size, quantized.capacity) == ("q4", 32, 4096)

@@ -14,11 +14,11 @@ import pytest
 
 from kvlayout import StateError, persist
 from kvlayout.cli import main
+from kvlayout.errors import Interrupted, SaveFailed
 from kvlayout.models import presets
 from kvlayout.runner import job, resume
 from kvlayout.runner.config import ModelSection
 from kvlayout.runner.interrupt import StopOnCtrlC
-from kvlayout.engines.recovery import Interrupted
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
 from tests.runner.flaky import FlakyModel, with_model
 from tests.runner.test_step_rule import three_installed  # noqa: F401 - a fixture
@@ -72,7 +72,9 @@ def test_a_run_stopped_after_k_steps_and_resumed_gives_the_uninterrupted_outputs
     assert resumed.complete
     full = uninterrupted(tiny_dir, tiny_loaded, layout, temperature)
     assert token_ids(resumed) == token_ids(full)
-    assert [[s.finish_reason for s in r] for r in resumed.outputs] == [[s.finish_reason for s in r] for r in full.outputs]
+    assert [[s.finish_reason for s in r] for r in resumed.outputs] == [
+        [s.finish_reason for s in r] for r in full.outputs
+    ]
     assert resumed.stats.steps == full.stats.steps  # the saved statistics carry on
 
 
@@ -168,11 +170,13 @@ MODEL_CHANGES = {
     "a tokenizer.json added": (lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer.json differs"),
     "generation_config.json added": (
         lambda d: (d / "generation_config.json").write_text('{"eos_token_id": 10}'), "generation_config.json differs"),
-    "a chat template added": (lambda d: (d / "chat_template.jinja").write_text("{{ messages }}"), "chat_template.jinja"),
+    "a chat template added": (
+        lambda d: (d / "chat_template.jinja").write_text("{{ messages }}"), "chat_template.jinja"),
     "a second weights shard": (
         lambda d: shutil.copy(d / "model.safetensors", d / "model-2.safetensors"), "model-2.safetensors differs"),
     "the weights removed and put back renamed": (
-        lambda d: (d / "model.safetensors").rename(d / "weights.safetensors"), "model.safetensors, weights.safetensors differ"),
+        lambda d: (d / "model.safetensors").rename(d / "weights.safetensors"),
+        "model.safetensors, weights.safetensors differ"),
 }
 
 
@@ -222,7 +226,8 @@ def test_the_smollm2_preset_is_known_by_its_files(tmp_path, tiny_dir, tiny_loade
     state = tmp_path / "state"
     job.prepare(cfg, loaded=tiny_loaded).generate(stop=stop_after(3), save_state=state)
     rewrite_tiny(fetched, seed=2)
-    with pytest.raises(StateError, match=re.escape("the model of preset 'smollm2' changed since the state was saved (model.safetensors differs)")):
+    message = "the model of preset 'smollm2' changed since the state was saved (model.safetensors differs)"
+    with pytest.raises(StateError, match=re.escape(message)):
         job.prepare(cfg, loaded=tiny_loaded, resume=state)
 
 
@@ -253,7 +258,7 @@ def test_a_save_that_fails_keeps_the_previous_state_and_the_run_s_outputs(tmp_pa
     assert result.complete  # the run itself is whole, and returned
     full = uninterrupted(tiny_dir, tiny_loaded, "mlx:seq", 0.0)
     assert token_ids(result) == token_ids(full)
-    assert isinstance(result.save_failed, resume.SaveFailed)
+    assert isinstance(result.save_failed, SaveFailed)
     message = str(result.save_failed)
     assert message.startswith(f"--save-state {tmp_path}: the state was not saved: ")
     assert "No space left on device" in message
@@ -411,9 +416,8 @@ def test_a_save_state_that_stops_being_a_directory_mid_run_keeps_the_report(
     assert line.endswith(f"; nothing is saved in {state}")
 
 
-def test_save_state_with_a_layout_that_cannot_save_is_refused_before_running(
-    tmp_path, tiny_dir, three_installed, capsys
-):
+@pytest.mark.usefixtures("three_installed")
+def test_save_state_with_a_layout_that_cannot_save_is_refused_before_running(tmp_path, tiny_dir, capsys):
     toml = write_toml(tmp_path, tiny_dir, "mlx:cell")
     assert main(["run", str(toml), "--layout", "test:three", "--save-state", str(tmp_path / "state")]) == 2
     out, err = capsys.readouterr()

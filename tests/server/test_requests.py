@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvlayout.errors import BadRequest
 from kvlayout.models.tokenizer import ByteTokenizer
-from kvlayout.server.requests import BadRequest, Limits, parse_chat, parse_completion
+from kvlayout.server.requests import Limits, parse_chat, parse_completion
 
 LIMITS = Limits(model_id="m", capacity=100, max_tokens=50, max_n=4, vocab_size=258, temperature=0.0, top_p=1.0, seed=7)
 TOK = ByteTokenizer()
@@ -29,7 +31,9 @@ def refused(parse, **body) -> BadRequest:
 def test_a_text_prompt_is_encoded_and_the_defaults_come_from_the_limits():
     order = text()
     assert order.prompt == [104, 105]  # the byte tokenizer: "h", "i"
-    assert (order.n, order.temperature, order.top_p, order.seed, order.stream, order.include_usage) == (1, 0.0, 1.0, 7, False, False)
+    assert (order.n, order.temperature, order.top_p, order.seed, order.stream, order.include_usage) == (
+        1, 0.0, 1.0, 7, False, False
+    )
     # No max_tokens: the server's limit, within the room the prompt leaves (100 - 2 cells).
     assert order.max_tokens == 50
     assert not order.seeded

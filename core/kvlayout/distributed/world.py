@@ -25,25 +25,20 @@ import json
 import os
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.errors import RunEnded
+from kvlayout.errors import DistributedError
 
 LAUNCHED_BY = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE")  # mlx.launch's ring/jaccl backends; MPI
 TIMEOUT_ENV = "KVLAYOUT_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0  # a step's forward runs inside its collectives: a long prefill must fit
 CHECK_ENV = "KVLAYOUT_CHECK_RANKS"  # "1": compare every rank's table checksum each step
 EXIT_STALLED = 75
-
-
-class DistributedError(RunEnded):
-    """The ranks disagree (inputs, model, tables) or one of them is gone; the message names the rank.
-    A RunEnded: the engines let it through, so it ends the run on this rank, and, at their next
-    collective, on the others."""
 
 
 def launched() -> bool:
@@ -100,7 +95,9 @@ class World:
         except Exception as exc:  # noqa: BLE001 - one rank cannot go on alone: whatever it was, the run ends
             lost = "connection" in str(exc) and "lost" in str(exc)
             why = "lost its connection to another rank" if lost else "failed"
-            raise DistributedError(f"{self.label()}: {why} while computing {what} ({type(exc).__name__}: {exc})") from exc
+            raise DistributedError(
+                f"{self.label()}: {why} while computing {what} ({type(exc).__name__}: {exc})"
+            ) from exc
 
     def from_leader(self, data: bytes | None, what: str) -> bytes:
         """Rank 0's `data` on every rank (the others pass None): its length, then its bytes."""
@@ -227,7 +224,9 @@ def _join() -> World:
     try:
         group = mx.distributed.init()
     except RuntimeError as exc:  # a hostfile that is missing or not a host list, a port taken, ...
-        launch = ", ".join(f"{name}={os.environ[name]}" for name in (*LAUNCHED_BY, "MLX_HOSTFILE") if name in os.environ)
+        launch = ", ".join(
+            f"{name}={os.environ[name]}" for name in (*LAUNCHED_BY, "MLX_HOSTFILE") if name in os.environ
+        )
         raise DistributedError(f"cannot join the other ranks ({launch}): {exc}") from None
     if group.size() < 2:
         return World(timeout_s=timeout)

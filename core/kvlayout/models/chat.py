@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvlayout.errors import ConfigError
+from kvlayout.errors import ConfigError, one_line
 from kvlayout.models.files import read_json_object, read_text
 
 ROLES = ("system", "user", "assistant")
@@ -50,17 +51,15 @@ class ChatTemplate:
                 messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **self.specials
             )
         except jinja2.TemplateSyntaxError as exc:
-            raise ConfigError(f"{self.origin}: the chat template does not compile (line {exc.lineno}: {exc.message})") from None
+            raise ConfigError(
+                f"{self.origin}: the chat template does not compile (line {exc.lineno}: {exc.message})"
+            ) from None
         except jinja2.TemplateError as exc:  # raise_exception, or the sandbox refusing something
-            raise ConfigError(f"{self.origin}: the chat template refused the messages: {_one_line(exc)}") from None
+            raise ConfigError(f"{self.origin}: the chat template refused the messages: {one_line(exc)}") from None
         except Exception as exc:  # untrusted code: `{{ 1/0 }}` or `{{ content + 1 }}` fails in Python itself
             raise ConfigError(
-                f"{self.origin}: the chat template failed on the messages ({type(exc).__name__}: {_one_line(exc)})"
+                f"{self.origin}: the chat template failed on the messages ({type(exc).__name__}: {one_line(exc)})"
             ) from None
-
-
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())
 
 
 class GenerationTag(jinja2.ext.Extension):

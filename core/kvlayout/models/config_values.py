@@ -9,10 +9,10 @@ and a bool is never taken for a number (`true` is not 1 here).
 
 from __future__ import annotations
 
-import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from kvlayout.checks import int_scalar
+from kvlayout.checks import finite, int_scalar
 from kvlayout.errors import ConfigError
 
 REQUIRED = object()  # `default` for a key the model cannot do without
@@ -34,8 +34,7 @@ def number(cfg: Mapping[str, Any], key: str, source: str, default: float) -> flo
 
 
 def positive_number(value: Any, key: str, source: str) -> float:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if is_number and math.isfinite(value) and value > 0:
+    if finite(value) and value > 0:
         return float(value)
     raise ConfigError(f"{source}: {key}={value!r}: expected a number > 0")
 

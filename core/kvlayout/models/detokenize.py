@@ -14,7 +14,7 @@ and accents, byte and BPE tokenizers).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete (or invalid) UTF-8 sequence
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvlayout.errors import ConfigError
+from kvlayout.errors import ConfigError, os_reason
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def read_text(path: Path) -> str:
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:  # missing, a directory, unreadable
-        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+        raise ConfigError(f"{path}: cannot be read ({os_reason(exc)})") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -11,7 +11,8 @@ added tokens (`<|im_start|>` encodes to one id and is skipped on decode).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -70,7 +71,9 @@ def build_tokenizer(meta: Mapping[str, Any], source: str) -> Tokenizer:
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
         if token in vocab:
-            raise ConfigError(f"{source}: token {token!r} appears twice in tokenizer.ggml.tokens (ids {vocab[token]} and {i})")
+            raise ConfigError(
+                f"{source}: token {token!r} appears twice in tokenizer.ggml.tokens (ids {vocab[token]} and {i})"
+            )
         vocab[token] = i
     pairs = []
     for merge in merges:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -23,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 
 from kvlayout.config import LayerConfig, LayerPolicy
-from kvlayout.errors import ConfigError
+from kvlayout.errors import ConfigError, ShapeError
 from kvlayout.mlx import attend
 from kvlayout.models import config_values as values
 
@@ -127,7 +128,8 @@ def _layer_windows(cfg: Mapping[str, Any], model_type: str, n_layers: int, sourc
         kinds = ("sliding_attention", "full_attention")
         if not isinstance(layer_types, list) or not all(t in kinds for t in layer_types):
             raise ConfigError(
-                f"{source}: layer_types={layer_types!r}: expected a list of {' or '.join(map(repr, kinds))}, one per layer"
+                f"{source}: layer_types={layer_types!r}: expected a list of "
+                f"{' or '.join(map(repr, kinds))}, one per layer"
             )
         if len(layer_types) != n_layers:
             raise ConfigError(
@@ -320,7 +322,7 @@ class Model(nn.Module):
         # the layout at each layer (~0.1 ms per layer at 512 tokens).
         pos_host = np.asarray(positions, dtype=np.int64)  # [T]
         if pos_host.shape != (len(tokens),):
-            raise ValueError(f"{len(tokens)} token(s) but {pos_host.size} position(s)")
+            raise ShapeError(f"{len(tokens)} token(s) but {pos_host.size} position(s): expected one position per token")
         pos = mx.array(pos_host.astype(np.int32))  # [T]
         h = self.model.embed_tokens(mx.array(tokens, dtype=mx.int32))[None]  # [1, T, hidden]
         for layer in self.model.layers:

@@ -10,8 +10,9 @@ ConfigError naming the file or the tensor and what to do.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -81,7 +82,8 @@ def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) ->
         packed = _packing_of(modules.get(name.rpartition(".")[0]))
         if tuple(got.shape) != tuple(param.shape):
             raise ConfigError(
-                f"{source}: tensor {name!r} has shape {tuple(got.shape)}, config.json implies {tuple(param.shape)}{packed}"
+                f"{source}: tensor {name!r} has shape {tuple(got.shape)}, "
+                f"config.json implies {tuple(param.shape)}{packed}"
             )
         # Floats may differ (they are cast); a packed weight must be the integer words it claims to be.
         if got.dtype != param.dtype and not (_is_float(got) and _is_float(param)):

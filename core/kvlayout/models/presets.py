@@ -27,8 +27,8 @@ from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
-from kvlayout.models.loading import check_weights, load_model, save_model
 from kvlayout.models.llama import Model, ModelArgs
+from kvlayout.models.loading import check_weights, load_model, save_model
 from kvlayout.models.smollm2 import smollm2_dir
 from kvlayout.models.store import check_model_dir, write_model_dir
 from kvlayout.models.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_VOCAB, ByteTokenizer

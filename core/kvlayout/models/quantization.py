@@ -27,7 +27,8 @@ refused naming the tensor, never read another way.
 from __future__ import annotations
 
 import json
-from typing import Any, Collection, Mapping
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import attrs
 import mlx.nn as nn

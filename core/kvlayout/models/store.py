@@ -13,10 +13,10 @@ import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from kvlayout.errors import ConfigError
+from kvlayout.errors import ConfigError, one_line
 
 
 def cache_root() -> Path:
@@ -88,4 +88,4 @@ def write_model_dir(dest: Path, build: Callable[[Path], object], force: bool = F
     try:
         return publish_dir(dest, build)
     except OSError as exc:
-        raise ConfigError(f"cannot write {dest}: {' '.join(str(exc).split())}") from None
+        raise ConfigError(f"cannot write {dest}: {one_line(exc)}") from None

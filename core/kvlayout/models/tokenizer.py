@@ -10,10 +10,10 @@ missing (a 32000-id model decoding through bytes would "generate" nothing).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from kvlayout.errors import ConfigError
+from kvlayout.errors import ConfigError, one_line
 from kvlayout.models.chat import ChatTemplate, read_chat_template
 from kvlayout.models.config_values import token_ids
 from kvlayout.models.files import read_json_object, read_text
@@ -49,7 +49,7 @@ class HFTokenizer:
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # `tokenizers` raises a bare Exception for any file it cannot read
-            why = " ".join(str(exc).split())
+            why = one_line(exc)
             raise ConfigError(f"{path}: not a tokenizer the tokenizers library reads ({why})") from None
         self.eos_ids = frozenset(eos_ids)
         self.chat_template = chat_template

@@ -8,17 +8,17 @@ is loaded. `load_config(None)` gives the embedded default, which is what
 
 from __future__ import annotations
 
-import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import attrs
 
 from kvlayout.builder import layout_key, split_layout_key
-from kvlayout.checks import int_scalar, reject_unknown
-from kvlayout.config import DEFAULT_KV_GROUP_SIZE, KV_DTYPES, KV_GROUP_SIZES, QUANTIZED_KV_BITS
-from kvlayout.errors import ConfigError
+from kvlayout.checks import finite_number, int_scalar, reject_unknown
+from kvlayout.config import KV_DTYPES, CacheConfig, LayerConfig, chosen_fields
+from kvlayout.errors import ConfigError, os_reason
 from kvlayout.models.chat import ROLES
 
 try:
@@ -87,18 +87,6 @@ def _int(key: str, value: Any, minimum: int) -> None:
     int_scalar(key, value, ConfigError, minimum, numpy=False)  # TOML gives Python ints
 
 
-def finite_number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _fail(key, value, "a number")
-    try:
-        number = float(value)
-    except OverflowError:  # an int past float range
-        number = math.inf
-    if not math.isfinite(number):  # TOML has nan and inf; neither is a temperature or a top_p
-        raise _fail(key, value, "a finite number")
-    return number
-
-
 @attrs.frozen
 class LayoutSection:
     backend: str = "mlx"
@@ -115,30 +103,21 @@ class LayoutSection:
         return layout_key(self.backend, self.kind)
 
 
-@attrs.frozen
+@attrs.frozen(these=chosen_fields(capacity=4096, kv_dtype="auto"))
 class CacheSection:
-    """CacheConfig fields the model does not imply (layer shapes and windows come from it)."""
+    """[cache]: CacheConfig's fields the model does not imply (its layers' shapes and windows come
+    from the model), each checked by CacheConfig's own rule; kv_dtype may also be "auto" (the
+    job picks the device's: `job.default_kv_dtype`)."""
 
-    capacity: int = 4096
-    kv_dtype: str = "auto"
-    initial_capacity: int = 512
-    max_seqs: int = 64
-    max_write: int | None = None
-    kv_group_size: int = DEFAULT_KV_GROUP_SIZE  # with kv_dtype "q8"/"q4": elements sharing a scale
+    TABLE = "cache"  # a refusal names `cache.capacity`
+    KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)
 
-    def __attrs_post_init__(self):
-        _int("cache.capacity", self.capacity, 1)
-        _int("cache.initial_capacity", self.initial_capacity, 0)
-        _int("cache.max_seqs", self.max_seqs, 1)
-        if self.max_write is not None:
-            _int("cache.max_write", self.max_write, 1)
-        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
-            raise _fail("cache.kv_dtype", self.kv_dtype, f"auto or one of {', '.join(KV_DTYPES)}")
-        _int("cache.kv_group_size", self.kv_group_size, 1)
-        if self.kv_group_size not in KV_GROUP_SIZES:
-            raise _fail("cache.kv_group_size", self.kv_group_size, f"one of {', '.join(map(str, KV_GROUP_SIZES))}")
-        if self.kv_group_size != DEFAULT_KV_GROUP_SIZE and self.kv_dtype not in QUANTIZED_KV_BITS:
-            raise _fail("cache.kv_group_size", self.kv_group_size, f"{DEFAULT_KV_GROUP_SIZE} (the default) unless kv_dtype is q8 or q4")
+    def cache_config(self, n_layers: int, layers: Sequence[LayerConfig], kv_dtype: str) -> CacheConfig:
+        """The CacheConfig of this section for a model of `n_layers` layers shaped `layers`, its K/V
+        stored as `kv_dtype` ("auto" resolved); pools start no larger than the capacity."""
+        chosen = attrs.asdict(self)
+        chosen.update(kv_dtype=kv_dtype, initial_capacity=min(self.initial_capacity, self.capacity))
+        return CacheConfig(n_layers=n_layers, layers=layers, **chosen)
 
 
 @attrs.frozen
@@ -179,9 +158,9 @@ class SamplingSection:
     seed: int = 0
 
     def __attrs_post_init__(self):
-        if finite_number("sampling.temperature", self.temperature) < 0:
+        if finite_number("sampling.temperature", self.temperature, ConfigError) < 0:
             raise _fail("sampling.temperature", self.temperature, "a number >= 0 (0 = greedy)")
-        top_p = finite_number("sampling.top_p", self.top_p)
+        top_p = finite_number("sampling.top_p", self.top_p, ConfigError)
         if not 0 < top_p <= 1:
             raise _fail("sampling.top_p", self.top_p, "a number in (0, 1]")
         _int("sampling.seed", self.seed, 0)
@@ -317,7 +296,9 @@ class RunConfig(LayoutAndModel):
             raise ConfigError(f"{self.source}: no [[requests]]; add at least one with a prompt")
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>", base_dir: Path | None = None) -> RunConfig:
+    def from_mapping(
+        cls, data: Mapping[str, Any], source: str = "<mapping>", base_dir: Path | None = None
+    ) -> RunConfig:
         sections = SECTIONS
         reject_unknown(data, [*sections, "requests"], f"{source}: config")  # the top-level table
         kwargs: dict[str, Any] = {}
@@ -469,7 +450,7 @@ def read_toml(path: Path) -> dict[str, Any]:
             f"config file {str(path)!r} is a directory; pass a TOML file or no argument for the default"
         ) from None
     except OSError as exc:  # unreadable, a path through a file, ...
-        raise ConfigError(f"config file {str(path)!r} cannot be read ({exc.strerror or exc})") from None
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({os_reason(exc)})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

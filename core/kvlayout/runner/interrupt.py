@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+from collections.abc import Iterator
 from types import FrameType
-from typing import Any, Iterator
+from typing import Any
 
 from kvlayout.engines.recovery import guarded_forward
 

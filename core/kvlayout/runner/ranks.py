@@ -16,20 +16,17 @@ import contextlib
 import os
 import re
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import attrs
 
 from kvlayout.distributed import World
-from kvlayout.errors import KVLayoutError, StateError
+from kvlayout.errors import KVLayoutError, LeaderRefused, StateError
 from kvlayout.runner.config import RunConfig, dump_config, parse_config
 
 RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
-
-
-class LeaderRefused(KVLayoutError):
-    """Rank 0 refused the run (its message was said there); the other ranks stop with it."""
 
 
 def leader_config(world: World, make: Callable[[], RunConfig]) -> RunConfig:

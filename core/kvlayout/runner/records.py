@@ -7,7 +7,8 @@ turns them into a RunResult.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 

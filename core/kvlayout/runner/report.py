@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 from rich import box
@@ -23,8 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from kvlayout.engines.records import OnProgress
 from kvlayout.config import show_bytes
+from kvlayout.engines.records import OnProgress
+from kvlayout.errors import one_line
 from kvlayout.runner.records import KVBytes, OnText, RunResult, TextEvent
 
 
@@ -124,7 +125,9 @@ class LiveText:
 
 
 @contextlib.contextmanager
-def live_view(title: str, labels: Sequence[str], samples: Sequence[int], total: int, console: Console) -> Iterator[Watch]:
+def live_view(
+    title: str, labels: Sequence[str], samples: Sequence[int], total: int, console: Console
+) -> Iterator[Watch]:
     """Each sample's text as it is generated, redrawn in place on `console` (a terminal) and
     cleared at the end, when the table takes its place."""
     state = LiveText(title, labels, samples, total, console)
@@ -190,7 +193,7 @@ def failure_line(result: RunResult) -> str | None:
     if not failed:
         return None
     total = sum(len(samples) for samples in result.outputs)
-    reasons = list(dict.fromkeys(" ".join((s.error or "no reason given").split()) for s in failed))
+    reasons = list(dict.fromkeys(one_line(s.error or "no reason given") for s in failed))
     more = f" (and {len(reasons) - 1} other reason(s); --json has each sample's)" if len(reasons) > 1 else ""
     return f"{len(failed)} of {total} samples failed: {reasons[0]}{more}"
 

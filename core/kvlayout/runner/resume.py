@@ -34,14 +34,15 @@ import json
 import re
 import tempfile
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import attrs
 
 from kvlayout.engines import saved
 from kvlayout.engines.records import Stats
-from kvlayout.errors import KVLayoutError, StateError
+from kvlayout.errors import KVLayoutError, SaveFailed, StateError, one_line, os_reason
 from kvlayout.faces import Persistent
 from kvlayout.persist import load as load_cache
 from kvlayout.persist import write_atomic
@@ -55,7 +56,9 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 FINISH_REASONS = (None, "stop", "length", "error")
 # The files that make a model directory's model, as its loaders read them (kvlayout.models): the
 # weights, config.json (and generation_config.json's EOS ids), the tokenizer and its chat template.
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+MODEL_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"
+)
 
 
 def model_files(directory: Path) -> dict[str, str]:
@@ -111,15 +114,6 @@ def _seal(data: dict) -> str:
 # -- saving --------------------------------------------------------------------------------
 
 
-class SaveFailed(StateError):
-    """The state was not saved; the message says why and what the directory holds now.
-    `interrupted`: a second Ctrl-C abandoned it."""
-
-    def __init__(self, message: str, interrupted: bool = False):
-        super().__init__(message)
-        self.interrupted = interrupted
-
-
 def writable_dir(directory: str | Path) -> Path:
     """`directory`, created if needed, once a file could be written in it; StateError (one line)
     when it cannot. The CLI asks before a run starts, so a bad --save-state never costs the run
@@ -132,12 +126,12 @@ def writable_dir(directory: str | Path) -> Path:
     except FileExistsError:
         raise StateError(f"--save-state {d}: exists and is not a directory") from None
     except OSError as exc:
-        raise StateError(f"--save-state {d}: cannot create the directory ({exc.strerror or exc})") from None
+        raise StateError(f"--save-state {d}: cannot create the directory ({os_reason(exc)})") from None
     try:  # the real test: permissions, a read-only file system, root or not
         with tempfile.NamedTemporaryFile(dir=d, prefix=".kvlayout-probe-"):
             pass
     except OSError as exc:
-        raise StateError(f"--save-state {d}: the directory is not writable ({exc.strerror or exc})") from None
+        raise StateError(f"--save-state {d}: the directory is not writable ({os_reason(exc)})") from None
     if (d / RUN_FILE).exists() and not (d / RUN_FILE).is_file():
         raise StateError(f"--save-state {d}: {d / RUN_FILE} exists and is not a file")
     return d
@@ -216,7 +210,7 @@ def save_run(directory: str | Path, job: Any, requests: list, engine: Any, stats
                 pass
             if isinstance(exc, KeyboardInterrupt):
                 raise SaveFailed(f"--save-state {d}: saving was abandoned (Ctrl-C); {holds(d)}", True) from None
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            why = os_reason(exc) if isinstance(exc, OSError) else one_line(exc)
             where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
             raise SaveFailed(f"--save-state {d}: the state was not saved: {why}{where}; {holds(d)}") from None
         path = d / RUN_FILE
@@ -278,27 +272,49 @@ class RunState:
 
 
 def load_run(
-    directory: str | Path, fp: dict, config: Any, vocab_size: int, eos: Iterable[int] = (), model_name: str | None = None
+    directory: str | Path,
+    fp: dict,
+    config: Any,
+    vocab_size: int,
+    eos: Iterable[int] = (),
+    model_name: str | None = None,
 ) -> tuple[RunState, Any]:
     """The saved run in `directory` and its cache; StateError, before anything is applied, unless
     every field of run.json is what `save_run` writes for a run with fingerprint `fp` (a model of
     `vocab_size` tokens ending samples on `eos`, called `model_name` in its statistics) and the
     cache file is the one it names, for `config`."""
+    d = _resume_dir(directory)
+    state = RunState(d, _read_run_file(d))
+    name = _check_run_file(state, fp, vocab_size, frozenset(eos), model_name)
+    return state, _load_cache_file(state, name, config, fp["layout"])
+
+
+def _resume_dir(directory: str | Path) -> Path:
+    """`directory`, once it names a directory that exists."""
     if not str(directory):
         raise StateError("--resume: expected a directory, got an empty name")
     d = Path(directory)
     if not d.is_dir():
         raise StateError(f"--resume {d}: {'not a directory' if d.exists() else 'no such directory'}")
+    return d
+
+
+def _read_run_file(d: Path) -> Any:
+    """The JSON in `d`'s run.json, whatever it holds; StateError when there is none or it is not JSON."""
     path = d / RUN_FILE
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise StateError(f"--resume {d}: no {RUN_FILE} there; was it written by --save-state?") from None
     except OSError as exc:
-        raise StateError(f"--resume {d}: {RUN_FILE} cannot be read ({exc.strerror or exc})") from None
+        raise StateError(f"--resume {d}: {RUN_FILE} cannot be read ({os_reason(exc)})") from None
     except ValueError as exc:  # not JSON, or not UTF-8
         raise StateError(f"--resume {d}: {RUN_FILE} is damaged: not JSON ({exc})") from None
-    state = RunState(d, data)
+
+
+def _check_run_file(state: RunState, fp: dict, vocab_size: int, eos: frozenset[int], model_name: str | None) -> str:
+    """Every field of `state`'s run.json checked (see `load_run`); the name of the cache file it names."""
+    data = state.data
     if not isinstance(data, dict):
         raise state.damaged(f"expected an object, got {saved.kind(data)}")
     if data.get("format") != RUN_FORMAT:
@@ -309,21 +325,17 @@ def load_run(
     try:
         saved.table(data, "", FIELDS)
         _check_fingerprint(state, data["fingerprint"], fp)
-        requests = fp["requests"]
-        _check_samples(data["samples"], requests, vocab_size, frozenset(eos))
+        _check_samples(data["samples"], fp["requests"], vocab_size, eos)
         _check_stats(data["stats"], {"layout": fp["layout"], "kv_dtype": fp["kv_dtype"], "model": model_name})
-        unfinished = [
-            f"samples[{i}][{j}]" for i, row in enumerate(data["samples"]) for j, s in enumerate(row) if s["finish_reason"] is None
-        ]
-        if saved.flag(data["complete"], "complete") == bool(unfinished):
-            raise saved.refuse(
-                "complete", f"{data['complete']}, but {unfinished[0]} is unfinished" if unfinished else "false, but every sample is finished"
-            )
+        _check_complete(data)
         if not isinstance(data["engine"], dict):
             raise saved.refuse("engine", f"expected an object, got {saved.kind(data['engine'])}")
         name = saved.text(data["cache_file"], "cache_file")
         if not CACHE_NAME.fullmatch(name):
-            raise saved.bad("cache_file", name, "the name of a cache file --save-state writes in the directory (cache-<12 hex digits>.safetensors)")
+            raise saved.bad(
+                "cache_file", name,
+                "the name of a cache file --save-state writes in the directory (cache-<12 hex digits>.safetensors)",
+            )
         if not SHA256.fullmatch(saved.text(data["cache_sha256"], "cache_sha256")):
             raise saved.bad("cache_sha256", data["cache_sha256"], "64 hex digits")
         saved.text(data["sha256"], "sha256")
@@ -331,16 +343,39 @@ def load_run(
         if str(exc).startswith("--resume"):
             raise
         raise state.damaged(str(exc)) from None
+    return name
+
+
+def _check_complete(data: dict) -> None:
+    """`complete` is true exactly when every sample is finished."""
+    unfinished = [
+        f"samples[{i}][{j}]"
+        for i, row in enumerate(data["samples"])
+        for j, s in enumerate(row)
+        if s["finish_reason"] is None
+    ]
+    if saved.flag(data["complete"], "complete") == bool(unfinished):
+        raise saved.refuse(
+            "complete",
+            f"{data['complete']}, but {unfinished[0]} is unfinished" if unfinished
+            else "false, but every sample is finished",
+        )
+
+
+def _load_cache_file(state: RunState, name: str, config: Any, layout: str) -> Any:
+    """The cache in the file `name` of the run's directory, once its sha256 is the one run.json names."""
+    d = state.directory
     cache_path = d / name
     if not cache_path.is_file():
         raise state.refuse(f"the cache file {name} that {RUN_FILE} names is not in {d}")
-    if _sha256(cache_path) != data["cache_sha256"]:
-        raise state.refuse(f"the cache file {name} is not the one {RUN_FILE} names (its sha256 differs): changed or replaced")
+    if _sha256(cache_path) != state.data["cache_sha256"]:
+        raise state.refuse(
+            f"the cache file {name} is not the one {RUN_FILE} names (its sha256 differs): changed or replaced"
+        )
     try:
-        cache = load_cache(cache_path, config=config, layout=fp["layout"])
+        return load_cache(cache_path, config=config, layout=layout)
     except StateError as exc:
         raise state.refuse(str(exc)) from None
-    return state, cache
 
 
 def differences(saved_value: Any, value: Any, path: str = "", limit: int = 4) -> list[str]:
@@ -403,7 +438,8 @@ def _check_samples(value: Any, requests: list[dict], vocab_size: int, eos: froze
             fits = n == max_tokens if reason == "length" else n <= max_tokens if reason == "stop" else n < max_tokens
             if not fits:
                 raise saved.refuse(
-                    f"{where}.generated", f"{n} token(s) with finish_reason {saved.shown(reason)} and max_tokens {max_tokens}"
+                    f"{where}.generated",
+                    f"{n} token(s) with finish_reason {saved.shown(reason)} and max_tokens {max_tokens}",
                 )
             if reason == "error":
                 saved.text(s["error"], f"{where}.error")

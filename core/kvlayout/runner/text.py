@@ -12,7 +12,7 @@ next tokens say it is not.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvlayout.models.detokenize import Detokenizer
 

@@ -6,9 +6,10 @@ not), `GET /v1/models`, `GET /health`; for people and monitoring (`monitor`):
 server-sent events), `GET /cells/at?cell=N`, `GET /stats`, `GET /metrics`. A handler reads and checks the body
 (`requests`), hands a ticket to the worker and waits for its events without
 ever blocking the event loop; the model runs on the worker's thread. Every
-error a client can cause is OpenAI's error object with the field named
-(400, 404, 413, 429 with Retry-After); anything else is a 500 of the same
-shape, and the server goes on. A client that goes away (its stream closed,
+error a client can cause is a KVLayoutError carrying its status (`BadRequest`,
+`QueueFull`), answered as OpenAI's error object with the field named (400,
+404, 413, 429 with Retry-After); anything else is a 500 of the same shape,
+and the server goes on. A client that goes away (its stream closed,
 or a whole-answer request abandoned) has its request cancelled.
 """
 
@@ -18,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,113 +27,117 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvlayout.errors import BadRequest, KVLayoutError, one_line
 from kvlayout.server import cellmap, monitor, shapes
-from kvlayout.server.requests import BadRequest, parse_chat, parse_completion
+from kvlayout.server.requests import parse_chat, parse_completion
 from kvlayout.server.service import Service
-from kvlayout.server.worker import Event, QueueFull, Ticket, new_ticket
+from kvlayout.server.worker import Event, Ticket, new_ticket
 
 DISCONNECT_POLL_S = 0.25  # how often a whole-answer request checks that its client is still there
 FRAME_POLL_S = 0.05  # how often a /cells stream looks for a new frame
 KEEPALIVE_S = 15.0
 RETRY_AFTER_S = 1
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(service: Service) -> Starlette:
-    worker = service.worker
+    """The app serving `service`: its routes, OpenAI-shaped errors, the worker stopped at shutdown."""
+    h = Handlers(service)
+    routes = [
+        Route("/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/completions", h.text, methods=["POST"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/stats", h.stats, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/cells", h.cells, methods=["GET"]),
+        Route("/cells/at", h.cell_at, methods=["GET"]),
+        Route("/", h.page, methods=["GET"]),
+    ]
+    handlers = {KVLayoutError: refused, HTTPException: http_error, Exception: internal_error}
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=h.lifespan)
+
+
+class Handlers:
+    """Each route's handler, over one service (its worker, tokenizer, limits and metrics)."""
+
+    def __init__(self, service: Service):
+        self.service, self.worker = service, service.worker
+        self.registry = monitor.metrics_registry(service.worker, service)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(self, app):
         # The engine thread runs already (it made the model); once every connection is closed or
         # cancelled at shutdown, it is told to stop.
         try:
             yield
         finally:
-            worker.stop()
+            self.worker.stop()
 
-    async def chat(request: Request) -> Response:
-        return await complete(request, chat=True)
+    async def chat(self, request: Request) -> Response:
+        return await self.complete(request, chat=True)
 
-    async def text(request: Request) -> Response:
-        return await complete(request, chat=False)
+    async def text(self, request: Request) -> Response:
+        return await self.complete(request, chat=False)
 
-    async def complete(request: Request, chat: bool) -> Response:
+    async def complete(self, request: Request, chat: bool) -> Response:
+        """Check the body, queue its ticket (QueueFull: a 429), then stream the answer or wait for all of it."""
+        service = self.service
         body = await read_json(request, service.cfg.server.max_body_bytes)
         if chat:
             order = parse_chat(body, service.limits, service.tokenizer, service.cfg.plain_chat)
         else:
             order = parse_completion(body, service.limits, service.tokenizer)
         ticket = new_ticket(order, service.order_request(order), service.tokenizer.decode, asyncio.get_running_loop())
-        try:
-            worker.submit(ticket)
-        except QueueFull as exc:
-            raise BadRequest(f"the server is busy: {exc}; retry later", status=429, code="rate_limit_exceeded",
-                             kind="rate_limit_error") from None
+        self.worker.submit(ticket)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if order.stream:
-            return StreamingResponse(
-                sse(stream(ticket, rid, service), worker, ticket),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return StreamingResponse(sse(stream(ticket, rid, service), self.worker, ticket),
+                                     media_type="text/event-stream", headers=STREAM_HEADERS)
         return await whole(request, ticket, rid, service)
 
-    async def models(request: Request) -> Response:
-        return JSONResponse(shapes.models(service.model_id, service.created))
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(shapes.models(self.service.model_id, self.service.created))
 
-    async def health(request: Request) -> Response:
-        return JSONResponse({**worker.snapshot, "model": service.model_id, "layout": service.cfg.layout.key})
+    async def health(self, request: Request) -> Response:
+        service = self.service
+        return JSONResponse({**self.worker.snapshot, "model": service.model_id, "layout": service.cfg.layout.key})
 
-    async def stats(request: Request) -> Response:
-        return JSONResponse(monitor.stats(worker, service))
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse(monitor.stats(self.worker, self.service))
 
-    async def metrics(request: Request) -> Response:
-        return Response(monitor.metrics_text(registry), media_type=monitor.METRICS_TYPE)
+    async def metrics(self, request: Request) -> Response:
+        return Response(monitor.metrics_text(self.registry), media_type=monitor.METRICS_TYPE)
 
-    async def page(request: Request) -> Response:
+    async def page(self, request: Request) -> Response:
         return HTMLResponse(monitor.page("index.html"))
 
-    def no_cell_map() -> BadRequest:
-        return BadRequest(f"the {service.cfg.layout.key} layout has no cells to show (a cell layout has)",
+    def no_cell_map(self) -> BadRequest:
+        return BadRequest(f"the {self.service.cfg.layout.key} layout has no cells to show (a cell layout has)",
                           status=404, code="no_cell_map")
 
-    async def cells(request: Request) -> Response:
-        if worker.view is None:
-            raise no_cell_map()
-        return StreamingResponse(cell_frames(worker), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def cells(self, request: Request) -> Response:
+        if self.worker.view is None:
+            raise self.no_cell_map()
+        return StreamingResponse(cell_frames(self.worker), media_type="text/event-stream", headers=STREAM_HEADERS)
 
-    async def cell_at(request: Request) -> Response:
-        snap = worker.map
+    async def cell_at(self, request: Request) -> Response:
+        snap = self.worker.map
         if snap is None:
-            raise no_cell_map()
+            raise self.no_cell_map()
         raw = request.query_params.get("cell", "")
         # ASCII digits only ("²" is a digit to str.isdigit) and short (int() refuses 4300+ digits).
         if not (raw.isascii() and raw.isdigit() and len(raw) <= 18) or int(raw) >= snap.capacity:
             raise BadRequest(f"cell={raw!r}: expected a cell number in [0, {snap.capacity})", "cell")
         return JSONResponse(cellmap.cell_info(snap, int(raw)))
 
-    registry = monitor.metrics_registry(worker, service)
-    routes = [
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", text, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/stats", stats, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/cells", cells, methods=["GET"]),
-        Route("/cells/at", cell_at, methods=["GET"]),
-        Route("/", page, methods=["GET"]),
-    ]
-    handlers = {BadRequest: refused, HTTPException: http_error, Exception: internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
-
 
 async def read_json(request: Request, limit: int):
     """The body as JSON, at most `limit` bytes (413 past it, read no further); 400 when not JSON."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise BadRequest(f"the request body is {declared} bytes; this server takes at most {limit} (server.max_body_bytes)",
-                         status=413, code="request_too_large")
+        raise BadRequest(f"the request body is {declared} bytes; this server takes at most {limit} "
+                         "(server.max_body_bytes)", status=413, code="request_too_large")
     body = bytearray()
     async for part in request.stream():
         body += part
@@ -146,7 +151,8 @@ async def read_json(request: Request, limit: int):
 
 
 def not_json(name: str):
-    raise ValueError(f"{name} is not a JSON value")
+    """json's parse_constant: NaN, Infinity and -Infinity, which Python reads and JSON has not."""
+    raise BadRequest(f"the request body is not valid JSON ({name} is not a JSON value)")
 
 
 async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[dict]:
@@ -240,9 +246,14 @@ def usage_of(ticket: Ticket) -> dict:
 # -- errors, in OpenAI's shape
 
 
-async def refused(request: Request, exc: BadRequest) -> Response:
+async def refused(request: Request, exc: KVLayoutError) -> Response:
+    """A KVLayoutError with a status is the answer it carries (a 429 says when to retry). One
+    without is no client's doing: raised on, it is the 500 of any other exception (internal_error,
+    and the server logs it)."""
+    if exc.status is None:
+        raise exc
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
-    return JSONResponse(shapes.error(exc.message, exc.kind, exc.param, exc.code), exc.status, headers=headers)
+    return JSONResponse(shapes.error(str(exc), exc.kind, exc.param, exc.code), exc.status, headers=headers)
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -253,7 +264,3 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
 
 async def internal_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(shapes.error(f"internal error: {type(exc).__name__}: {one_line(exc)}", "server_error"), 500)
-
-
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())

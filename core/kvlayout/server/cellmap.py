@@ -15,7 +15,7 @@ Read through the CellView face between steps, on the engine thread.
 from __future__ import annotations
 
 import base64
-from typing import Collection
+from collections.abc import Collection
 
 import attrs
 import numpy as np

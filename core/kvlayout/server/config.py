@@ -9,12 +9,13 @@ meets as errors (429, 400, 413), each named by its key in the message.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import attrs
 
-from kvlayout.checks import int_scalar, reject_unknown
+from kvlayout.checks import finite_number, int_scalar, reject_unknown
 from kvlayout.errors import ConfigError
 from kvlayout.runner.config import (
     SECTIONS,
@@ -24,7 +25,6 @@ from kvlayout.runner.config import (
     LayoutSection,
     ModelSection,
     SamplingSection,
-    finite_number,
     read_section,
     read_toml,
 )
@@ -62,7 +62,7 @@ class ServerSection:
         int_scalar("server.max_body_bytes", self.max_body_bytes, ConfigError, 64, numpy=False)
         if not isinstance(self.prefix_cache, bool):
             raise ConfigError(f"server.prefix_cache={self.prefix_cache!r}: expected true or false")
-        if finite_number("server.shutdown_grace_s", self.shutdown_grace_s) < 0:
+        if finite_number("server.shutdown_grace_s", self.shutdown_grace_s, ConfigError) < 0:
             raise ConfigError(f"server.shutdown_grace_s={self.shutdown_grace_s!r}: expected a number of seconds >= 0")
 
 
@@ -95,10 +95,14 @@ class ServeConfig(LayoutAndModel):
             )
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>", base_dir: Path | None = None) -> ServeConfig:
+    def from_mapping(
+        cls, data: Mapping[str, Any], source: str = "<mapping>", base_dir: Path | None = None
+    ) -> ServeConfig:
         sections = {**SECTIONS, "server": ServerSection}
         reject_unknown(data, list(sections), f"{source}: config")
-        kwargs = {name: read_section(section, data[name], name, source) for name, section in sections.items() if name in data}
+        kwargs = {
+            name: read_section(section, data[name], name, source) for name, section in sections.items() if name in data
+        }
         return cls(**kwargs, source=source, base_dir=base_dir or Path.cwd())
 
 

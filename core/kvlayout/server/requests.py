@@ -13,13 +13,14 @@ the app answers with OpenAI's error object; nothing of the server changes.
 from __future__ import annotations
 
 import json
-import math
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
-from kvlayout.errors import ConfigError
+from kvlayout.checks import finite_number, int_scalar, shown
+from kvlayout.errors import BadRequest, ConfigError
 from kvlayout.models.chat import ROLES
 from kvlayout.runner.config import Message, RequestSpec
 from kvlayout.runner.prompts import build_prompt, plain_text
@@ -50,15 +51,6 @@ TEXT_FIELDS = (*COMMON, "prompt")
 NEUTRAL_CHAT = ("frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias", "user",
                 "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata")
 NEUTRAL_TEXT = ("frequency_penalty", "presence_penalty", "logprobs", "logit_bias", "user", "best_of", "echo", "suffix")
-
-
-class BadRequest(Exception):
-    """A request refused: `status` (400, 404, 413, 429) and OpenAI's error fields."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
 
 
 @attrs.frozen
@@ -134,14 +126,18 @@ def parse_completion(body: Any, limits: Limits, tokenizer: Any) -> Order:
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise BadRequest(f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt")
     else:
-        raise BadRequest(f"prompt must be a non-empty string or a non-empty array of token ids, not {_show(prompt)}", "prompt")
+        raise BadRequest(
+            f"prompt must be a non-empty string or a non-empty array of token ids, not {shown(prompt)}", "prompt"
+        )
     return _order(body, limits, ids, "prompt", "max_tokens", chat=False)
 
 
 def _order(body: Mapping, limits: Limits, ids: list[int], prompt_field: str, limit_field: str, chat: bool) -> Order:
     model = body.get("model")
     if not isinstance(model, str):
-        raise BadRequest(f"model must be a string, the served model's id ({limits.model_id!r}), not {_show(model)}", "model")
+        raise BadRequest(
+            f"model must be a string, the served model's id ({limits.model_id!r}), not {shown(model)}", "model"
+        )
     if model != limits.model_id:
         raise BadRequest(
             f"the model {model!r} is not served here; this server serves {limits.model_id!r} (GET /v1/models)",
@@ -151,7 +147,9 @@ def _order(body: Mapping, limits: Limits, ids: list[int], prompt_field: str, lim
         raise BadRequest(f"{prompt_field} encodes to no tokens", prompt_field)
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise BadRequest(f"{prompt_field}: token id {bad[0]} is outside the vocabulary (0..{limits.vocab_size - 1})", prompt_field)
+        raise BadRequest(
+            f"{prompt_field}: token id {bad[0]} is outside the vocabulary (0..{limits.vocab_size - 1})", prompt_field
+        )
     n = _integer(body, "n", 1, 1, limits.max_n, "server.max_sequences")
     room = limits.capacity - len(ids)
     if room < n:
@@ -159,7 +157,9 @@ def _order(body: Mapping, limits: Limits, ids: list[int], prompt_field: str, lim
             f"{prompt_field} is {len(ids)} tokens; with n={n} it leaves no room in the cache's "
             f"{limits.capacity} cells", prompt_field, code="context_length_exceeded",
         )
-    max_tokens = _integer(body, limit_field, min(limits.max_tokens, room // n), 1, limits.max_tokens, "server.max_tokens")
+    max_tokens = _integer(
+        body, limit_field, min(limits.max_tokens, room // n), 1, limits.max_tokens, "server.max_tokens"
+    )
     if len(ids) + n * max_tokens > limits.capacity:
         raise BadRequest(
             f"{prompt_field} is {len(ids)} tokens and {limit_field}={max_tokens} with n={n} needs "
@@ -175,10 +175,12 @@ def _order(body: Mapping, limits: Limits, ids: list[int], prompt_field: str, lim
     if stream is None:
         stream = False
     elif not isinstance(stream, bool):
-        raise BadRequest(f"stream must be true or false, not {_show(stream)}", "stream")
+        raise BadRequest(f"stream must be true or false, not {shown(stream)}", "stream")
     include_usage = _stream_options(body.get("stream_options"), stream)
     seeded = body.get("seed") is not None
-    return Order(chat, ids, max_tokens, n, _stop(body.get("stop")), temperature, top_p, seed, stream, include_usage, seeded)
+    return Order(
+        chat, ids, max_tokens, n, _stop(body.get("stop")), temperature, top_p, seed, stream, include_usage, seeded
+    )
 
 
 # -- the fields, one at a time
@@ -186,7 +188,7 @@ def _order(body: Mapping, limits: Limits, ids: list[int], prompt_field: str, lim
 
 def _object(body: Any) -> Mapping:
     if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, not {_show(body)}")
+        raise BadRequest(f"the request body must be a JSON object, not {shown(body)}")
     return body
 
 
@@ -199,21 +201,23 @@ def _known(body: Mapping, fields: Sequence[str], neutral: Sequence[str]) -> None
         allowed = NEUTRAL[key]
         if allowed is None:
             if key == "user" and not isinstance(value, str):
-                raise BadRequest(f"user must be a string, not {_show(value)}", key)
+                raise BadRequest(f"user must be a string, not {shown(value)}", key)
             continue
         if not any(type(value) is type(a) and value == a for a in allowed):
-            shown = " or ".join("null" if a is None else json.dumps(a) for a in allowed)
-            raise BadRequest(f"{key}={_show(value)} is not supported by this server (only {shown})", key)
+            only = " or ".join("null" if a is None else json.dumps(a) for a in allowed)
+            raise BadRequest(f"{key}={shown(value)} is not supported by this server (only {only})", key)
 
 
 def _messages(value: Any) -> tuple[Message, ...]:
     if not isinstance(value, list) or not value:
-        raise BadRequest(f"messages must be a non-empty array of {{role, content}} objects, not {_show(value)}", "messages")
+        raise BadRequest(
+            f"messages must be a non-empty array of {{role, content}} objects, not {shown(value)}", "messages"
+        )
     out = []
     for i, m in enumerate(value):
         at = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise BadRequest(f"{at} must be an object with role and content, not {_show(m)}", at)
+            raise BadRequest(f"{at} must be an object with role and content, not {shown(m)}", at)
         unknown = [k for k in m if k not in ("role", "content")]
         if unknown:
             raise BadRequest(f"{at}.{unknown[0]}: unrecognized message field", f"{at}.{unknown[0]}")
@@ -221,7 +225,7 @@ def _messages(value: Any) -> tuple[Message, ...]:
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
         if role not in ROLES:
-            raise BadRequest(f"{at}.role must be one of {', '.join(ROLES)}, not {_show(role)}", f"{at}.role")
+            raise BadRequest(f"{at}.role must be one of {', '.join(ROLES)}, not {shown(role)}", f"{at}.role")
         out.append(Message(role, _content(m.get("content"), f"{at}.content")))
     return tuple(out)
 
@@ -234,42 +238,33 @@ def _content(value: Any, at: str) -> str:
         texts = []
         for j, part in enumerate(value):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise BadRequest(f"{at}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}; this model reads text only", f"{at}[{j}]")
+                raise BadRequest(
+                    f"{at}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}; this model reads text only",
+                    f"{at}[{j}]",
+                )
             texts.append(_unicode(part["text"], f"{at}[{j}].text"))
         return "\n".join(texts)
-    raise BadRequest(f"{at} must be a string or an array of text parts, not {_show(value)}", at)
+    raise BadRequest(f"{at} must be a string or an array of text parts, not {shown(value)}", at)
 
 
 def _integer(body: Mapping, key: str, default: int, low: int, high: int, limit_key: str | None) -> int:
+    """body[key], an integer in [low, high] (`high` is this server's `limit_key` when one is named);
+    `default` when it is absent."""
     value = body.get(key)
     if value is None:
         return default
-    if type(value) is not int:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # JSON has one number type; 2.0 is 2 (and 1e20 is above a maximum, below)
-        else:
-            raise BadRequest(f"{key} must be an integer, not {_show(value)}", key)
-    if value < low:
-        raise BadRequest(f"{key}={value} is below the minimum {low}", key)
-    if value > high:
-        where = f" (this server's {limit_key})" if limit_key else ""
-        raise BadRequest(f"{key}={value} is above the maximum {high}{where}", key)
-    return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON has one number type; 2.0 is 2 (and 1e20 is above a maximum, below)
+    limit = f"; {high} is this server's {limit_key}" if limit_key else ""
+    return int_scalar(key, value, lambda why: BadRequest(why + limit, key), low, high, numpy=False, from_json=True)
 
 
 def _number(body: Mapping, key: str, default: float, low: float, high: float) -> float:
+    """body[key], a finite number in [low, high]; `default` when it is absent."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"{key} must be a number, not {_show(value)}", key)
-    if isinstance(value, int) and not -1e308 < value < 1e308:  # math.isfinite would overflow on it
-        raise BadRequest(f"{key}={_show(value)} is outside [{low:g}, {high:g}]", key)
-    if not math.isfinite(value):
-        raise BadRequest(f"{key} must be a number, not {_show(value)}", key)
-    if not low <= value <= high:
-        raise BadRequest(f"{key}={value} is outside [{low:g}, {high:g}]", key)
-    return float(value)
+    return finite_number(key, value, lambda why: BadRequest(why, key), low, high, from_json=True)
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -277,7 +272,7 @@ def _stop(value: Any) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest(f"stop must be a non-empty string or an array of them, not {_show(value)}", "stop")
+        raise BadRequest(f"stop must be a non-empty string or an array of them, not {shown(value)}", "stop")
     if len(stops) > MAX_STOP:
         raise BadRequest(f"stop holds {len(stops)} strings; at most {MAX_STOP}", "stop")
     return tuple(_unicode(s, "stop") for s in stops)
@@ -288,7 +283,9 @@ def _unicode(text: str, at: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise BadRequest(f"{at} holds a lone surrogate (U+{ord(exc.object[exc.start]):04X}); it is not Unicode text", at) from None
+        raise BadRequest(
+            f"{at} holds a lone surrogate (U+{ord(exc.object[exc.start]):04X}); it is not Unicode text", at
+        ) from None
     return text
 
 
@@ -298,18 +295,12 @@ def _stream_options(value: Any, stream: bool) -> bool:
     if not stream:
         raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
     if not isinstance(value, dict) or any(k != "include_usage" for k in value):
-        raise BadRequest(f"stream_options must be an object with include_usage only, not {_show(value)}", "stream_options")
+        raise BadRequest(
+            f"stream_options must be an object with include_usage only, not {shown(value)}", "stream_options"
+        )
     include = value.get("include_usage", False)
     if not isinstance(include, bool):
-        raise BadRequest(f"stream_options.include_usage must be true or false, not {_show(include)}", "stream_options.include_usage")
+        raise BadRequest(
+            f"stream_options.include_usage must be true or false, not {shown(include)}", "stream_options.include_usage"
+        )
     return include
-
-
-def _show(value: Any) -> str:
-    """A value as the client wrote it, cut short: what an error quotes."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-

@@ -17,11 +17,11 @@ import logging
 import signal
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import uvicorn
 
-from kvlayout.errors import ConfigError
+from kvlayout.errors import ConfigError, os_reason
 from kvlayout.server.app import build_app
 from kvlayout.server.service import Service
 
@@ -55,7 +55,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {os_reason(exc)}") from None
     sock.set_inheritable(True)
     return sock
 

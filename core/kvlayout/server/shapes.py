@@ -9,7 +9,7 @@ tokens reused from cached cells rather than prefilled).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -21,7 +21,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion(chat: bool, rid: str, created: int, model: str, texts: Sequence[str], reasons: Sequence[str], use: dict) -> dict:
+def completion(
+    chat: bool, rid: str, created: int, model: str, texts: Sequence[str], reasons: Sequence[str], use: dict
+) -> dict:
     """A whole answer: one choice per sample."""
     if chat:
         choices = [
@@ -29,7 +31,10 @@ def completion(chat: bool, rid: str, created: int, model: str, texts: Sequence[s
             for i, (t, r) in enumerate(zip(texts, reasons))
         ]
     else:
-        choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": None} for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [
+            {"index": i, "text": t, "finish_reason": r, "logprobs": None}
+            for i, (t, r) in enumerate(zip(texts, reasons))
+        ]
     obj = "chat.completion" if chat else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": use}
 

@@ -18,7 +18,7 @@ import tempfile
 from html import escape
 from pathlib import Path
 
-from kvlayout.errors import ConfigError
+from kvlayout.errors import ConfigError, InstallError
 from kvlayout.server import cellmap
 from kvlayout.server.monitor import page
 
@@ -70,7 +70,9 @@ def write(target: Path, frames: list[dict], title: str) -> None:
     """The trace page with `frames` in it (and `title` as its title), written whole or not at all."""
     template = page("trace.html")
     if PLACEHOLDER not in template:
-        raise RuntimeError("the packaged trace.html lacks its frames placeholder")
+        raise InstallError(
+            f"kvlayout's server/static/trace.html lacks its frames placeholder {PLACEHOLDER}; reinstall kvlayout"
+        )
     data = json.dumps(frames, separators=(",", ":")).replace("</", "<\\/")  # no "</script>" inside the script
     html = template.replace(PLACEHOLDER, data, 1)
     html = html.replace("<title>", f"<title>{escape(title)} · ", 1)
@@ -100,7 +102,9 @@ class Tracing:
         target = check_target(path)
         view = cellmap.cell_view(cache)
         if view is None:
-            raise ConfigError(f"--trace draws the cells of a cell layout; {layout_key} has none (try --layout mlx:cell)")
+            raise ConfigError(
+                f"--trace draws the cells of a cell layout; {layout_key} has none (try --layout mlx:cell)"
+            )
         return cls(target, view)
 
     def stop_after(self, stop):
