@@ -22,7 +22,9 @@ LINUX = sys.platform.startswith("linux")
 
 def openblas() -> str:
     if not Path(DEBIAN_OPENBLAS).is_file():
-        pytest.fail(f"no system OpenBLAS at {DEBIAN_OPENBLAS}: run `apt-get install libopenblas0-pthread`", pytrace=False)
+        pytest.fail(
+            f"no system OpenBLAS at {DEBIAN_OPENBLAS}: run `apt-get install libopenblas0-pthread`", pytrace=False
+        )
     return DEBIAN_OPENBLAS
 
 

@@ -61,7 +61,8 @@ def test_plugins_prints_every_plugin_its_layouts_the_duplicates_and_the_failed(w
     assert dup == ("duplicate fake:dup is claimed by kvlayout-fake-dup-a 1.0 and kvlayout-fake-dup-b 2.0: "
                    "using it fails until all but one are uninstalled")
     [failed] = [line for line in lines if line.startswith("failed")]
-    assert failed == "failed broken from kvlayout-fake-broken 0.0.1: ImportError: kvl_fake_broken cannot find its native library"
+    assert failed == ("failed broken from kvlayout-fake-broken 0.0.1: "
+                      "ImportError: kvl_fake_broken cannot find its native library")
 
 
 def test_plugins_without_duplicates_has_no_note_column(fake_dists, wide, capsys):
@@ -109,7 +110,8 @@ def kvlayout_command() -> str:
 def test_the_installed_command_prints_json(plugin_world):
     # The fakes first, then whatever the suite runs with: the command must run the code under test,
     # not whichever checkout the console script was installed from.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(plugin_world.root), os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [str(plugin_world.root), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
     env.pop("KVLAYOUT_STRICT", None)
     done = subprocess.run(
         [kvlayout_command(), "plugins", "--json"], capture_output=True, text=True, env=env, timeout=120

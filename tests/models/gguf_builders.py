@@ -109,7 +109,9 @@ def gguf_tensors(cfg: dict[str, Any], weights: dict[str, np.ndarray]) -> dict[st
     return out
 
 
-def write_gguf(path: Path, tensors: dict[str, np.ndarray], meta: dict[str, Any], types: dict[str, int] | None = None) -> Path:
+def write_gguf(
+    path: Path, tensors: dict[str, np.ndarray], meta: dict[str, Any], types: dict[str, int] | None = None
+) -> Path:
     """Save `tensors` (float32/float16 as such; names in `types` encoded as that GGML block type)."""
     types = types or {}
     arrays, patches = {}, {}

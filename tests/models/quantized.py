@@ -9,14 +9,13 @@ convert path. Requests then use `prompt_ids`, never text.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
-
 import mlx_lm.utils as mlx_lm_utils  # the independent oracle; a test extra, never skipped
+from mlx.utils import tree_flatten
 from mlx_lm import convert
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
@@ -57,7 +56,9 @@ def gguf_shaped(out: Path, seed: int = 3) -> Path:
     no `quantization_config`: only what the importer writes).
     """
     model, _, _ = build_preset("tiny", seed=seed)
-    nn.quantize(model, 32, 4, class_predicate=lambda p, m: hasattr(m, "to_quantized") and GGUF_QUANTIZATION.get(p, True))
+    nn.quantize(
+        model, 32, 4, class_predicate=lambda p, m: hasattr(m, "to_quantized") and GGUF_QUANTIZATION.get(p, True)
+    )
     save_model(out, preset_config("tiny", quantization=GGUF_QUANTIZATION), dict(tree_flatten(model.parameters())))
     return out
 

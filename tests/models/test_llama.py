@@ -6,14 +6,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm.utils as mlx_lm_utils  # the independent oracle; a test extra, never skipped
 import numpy as np
 import pytest
 
 from kvlayout.models.loading import load_model
 from kvlayout.models.presets import build_preset, write_preset
 from tests.runner.conftest import NoCache
-
-import mlx_lm.utils as mlx_lm_utils  # the independent oracle; a test extra, never skipped
 
 FAMILIES = {
     "llama_untied": {},

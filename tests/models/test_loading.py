@@ -18,7 +18,8 @@ from tests.runner.conftest import NoCache
 def _hand_written(path, drop=None, reshape=None, shards=2):
     """A llama checkpoint written tensor by tensor under HF names, split over `shards` files."""
     cfg = preset_config("tiny", tie_word_embeddings=True)
-    hidden, inter, layers, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    layers, vocab = cfg["num_hidden_layers"], cfg["vocab_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     rng = np.random.default_rng(7)
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}

@@ -77,7 +77,8 @@ BAD = {
     "sliding_window-negative": ({"sliding_window": -3}, "sliding_window=-3: expected an integer >= 0"),
     "layer_types-string": ({**SLIDING, "layer_types": "sliding"}, "layer_types='sliding': expected a list of"),
     "layer_types-unknown-kind": (
-        {**SLIDING, "layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types=['sliding_attention', 'chunked"
+        {**SLIDING, "layer_types": ["sliding_attention", "chunked_attention"]},
+        "layer_types=['sliding_attention', 'chunked",
     ),
     "layer_types-too-short": ({**SLIDING, "layer_types": ["full_attention"]}, "layer_types has 1 entries"),
     "use_sliding_window-string": (

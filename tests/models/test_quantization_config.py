@@ -54,7 +54,10 @@ def test_the_bits_and_group_sizes_accepted_are_the_ones_mlx_packs():
         ({"group_size": 32, "bits": 7}, r"config\.json: quantization\.bits=7: MLX packs 1, 2, 3, 4, 5, 6 or 8 bits"),
         ({"group_size": 32, "bits": "4"}, r"config\.json: quantization\.bits='4': expected an integer, got str"),
         ({"group_size": 32, "bits": True}, r"config\.json: quantization\.bits=True: expected an integer"),
-        ({"group_size": 16, "bits": 4}, r"config\.json: quantization\.group_size=16: MLX packs groups of 32, 64 or 128 inputs"),
+        (
+            {"group_size": 16, "bits": 4},
+            r"config\.json: quantization\.group_size=16: MLX packs groups of 32, 64 or 128 inputs",
+        ),
         ({"group_size": 32}, r"config\.json: missing required key 'quantization\.bits'"),
         ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, r"quantization\.mode='mxfp4' is not supported; .* affine"),
         ({"group_size": 32, "bits": 4, "fancy": 1}, r'quantization\["fancy"\]=1: expected a module path mapped'),
@@ -113,7 +116,11 @@ def test_a_packed_weight_stored_as_floats_is_refused_naming_its_dtype(copy):
 def test_a_quantized_checkpoint_without_a_section_says_config_json_lacks_one(copy):
     model_dir = copy()
     edit_config(model_dir, quantization=None, quantization_config=None)
-    refused(model_dir, r"unexpected tensor '\S+\.biases' \(and \d+ more\); the checkpoint is quantized but config\.json has no quantization section")
+    refused(
+        model_dir,
+        r"unexpected tensor '\S+\.biases' \(and \d+ more\); "
+        r"the checkpoint is quantized but config\.json has no quantization section",
+    )
 
 
 def test_a_layer_the_section_names_is_packed_even_without_scales_so_their_absence_is_named(copy):
@@ -128,7 +135,9 @@ def test_a_layer_the_section_names_is_packed_even_without_scales_so_their_absenc
 def test_a_layer_left_in_floats_by_false_loads_and_must_not_carry_scales(copy, tmp_path):
     model_dir = copy()
     edit_config(model_dir, quantization={"group_size": 32, "bits": 4, "lm_head": False})
-    refused(model_dir, r"unexpected tensor 'lm_head\.biases' \(and 1 more\); the checkpoint does not match config\.json")
+    refused(
+        model_dir, r"unexpected tensor 'lm_head\.biases' \(and 1 more\); the checkpoint does not match config\.json"
+    )
 
     # With lm_head stored in floats, false is honoured: every other layer packed, the head not.
     from mlx.utils import tree_flatten

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 import mlx.core as mx
+import mlx_lm.utils as mlx_lm_utils
 import numpy as np
 import pytest
 
@@ -15,8 +16,6 @@ from kvlayout.runner import job
 from tests.models.conftest import QUANTIZED
 from tests.models.quantized import edit_config, mlx_lm_greedy, packings
 from tests.runner.conftest import NoCache, make_config
-
-import mlx_lm.utils as mlx_lm_utils
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # "Hello, world"
 IDS = [int(t) for t in np.random.default_rng(0).integers(0, 256, 24)]

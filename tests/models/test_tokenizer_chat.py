@@ -106,7 +106,9 @@ def test_raise_exception_in_the_template_is_one_line_naming_the_file(tmp_path):
 
 
 def test_a_list_of_named_templates_uses_default(tmp_path):
-    write_tokenizer(tmp_path, template=[{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": CHATML}])
+    write_tokenizer(
+        tmp_path, template=[{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": CHATML}]
+    )
     messages = CONVERSATIONS["multi-turn"]
     assert ours(tmp_path).chat_template.render(messages) == oracle(tmp_path).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from kvlayout.runner import job
 from kvlayout.runner.config import RunConfig
@@ -59,7 +59,9 @@ def oracle_outputs(loaded, cfg: RunConfig) -> list[list[list[int]]]:
     return out
 
 
-def make_config(model_dir: Path, layout: str = "mlx:cell", requests: list[dict] | None = None, **sections: Any) -> RunConfig:
+def make_config(
+    model_dir: Path, layout: str = "mlx:cell", requests: list[dict] | None = None, **sections: Any
+) -> RunConfig:
     backend, kind = layout.split(":")
     data: dict[str, Any] = {
         "layout": {"backend": backend, "kind": kind},

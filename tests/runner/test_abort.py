@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvlayout.runner import job
 from kvlayout.models.loading import load_model
 from kvlayout.models.presets import build_preset
+from kvlayout.runner import job
 from tests.runner.conftest import QUESTIONS, SYSTEM, make_config, token_ids
 from tests.runner.flaky import FlakyModel
 from tests.runner.flaky import with_model as loaded_with
@@ -67,7 +67,9 @@ def test_a_forward_failing_once_changes_no_output(request, tiny_dir, layout, whi
 
 @pytest.mark.parametrize("layout", ["mlx:cell", "mlx:seq"])
 @pytest.mark.parametrize("which, k", CASES)
-def test_a_request_that_always_fails_finishes_with_an_error_and_the_others_carry_on(request, tiny_dir, layout, which, k):
+def test_a_request_that_always_fails_finishes_with_an_error_and_the_others_carry_on(
+    request, tiny_dir, layout, which, k
+):
     loaded = request.getfixturevalue(which)
     reqs = requests()
     reqs.insert(1, {"prompt": SYSTEM + "Q: what is ~?\nA:", "max_tokens": 6, "n": 2})

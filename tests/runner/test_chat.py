@@ -87,7 +87,8 @@ def test_a_stop_string_cuts_the_text_before_it_and_nothing_after_it_is_generated
     free, _ = oracle_greedy(model, tok.encode(request["prompt"]), 24, frozenset(tok.eos_ids))
     stop, k = stop_inside(tok, free)
     full = tok.decode(free[:k])
-    result = job.run(make_config(model_dir, layout, requests=[{**request, "stop": ["never there", stop]}]), loaded=loaded)
+    cfg = make_config(model_dir, layout, requests=[{**request, "stop": ["never there", stop]}])
+    result = job.run(cfg, loaded=loaded)
     for s in result.outputs[0]:
         assert s.finish_reason == "stop"
         assert s.token_ids == free[:k]  # the token completing the stop string is the last one

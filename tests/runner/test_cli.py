@@ -251,7 +251,9 @@ def test_bad_run_flags_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argv,
 
 
 def test_a_chat_config_on_a_model_without_a_template_is_one_line(tiny_dir, tmp_path, capsys):
-    cfg = _write(tmp_path, f'[model]\npath = "{tiny_dir}"\n[[requests]]\nmessages = [{{role = "user", content = "hi"}}]\n')
+    cfg = _write(
+        tmp_path, f'[model]\npath = "{tiny_dir}"\n[[requests]]\nmessages = [{{role = "user", content = "hi"}}]\n'
+    )
     assert main(["run", cfg]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "requests[0].messages: the model has no chat template" in err[0]
@@ -272,7 +274,9 @@ def test_with_a_cache_that_is_a_file_the_default_run_falls_back_saying_why(tmp_p
     assert main(["run", "--json"]) == 0
     err = capsys.readouterr().err
     (line,) = err.strip().splitlines()
-    assert line.startswith("kvlayout: model preset 'smollm2' cannot be had: cannot fetch SmolLM2 into the kvlayout cache")
+    assert line.startswith(
+        "kvlayout: model preset 'smollm2' cannot be had: cannot fetch SmolLM2 into the kvlayout cache"
+    )
     assert "running the 'tiny' preset instead" in line and "Traceback" not in err
 
 

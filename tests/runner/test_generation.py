@@ -17,7 +17,9 @@ def _layouts_installed():
 
 
 def _both(loaded, model_dir, **kw):
-    results = {layout: job.run(make_config(model_dir, layout, **kw), loaded=loaded) for layout in ("mlx:seq", "mlx:cell")}
+    results = {
+        layout: job.run(make_config(model_dir, layout, **kw), loaded=loaded) for layout in ("mlx:seq", "mlx:cell")
+    }
     return results["mlx:seq"], results["mlx:cell"]
 
 

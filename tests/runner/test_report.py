@@ -28,7 +28,10 @@ def result() -> RunResult:
         [SampleResult([7] * 20, NASTY, "length")],
     ]
     stats = Stats(layout="mlx:cell", kv_dtype="float32", model="SmolLM2-135M-Instruct", steps=3)
-    messages = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}], None]
+    messages = [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}],
+        None,
+    ]
     return RunResult(requests, outputs, stats, ["<rendered chat>", "a plain prompt"], True, messages)
 
 

@@ -192,7 +192,10 @@ def mutations(value, keys, in_dict):
 
 def cases(saved_dir):
     data = json.loads((saved_dir / "run.json").read_text())
-    return [(f"{path_of(keys) or 'run.json'}: {m}", keys, m, damage, sealed) for m, keys, damage, sealed in mutations(data, [], False)]
+    return [
+        (f"{path_of(keys) or 'run.json'}: {m}", keys, m, damage, sealed)
+        for m, keys, damage, sealed in mutations(data, [], False)
+    ]
 
 
 @pytest.mark.parametrize("layout", ["mlx:cell", "mlx:seq"])
@@ -254,18 +257,22 @@ def named_rows(vocab):
         "stats of a negative count": (lambda d: d["stats"].update(steps=-3), "stats.steps=-3"),
         "a token id past the vocabulary": (
             lambda d: d["samples"][1][0]["generated"].__setitem__(0, vocab), f"samples[1][0].generated[0]={vocab}"),
-        "a negative token id": (lambda d: d["samples"][1][0]["generated"].__setitem__(0, -5), "samples[1][0].generated[0]=-5"),
-        "a float token id": (lambda d: d["samples"][1][0]["generated"].__setitem__(0, 65.0), "samples[1][0].generated[0]=65.0"),
+        "a negative token id": (
+            lambda d: d["samples"][1][0]["generated"].__setitem__(0, -5), "samples[1][0].generated[0]=-5"),
+        "a float token id": (
+            lambda d: d["samples"][1][0]["generated"].__setitem__(0, 65.0), "samples[1][0].generated[0]=65.0"),
         "more tokens than max_tokens": (
             lambda d: d["samples"][0][0]["generated"].append(65), "samples[0][0].generated: 3 token(s)"),
-        "an unknown finish reason": (lambda d: d["samples"][0][0].update(finish_reason="done"), "samples[0][0].finish_reason"),
+        "an unknown finish reason": (
+            lambda d: d["samples"][0][0].update(finish_reason="done"), "samples[0][0].finish_reason"),
         "cache_file with ..": (lambda d: d.update(cache_file="../" + d["cache_file"]), 'cache_file="../cache-'),
         "cache_file absolute": (lambda d: d.update(cache_file="/etc/passwd"), 'cache_file="/etc/passwd"'),
         "cache_file in a subdirectory": (lambda d: d.update(cache_file="sub/" + d["cache_file"]), 'cache_file="sub/'),
         "cache_file not a string": (lambda d: d.update(cache_file=None), "cache_file=null"),
         "an extra top-level key": (lambda d: d.update(note="hand-edited"), "note: not a field"),
         "run.json a list": (lambda d: Replace([d]), "expected an object, got an array"),
-        "format of an older kvlayout": (lambda d: d.update(format=1), "run.json format 1; this kvlayout reads format 2"),
+        "format of an older kvlayout": (
+            lambda d: d.update(format=1), "run.json format 1; this kvlayout reads format 2"),
     }
 
 
@@ -274,7 +281,8 @@ ENGINE_ROWS = {
         "a queue entry for request 99": (
             lambda d: d["engine"].update(queue=[{"request": 99, "samples": [0], "tokens": [1]}]),
             "engine.queue[0].request=99"),
-        "a running sequence dropped": (lambda d: d["engine"]["running"].pop(0), "is unfinished but neither running nor queued"),
+        "a running sequence dropped": (
+            lambda d: d["engine"]["running"].pop(0), "is unfinished but neither running nor queued"),
         "a running sequence twice": (
             lambda d: d["engine"]["running"].append(d["engine"]["running"][0]), "engine.running[3].samples[0]"),
         "a finished sample queued": (
@@ -285,9 +293,11 @@ ENGINE_ROWS = {
             lambda d: d["engine"]["running"][0].update(seq_id=30), "engine.running[0].cached: sequence 30 holds 0"),
         "a seq_id past the cache's ids": (
             lambda d: d["engine"]["running"][0].update(seq_id=10**6), "engine.running[0].seq_id: the cache holds no"),
-        "cached past the tokens": (lambda d: d["engine"]["running"][0].update(cached=10**6), "engine.running[0].cached"),
+        "cached past the tokens": (
+            lambda d: d["engine"]["running"][0].update(cached=10**6), "engine.running[0].cached"),
         "cached short of the cache": (lambda d: d["engine"]["running"][0].update(cached=5), "engine.running[0].cached"),
-        "admitted a bool": (lambda d: d["engine"]["running"][0].update(admitted=True), "engine.running[0].admitted=true"),
+        "admitted a bool": (
+            lambda d: d["engine"]["running"][0].update(admitted=True), "engine.running[0].admitted=true"),
     },
     "mlx:seq": {
         "current a finished sample": (lambda d: d["engine"].update(current=[0, 0]), "engine.current"),
@@ -350,10 +360,12 @@ CACHE_ROWS = {
     "missing": (lambda d, o: cache_file(d).unlink(), "that run.json names is not in"),
     "truncated": (lambda d, o: cache_file(d).write_bytes(cache_file(d).read_bytes()[:1000]), "its sha256 differs"),
     "a byte flipped": (
-        lambda d, o: cache_file(d).write_bytes(cache_file(d).read_bytes()[:-5] + b"\0" + cache_file(d).read_bytes()[-4:]),
+        lambda d, o: cache_file(d).write_bytes(
+            cache_file(d).read_bytes()[:-5] + b"\0" + cache_file(d).read_bytes()[-4:]),
         "its sha256 differs"),
-    "a directory": (lambda d, o: (cache_file(d).unlink(), (d / json.loads((d / "run.json").read_text())["cache_file"]).mkdir()),
-                    "that run.json names is not in"),
+    "a directory": (
+        lambda d, o: (cache_file(d).unlink(), (d / json.loads((d / "run.json").read_text())["cache_file"]).mkdir()),
+        "that run.json names is not in"),
     "swapped for another run's": (lambda d, o: swap_in_other_cache(d, o, False), "its sha256 differs"),
     "swapped and run.json forged to match": (lambda d, o: swap_in_other_cache(d, o, True), "engine."),
 }
@@ -366,7 +378,9 @@ def test_a_cache_file_missing_truncated_or_swapped_is_refused(
 ):
     d = damaged_copy(tmp_path, saved_states[layout], lambda data: None)
     other = tmp_path_factory.mktemp("other")  # the same run, stopped two steps later
-    job.prepare(run_config(tiny_dir, layout), loaded=tiny_loaded).generate(stop=stop_after(STOPS[layout] + 2), save_state=other)
+    job.prepare(run_config(tiny_dir, layout), loaded=tiny_loaded).generate(
+        stop=stop_after(STOPS[layout] + 2), save_state=other
+    )
     damage(d, other)
     refused_naming(tmp_path, tiny_dir, tiny_loaded, layout, d, needle)
 
@@ -407,7 +421,8 @@ def test_the_untouched_state_resumes_to_the_uninterrupted_outputs(tiny_dir, tiny
 def write_toml(path, tiny_dir, layout):
     backend, kind = layout.split(":")
     reqs = "".join(
-        f"[[requests]]\nprompt = {json.dumps(r['prompt'])}\nmax_tokens = {r['max_tokens']}\nn = {r['n']}\n" for r in REQUESTS
+        f"[[requests]]\nprompt = {json.dumps(r['prompt'])}\nmax_tokens = {r['max_tokens']}\nn = {r['n']}\n"
+        for r in REQUESTS
     )
     path.write_text(
         f'[layout]\nbackend = "{backend}"\nkind = "{kind}"\n[model]\npath = "{tiny_dir}"\n'
@@ -442,7 +457,9 @@ CLI_ROWS = [r for r in NAMED if r[1] in ISSUE and (r[0] == "mlx:cell" or r[1] ==
 
 
 @pytest.mark.parametrize("layout, name, damage, needle", CLI_ROWS, ids=[f"{r[0]}: {r[1]}" for r in CLI_ROWS])
-def test_the_command_refuses_a_damaged_state_in_one_line(tmp_path, tiny_dir, saved_states, layout, name, damage, needle):
+def test_the_command_refuses_a_damaged_state_in_one_line(
+    tmp_path, tiny_dir, saved_states, layout, name, damage, needle
+):
     d = damaged_copy(tmp_path, saved_states[layout], damage)
     before = files(d)
     proc = kvlayout("run", write_toml(tmp_path / "run.toml", tiny_dir, layout), "--resume", d, "--save-state", d)

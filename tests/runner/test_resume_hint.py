@@ -16,14 +16,13 @@ import shlex
 import shutil
 import subprocess
 import sys
-
 from pathlib import Path
+
+import pytest
 
 import kvlayout
 import kvlayout_cell
 import kvlayout_seq
-import pytest
-
 from kvlayout.cli import NOT_REPLAYED_FLAGS, REPLAYED_FLAGS, main, make_parser
 from kvlayout.errors import ConfigError
 from kvlayout.models.presets import build_preset
@@ -51,7 +50,8 @@ def rows(tmp_path, tiny_dir):
         "--prompt with every flag": (
             ["--model", "model", "--prompt", "Hello there", "--max-tokens", "12", "--temperature", "0.8", "--raw",
              "--json"], None),
-        "--prompt a shell would mangle": (["--model", "model", "--prompt", SHELL_PROMPT, "--max-tokens", "9", "--json"], None),
+        "--prompt a shell would mangle": (
+            ["--model", "model", "--prompt", SHELL_PROMPT, "--max-tokens", "9", "--json"], None),
         "--prompt from standard input, no --json": (["--model", "model", "--prompt", "-", "--max-tokens", "10"],
                                                      "Tell me a story about a cat\n"),
         "the default config": (["--json"], None),
@@ -138,5 +138,6 @@ def test_the_command_quotes_what_a_shell_would_split():
     args = make_parser().parse_args(["run", "my run.toml", "--layout", "mlx:seq", "--json", "--save-state", "st ate"])
     command = continue_command(args, None, "st ate")
     assert shlex.split(command) == [
-        "kvlayout", "run", "my run.toml", "--layout", "mlx:seq", "--json", "--resume", "st ate", "--save-state", "st ate",
+        "kvlayout", "run", "my run.toml", "--layout", "mlx:seq", "--json", "--resume", "st ate",
+        "--save-state", "st ate",
     ]

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from mlx.utils import tree_flatten
 
 from kvlayout.models import smollm2
@@ -39,7 +38,8 @@ REQUESTS = "".join(
 
 def run_toml(tmp_path: Path, layout: str = "cell", capacity: int = 512, extra: str = "") -> Path:
     path = tmp_path / f"run-{layout}-{capacity}.toml"
-    path.write_text(f'[layout]\nbackend = "mlx"\nkind = "{layout}"\n[cache]\ncapacity = {capacity}\nkv_dtype = "float32"\n'
+    path.write_text(f'[layout]\nbackend = "mlx"\nkind = "{layout}"\n'
+                    f'[cache]\ncapacity = {capacity}\nkv_dtype = "float32"\n'
                     f'[model]\npreset = "tiny"\n[sampling]\ntemperature = 0.0\n{extra}{REQUESTS}')
     return path
 

@@ -8,11 +8,11 @@ end of its `with` block. The tiny preset is loaded once per session.
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Any, Iterator
-
 import http.client
 import json
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import openai

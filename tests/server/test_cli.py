@@ -53,9 +53,9 @@ class Process:
     def finish(self, timeout: float = BOUND_S) -> tuple[int, str]:
         try:
             _, rest = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
             self.kill()
-            raise AssertionError("the server outlived its bound")
+            raise AssertionError("the server outlived its bound") from exc
         return self.proc.returncode, "".join(self.lines) + rest
 
     def kill(self) -> None:
@@ -64,7 +64,9 @@ class Process:
 
 
 def post(url: str, body: dict, timeout: float = 30) -> dict:
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 

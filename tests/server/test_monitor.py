@@ -102,7 +102,8 @@ def test_forks_of_a_running_request_show_as_shared_cells_of_two_live_sequences(t
             cls = classes_of(frame)
             assert np.count_nonzero(cls) == frame["used"] and frame["bucket"] == 1
             assert np.count_nonzero(cls == cellmap.CLASS_SHARED) == frame["shared_live"] <= frame["shared"]
-            assert {int(c) - cellmap.CLASS_SEQ0 for c in np.unique(cls) if c >= cellmap.CLASS_SEQ0} <= set(frame["live"])
+            seqs_drawn = {int(c) - cellmap.CLASS_SEQ0 for c in np.unique(cls) if c >= cellmap.CLASS_SEQ0}
+            assert seqs_drawn <= set(frame["live"])
         finally:
             sock.close()
 
@@ -190,7 +191,8 @@ def test_run_trace_writes_a_frame_before_every_step_and_after_the_last(tmp_path)
                    capture_output=True)
     out = tmp_path / "trace.html"
     done = subprocess.run([sys.executable, "-m", "kvlayout.cli", "run", "--model", str(model), "--prompt", "hello",
-                           "--max-tokens", "5", "--json", "--trace", str(out)], capture_output=True, text=True, timeout=120)
+                           "--max-tokens", "5", "--json", "--trace", str(out)],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     steps = json.loads(done.stdout)["stats"]["steps"]
     frames = trace_frames(out)

@@ -73,7 +73,9 @@ def test_a_streamed_text_completion_without_usage_ends_with_its_finish_reason(li
 def test_n_samples_are_forks_of_one_prefill_and_each_a_choice(live):
     r = live.client().completions.create(model="tiny", prompt="Q: n?\nA:", max_tokens=6, n=3, temperature=1.0, seed=5)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
-    again = live.client().completions.create(model="tiny", prompt="Q: n?\nA:", max_tokens=6, n=3, temperature=1.0, seed=5)
+    again = live.client().completions.create(
+        model="tiny", prompt="Q: n?\nA:", max_tokens=6, n=3, temperature=1.0, seed=5
+    )
     assert [c.text for c in r.choices] == [c.text for c in again.choices]  # a seed reproduces the samples
     assert 3 <= r.usage.completion_tokens <= 3 * 6  # each choice generated at least one token, at most max_tokens
 

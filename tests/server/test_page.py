@@ -16,8 +16,8 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -124,7 +124,9 @@ def chat(driver, text: str, submit) -> str:
     submit(driver)
     wait_for(driver, "a new assistant bubble", lambda d: len(all_by_testid(d, "assistant-message")) > before)
     bubble = all_by_testid(driver, "assistant-message")[before]
-    wait_for(driver, "the answer to finish streaming", lambda d: bubble.get_attribute("data-state") in ("done", "error"))
+    wait_for(
+        driver, "the answer to finish streaming", lambda d: bubble.get_attribute("data-state") in ("done", "error")
+    )
     content = driver.execute_script("return arguments[0].textContent", bubble)
     assert bubble.get_attribute("data-state") == "done", f"the page showed an error: {content!r}"
     return content
@@ -184,9 +186,12 @@ def hover_bucket(driver, index: int) -> None:
     from selenium.webdriver.common.action_chains import ActionChains
 
     canvas = by_testid(driver, "cell-map")
+    # The script's two long lines are split in the Python source only: the page gets them whole.
     dx, dy = driver.execute_script("""
-        const c = arguments[0], r = c.getBoundingClientRect(), {cols, size} = window.kvlayoutMap, scale = r.width / c.width;
-        const x = ((arguments[1] % cols) + 0.5) * size * scale, y = (Math.floor(arguments[1] / cols) + 0.5) * size * scale;
+        const c = arguments[0], r = c.getBoundingClientRect(), {cols, size} = window.kvlayoutMap,"""
+        """ scale = r.width / c.width;
+        const x = ((arguments[1] % cols) + 0.5) * size * scale,"""
+        """ y = (Math.floor(arguments[1] / cols) + 0.5) * size * scale;
         return [x - r.width / 2, y - r.height / 2];""", canvas, index)
     ActionChains(driver).move_to_element_with_offset(canvas, int(dx), int(dy)).perform()
 
@@ -251,7 +256,8 @@ def test_a_refused_request_shows_the_servers_message(driver, tiny_loaded):
     question = "Hello?"
     with serving(tiny_loaded, {**ONE_CELL_PER_BUCKET, "server": {"max_tokens": 64}}) as live, opened(driver, live):
         status, body, _ = live.post("/v1/chat/completions", {"model": live.model, "stream": True, "temperature": 0,
-                                                             "max_tokens": 128, "messages": [{"role": "user", "content": question}]})
+                                                             "max_tokens": 128,
+                                                             "messages": [{"role": "user", "content": question}]})
         assert status == 400, body  # the page asks for 128 tokens; this server gives at most 64
         by_testid(driver, "chat-input").send_keys(question)
         click_send(driver)
@@ -349,7 +355,9 @@ def test_screenshot_with_four_streaming_clients(driver, tiny_loaded, artifacts):
             assert sorted(answers) == [0, 1, 2, 3] and all(answers.values()), answers
             if shown is not None:
                 break
-        assert shown is not None, f"no screenshot on a frame with 2+ live sequences in 3 bursts; (live, shared) seen: {seen}"
+        assert shown is not None, (
+            f"no screenshot on a frame with 2+ live sequences in 3 bursts; (live, shared) seen: {seen}"
+        )
         assert shot.read_bytes()[:8] == PNG_MAGIC
         assert any(n >= 2 and cells > 0 for n, cells in seen), f"no frame showed the shared prefix: {seen}"
         stats = settled(driver, live)  # every client done: no live sequence, the map matches /stats
@@ -389,7 +397,8 @@ def test_trace_page_scrubs_between_its_frames(driver, tmp_path):
     def showing(i: int) -> Callable:
         def check(d) -> bool:
             state = map_state(d) or {}
-            return (state.get("lastFrame") or {}).get("step") == frames[i]["step"] and stats.text == stats_line(frames[i])
+            on_the_frame = (state.get("lastFrame") or {}).get("step") == frames[i]["step"]
+            return on_the_frame and stats.text == stats_line(frames[i])
         return check
 
     wait_for(driver, "the first frame", showing(0))
@@ -400,7 +409,8 @@ def test_trace_page_scrubs_between_its_frames(driver, tmp_path):
     assert map_state(driver)["drawnOccupied"] == 37 and drawn_non_free(driver) == 37
     hover_bucket(driver, 12)
     tip = driver.find_element("id", "tip")
-    wait_for(driver, "the trace's tooltip", lambda d: tip.is_displayed() and tip.text == "cell 12: shared by several live sequences")
+    shared_tip = "cell 12: shared by several live sequences"
+    wait_for(driver, "the trace's tooltip", lambda d: tip.is_displayed() and tip.text == shared_tip)
     scrubber.send_keys(Keys.ARROW_LEFT)
     wait_for(driver, "the first frame again", showing(0))
     by_testid(driver, "trace-play").click()  # plays to the last frame and stops there
