@@ -10,8 +10,10 @@ its contract's members and no more, each member implemented once.
 
 Every layer keeps a K and a V MLXPool spanning the whole cell table
 (`max_slots` = capacity, rounded up to whole pages of 256 slots), whatever
-its window: a ring layer differs only in its mask. A step's tokens are scattered into their cells with `write_cells`,
-and the layer attends to `[0, read_len)` under the step's explicit mask.
+its window: a ring layer differs only in its mask. A step's tokens are written into their cells
+as a slice (`write`) when they lie in one ascending run of cells, as lowest-free placement usually
+gives, else scattered (`write_cells`), and the layer attends to `[0, read_len)` under the
+step's explicit mask.
 
 When that mask is sparse (many sequences, few shared cells) the spec also
 carries `groups`: the step's tokens grouped by sequence, each with only the
