@@ -148,20 +148,19 @@ def test_saving_in_the_middle_of_a_forward_is_refused(tmp_path):
     cache.save(tmp_path / "x.safetensors")  # fine once aborted
 
 
+def save_bad(tmp_path, cache, state: dict, tensors: dict) -> None:
+    """A cache file of `cache`'s layout and config with a damaged `state` or `tensors`, at bad.safetensors."""
+    persist.save_state(tmp_path / "bad.safetensors", layout="mlx:cell", content="cache", config=cache.config,
+                       state=state, tensors=tensors)
+
+
 def test_a_file_whose_table_breaks_an_invariant_is_refused(tmp_path):
     cache = busy_cache()
     good = persist.read_state(cache.save(tmp_path / "good.safetensors"))
     owners = persist.numpy_of(good.tensors["owners"]).copy()
     owners[0, 0] |= np.uint64(1) << np.uint64(7)  # sequence 7 owns a cell but is not live
     tensors = {**good.tensors, "owners": persist.raw_numpy(owners)}
-    persist.save_state(
-        tmp_path / "bad.safetensors",
-        layout="mlx:cell",
-        content="cache",
-        config=cache.config,
-        state=good.state,
-        tensors=tensors,
-    )
+    save_bad(tmp_path, cache, good.state, tensors)
     with pytest.raises(StateError, match="sequence 7 owns cells but is not live"):
         kvlayout.load(tmp_path / "bad.safetensors")
 
@@ -170,10 +169,7 @@ def test_a_file_whose_table_breaks_an_invariant_is_refused(tmp_path):
 def test_a_file_whose_live_ids_are_not_a_list_of_integers_is_refused_by_name(tmp_path, live):
     cache = busy_cache()
     good = persist.read_state(cache.save(tmp_path / "good.safetensors"))
-    persist.save_state(
-        tmp_path / "bad.safetensors", layout="mlx:cell", content="cache", config=cache.config,
-        state={**good.state, "live": live}, tensors=good.tensors,
-    )
+    save_bad(tmp_path, cache, {**good.state, "live": live}, good.tensors)
     with pytest.raises(StateError, match=r"bad\.safetensors: state\.live"):
         kvlayout.load(tmp_path / "bad.safetensors")
 
@@ -184,14 +180,7 @@ def test_a_file_with_a_wrong_tensor_shape_is_refused(tmp_path):
     good = persist.read_state(cache.save(tmp_path / "good.safetensors"))
     tensors = dict(good.tensors)
     tensors["k.2"] = persist.raw_numpy(np.zeros((1, 2, 1, 8), dtype=np.float32))
-    persist.save_state(
-        tmp_path / "bad.safetensors",
-        layout="mlx:cell",
-        content="cache",
-        config=cache.config,
-        state=good.state,
-        tensors=tensors,
-    )
+    save_bad(tmp_path, cache, good.state, tensors)
     n = bc.capacity - bc.free_cells
     with pytest.raises(StateError, match=rf"tensor 'k.2' is F32\[1, 2, 1, 8\], expected F32\[1, 2, {n}, 8\]"):
         kvlayout.load(tmp_path / "bad.safetensors")

@@ -63,14 +63,8 @@ class ToySeqCache(FacesBase):
         return face_of(SequenceControl, self)
 
 
-class ToyBatchCache(FacesBase):
-    capacity = 8
-    free_cells = 8
-    used_end = 0
-    max_seqs = 4
-
-    def can_extend(self, n=1):
-        return True
+class Verbs:
+    """The verbs that change the cells (as the cell layout's stepper does, ending the open step)."""
 
     def clear(self):
         pass
@@ -86,6 +80,16 @@ class ToyBatchCache(FacesBase):
 
     def seq_rm(self, seq_id, p0=0, p1=None):
         pass
+
+
+class ToyBatchCache(Verbs, FacesBase):
+    capacity = 8
+    free_cells = 8
+    used_end = 0
+    max_seqs = 4
+
+    def can_extend(self, n=1):
+        return True
 
     def seq_len(self, seq_id):
         return 0
@@ -177,25 +181,6 @@ class Counts:
 
     def seq_new(self):  # the table's own primitive: the face takes the verbs' part's instead
         return 99
-
-
-class Verbs:
-    """The verbs that change the cells (as the cell layout's stepper does, ending the open step)."""
-
-    def clear(self):
-        pass
-
-    def declare_step(self, seq_ids):
-        return True
-
-    def seq_new(self):
-        return 0
-
-    def seq_clone(self, src, upto=None):
-        return 1
-
-    def seq_rm(self, seq_id, p0=0, p1=None):
-        pass
 
 
 def test_a_face_over_several_parts_takes_each_member_from_the_first_part_that_has_it():
