@@ -10,6 +10,7 @@ an installed plugin.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -18,6 +19,12 @@ import numpy as np
 import pytest
 
 from kvlayout import registry
+from kvlayout.runner import blas
+
+# The `kvlayout` commands tests call in this process (main(argv)) must never re-execute it with another
+# BLAS preloaded (kvlayout.runner.blas.ensure): the choice counts as made here, the bundled BLAS kept.
+# Subprocesses (tests.helpers.cli_env) drop the mark and choose as a user's command does.
+os.environ[blas.CHOSEN] = "none"
 
 
 class FakeDists:

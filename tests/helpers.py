@@ -118,10 +118,13 @@ CLI_PATH = os.pathsep.join(str(ROOT / p) for p in ("core", "plugins/seq_layout",
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment for a `kvlayout` subprocess: this tree on PYTHONPATH, KVLAYOUT_STRICT unset."""
+    """The environment for a `kvlayout` subprocess: this tree on PYTHONPATH, KVLAYOUT_STRICT unset, and
+    the BLAS chosen as a user's command chooses it (kvlayout.runner.blas)."""
     env = {**os.environ, "PYTHONPATH": CLI_PATH, "COLUMNS": "100", **extra}
     if "KVLAYOUT_STRICT" not in extra:
         env.pop("KVLAYOUT_STRICT", None)
+    if "KVLAYOUT_BLAS_CHOSEN" not in extra:  # the test process's mark (tests/conftest.py): a command chooses anew
+        env.pop("KVLAYOUT_BLAS_CHOSEN", None)
     return env
 
 

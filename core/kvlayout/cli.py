@@ -164,11 +164,12 @@ def _run_config(args: argparse.Namespace):
 
 
 # The `kvlayout run` flags a stopped run's "continue with" command repeats: every one that shapes
-# the config (a resumed run must rebuild the same one), and --json. The others: --resume and
+# the config (a resumed run must rebuild the same one), --json, and --blas (it decides whether
+# [model] dequantize = "auto" unpacks the weights, which a resumed run must do again). The others: --resume and
 # --save-state are its own, --print-config runs nothing, --trace draws one process's steps (the
 # continued run may draw its own, without overwriting this one's). tests/runner/test_resume_hint.py
 # fails on a flag in neither list.
-REPLAYED_FLAGS = ("layout", "model", "prompt", "raw", "max_tokens", "temperature", "json")
+REPLAYED_FLAGS = ("layout", "model", "prompt", "raw", "max_tokens", "temperature", "json", "blas")
 NOT_REPLAYED_FLAGS = ("resume", "save_state", "print_config", "trace")
 
 
@@ -235,8 +236,9 @@ def utf8_text(text: str, what: str) -> str:
 def _run(args: argparse.Namespace) -> int:
     # Imported here so `kvlayout plugins` never pays for loading the model code.
     from kvlayout import distributed
-    from kvlayout.runner import ranks
+    from kvlayout.runner import blas, ranks
 
+    blas.ensure(args.blas, sys.argv[1:])  # before MLX computes anything: may re-execute this command
     world = distributed.current()  # a world of one unless started by mlx.launch
     try:
         cfg = ranks.leader_config(world, lambda: _run_config(args))  # rank 0 reads it; every rank gets it
@@ -448,12 +450,14 @@ def _init_model(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     # Imported here: the other commands never load the HTTP stack.
     from kvlayout import distributed
+    from kvlayout.runner import blas
     from kvlayout.server.config import load_serve_config
     from kvlayout.server.serve import bind, serve
     from kvlayout.server.service import prepare_service
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected 0..65535 (0: any free port)")
+    blas.ensure(args.blas, sys.argv[1:])  # before MLX computes anything: may re-execute this command
     cfg = load_serve_config(args.config)
     if args.layout is not None:
         cfg = cfg.with_layout(args.layout)
@@ -479,7 +483,7 @@ def _serve(args: argparse.Namespace) -> int:
         c = service.cfg
         print(
             f"kvlayout: serving {service.model_id} on {url} (layout {c.layout.key}, {c.cache.capacity} cells, "
-            f"up to {c.server.max_sequences} sequences at once{ranks}); Ctrl-C stops",
+            f"up to {c.server.max_sequences} sequences at once{ranks}, {blas.short()}); Ctrl-C stops",
             file=sys.stderr,
             flush=True,
         )
@@ -489,13 +493,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     # Imported here so the other commands never pay for loading the suite.
-    from kvlayout.bench import blas, suite
+    from kvlayout.bench import suite
+    from kvlayout.runner import blas
 
-    library = args.blas if args.blas is not None else os.environ.get(blas.ENV) or None
-    if library is not None:
-        library = blas.check_library(library)
-        if not blas.preloaded(library):  # before anything is measured: the same command, the library preloaded
-            blas.exec_with(library, sys.argv[1:])
+    blas.ensure(args.blas, sys.argv[1:])  # before anything is measured: may re-execute this command
     mode = "quick" if args.quick else "full" if args.full else "default"
     rows = None
     if args.what is not None and args.rows is not None:
@@ -610,6 +611,7 @@ def _add_run_command(sub) -> None:
     )
     _add_run_config_flags(run)
     _add_run_output_flags(run)
+    _add_blas_flag(run)
     run.set_defaults(func=_run_command)
 
 
@@ -679,6 +681,7 @@ def _add_serve_command(sub) -> None:
         help="the address to listen on (default 127.0.0.1: this machine only)",
     )
     server.add_argument("--port", type=int, default=8080, help="the port (default 8080; 0 picks a free one)")
+    _add_blas_flag(server)
     server.set_defaults(func=_serve)
 
 
@@ -724,13 +727,17 @@ def _add_bench_command(sub) -> None:
         help="a model directory you have: rows 8, 9 and 13 (decode, chat, lockstep) measure it beside mlx-lm "
         "(the default rows then)",
     )
-    bench.add_argument(
-        "--blas", type=given, metavar="PATH",
-        help="run with this BLAS preloaded (Linux; e.g. Debian's OpenBLAS, "
-        "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3; also $KVLAYOUT_BLAS): "
-        "MLX's CPU wheel bundles the reference BLAS, ~20x slower",
-    )
+    _add_blas_flag(bench)
     bench.set_defaults(func=_bench)
+
+
+def _add_blas_flag(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--blas", type=given, metavar="PATH|none",
+        help="Linux: the BLAS MLX's CPU matmuls run on (also $KVLAYOUT_BLAS). By default the first OpenBLAS "
+        "that passes its check: the system's (Debian: libopenblas0-pthread), else the one installed with "
+        "kvlayout; 'none' keeps the reference BLAS MLX's CPU wheel bundles (40-60x slower)",
+    )
 
 
 EXIT_BROKEN_PIPE = 128 + 13  # as a shell reports a writer killed by SIGPIPE (`kvlayout run | head`)

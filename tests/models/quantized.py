@@ -32,15 +32,27 @@ def convert_tiny(
     bits: int,
     group_size: int,
     tied: bool = False,
-    predicate: Callable[[str, nn.Module], bool | dict] | None = None,
+    predicate: Callable[[str, nn.Module], bool | dict] | str | None = None,
     seed: int = 3,
+    dtype: str | None = None,
+    **overrides,
 ) -> Path:
-    """`mlx_lm.convert -q` on the tiny preset (tied or not); `predicate` is convert's quant_predicate."""
-    src = write_preset(out.with_name(out.name + "-float"), "tiny", seed=seed, tie_word_embeddings=tied)
+    """`mlx_lm.convert -q` on the tiny preset (tied or not; `overrides` change its config, e.g.
+    head_dim); `predicate` is convert's quant_predicate (a function, or a recipe such as "mixed_3_6");
+    `dtype` is convert's (None: config.json's float32), the floats' and so the scales' and biases'."""
+    src = write_preset(out.with_name(out.name + "-float"), "tiny", seed=seed, tie_word_embeddings=tied, **overrides)
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(src / "tokenizer.json"))
-    convert(str(src), str(out), quantize=True, q_bits=bits, q_group_size=group_size, quant_predicate=predicate)
+    convert(str(src), str(out), quantize=True, q_bits=bits, q_group_size=group_size, quant_predicate=predicate,
+            dtype=dtype)
+    return out
+
+
+def mlx_lm_dequantized(model_dir: Path, out: Path, dtype: str = "float32") -> Path:
+    """What `mlx_lm.convert --dequantize --dtype DTYPE` writes for the quantized `model_dir` (the oracle of
+    kvlayout's dequantizing at load): its tensors, config.json without `quantization`, the tokenizer."""
+    convert(str(model_dir), str(out), dequantize=True, dtype=dtype)
     return out
 
 

@@ -48,7 +48,9 @@ def test_logits_equal_mlx_lm_on_the_same_quantized_directory(quantized_dir, name
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_greedy_tokens_equal_mlx_lm_on_the_same_quantized_directory(quantized_dir, name, layout):
     model_dir = quantized_dir(name)
-    cfg = make_config(model_dir, layout, requests=[{"prompt_ids": PROMPT, "max_tokens": 6}])
+    # Kept packed (on the CPU "auto" would unpack it: tests/models/test_dequantize.py has that path).
+    cfg = make_config(model_dir, layout, requests=[{"prompt_ids": PROMPT, "max_tokens": 6}],
+                      model={"dequantize": False})
     result = job.run(cfg)  # loads the directory the way `kvlayout run` does
     got = result.outputs[0][0].token_ids
     assert result.stats.kv_dtype == "float32"

@@ -68,6 +68,9 @@ def make_config(
         "cache": {"capacity": 1024, "kv_dtype": "float32"},
         "model": {"path": str(model_dir)},
         "sampling": {"temperature": 0.0},
+        # The tests' prompts span several steps of 64 (preemption, stops and ranks fall among them),
+        # whatever the default chunk.
+        "engine": {"prefill_chunk": 64},
         "requests": requests or [{"prompt": SYSTEM + q, "max_tokens": 12, "n": 2} for q in QUESTIONS],
     }
     for name, values in sections.items():

@@ -79,6 +79,11 @@ def test_an_unknown_key_is_named_with_the_valid_ones(data, key):
         (_mapping(requests=[{"prompt": "a", "stop": "x"}]), "requests[0].stop='x'"),
         (_mapping(requests=[{"prompt": "a", "stop": [""]}]), "requests[0].stop"),
         (_mapping(model={"path": "m", "fallback": "tiny"}), "model.fallback: only a preset falls back"),
+        (_mapping(model={"preset": "tiny", "dequantize": "yes"}), 'model.dequantize=\'yes\': expected "auto", true'),
+        (_mapping(model={"preset": "tiny", "dequantize": 1}), 'model.dequantize=1: expected "auto", true or false'),
+        (_mapping(model={"preset": "tiny", "dequantize_max_mb": -1}), "model.dequantize_max_mb=-1: expected an"),
+        (_mapping(model={"preset": "tiny", "dequantize_max_mb": 1.5}), "model.dequantize_max_mb=1.5"),
+        (_mapping(model={"preset": "tiny", "dequantize_max_mb": "4G"}), "model.dequantize_max_mb='4G'"),
         (_mapping(requests=[{"prompt": "a", "n": 0}]), "requests[0].n=0"),
         (_mapping(requests=[]), "no [[requests]]"),
     ],
@@ -137,3 +142,35 @@ def test_the_cache_section_gives_the_model_s_cache_config_with_pools_no_larger_t
     )
     quantized = CacheSection(kv_dtype="q4", kv_group_size=32).cache_config(1, [LayerConfig(1, 96)], "q4")
     assert (quantized.kv_dtype, quantized.kv_group_size, quantized.capacity) == ("q4", 32, 4096)
+
+
+def test_the_dequantize_budget_defaults_to_a_quarter_of_physical_memory_at_most_4096_mb(monkeypatch):
+    from kvlayout.runner import config
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 8 * 2**30 // 4096}  # 8 GiB
+    monkeypatch.setattr(config.os, "sysconf", lambda name: pages[name])
+    assert config.ModelSection(preset="tiny").dequantize_max_mb == 2048
+    pages["SC_PHYS_PAGES"] *= 4  # 32 GiB: a quarter is past the cap
+    assert config.ModelSection(preset="tiny").dequantize_max_mb == 4096
+
+    def unknown(name):
+        raise ValueError(f"unrecognized configuration name {name}")
+
+    monkeypatch.setattr(config.os, "sysconf", unknown)
+    assert config.ModelSection(preset="tiny").dequantize_max_mb == 4096
+    assert config.ModelSection(preset="tiny", dequantize_max_mb=0).dequantize_max_mb == 0  # any budget set stays
+
+
+def test_print_config_writes_the_dequantize_keys_and_reads_them_back():
+    from kvlayout.runner.config import default_dequantize_max_mb, dump_config, parse_config
+
+    cfg = RunConfig.from_mapping(_mapping(model={"preset": "tiny", "dequantize": False, "dequantize_max_mb": 512}))
+    printed = dump_config(cfg)
+    assert "\ndequantize = false\ndequantize_max_mb = 512\n" in printed
+    assert parse_config(printed, "printed") == cfg
+    default = dump_config(load_config(None))
+    assert f'\ndequantize = "auto"\ndequantize_max_mb = {default_dequantize_max_mb()}\n' in default
+    assert parse_config(default, "printed") == load_config(None)
+    for value in (True, "auto"):
+        cfg = RunConfig.from_mapping(_mapping(model={"preset": "tiny", "dequantize": value}))
+        assert parse_config(dump_config(cfg), "printed").model.dequantize == value

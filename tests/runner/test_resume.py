@@ -295,7 +295,8 @@ def write_toml(tmp_path, tiny_dir, layout):
     reqs = "".join(f"[[requests]]\nprompt = {json.dumps(SYSTEM + q)}\nmax_tokens = 6\nn = 2\n" for q in QUESTIONS)
     path.write_text(
         f'[layout]\nbackend = "{backend}"\nkind = "{kind}"\n[model]\npath = "{tiny_dir}"\n'
-        f'[cache]\ncapacity = 1024\nkv_dtype = "float32"\n[sampling]\ntemperature = 0.0\n{reqs}'
+        f'[cache]\ncapacity = 1024\nkv_dtype = "float32"\n[sampling]\ntemperature = 0.0\n'
+        f"[engine]\nprefill_chunk = 64\n{reqs}"  # the prompts span several steps: a stop can fall among them
     )
     return path
 

@@ -36,11 +36,14 @@ REQUESTS = "".join(
 )
 
 
+CHUNKS = "[engine]\nprefill_chunk = 64\n"  # the prompts span several steps (preemption falls among them)
+
+
 def run_toml(tmp_path: Path, layout: str = "cell", capacity: int = 512, extra: str = "") -> Path:
     path = tmp_path / f"run-{layout}-{capacity}.toml"
     path.write_text(f'[layout]\nbackend = "mlx"\nkind = "{layout}"\n'
                     f'[cache]\ncapacity = {capacity}\nkv_dtype = "float32"\n'
-                    f'[model]\npreset = "tiny"\n[sampling]\ntemperature = 0.0\n{extra}{REQUESTS}')
+                    f'[model]\npreset = "tiny"\n[sampling]\ntemperature = 0.0\n{extra or CHUNKS}{REQUESTS}')
     return path
 
 

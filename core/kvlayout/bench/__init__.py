@@ -58,8 +58,8 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
               cache on the same unpadded [N, L] batch: a whole model's
               decode step against its per-sequence ideal.      [real_rows]
 
-The heading names the BLAS MLX multiplies with (`blas`); `--blas PATH`
-reruns the command with that library preloaded.
+The heading names the BLAS MLX multiplies with (`kvlayout.runner.blas`: a
+fast OpenBLAS by default on Linux); `--blas PATH|none` picks another.
 
 Sizes are in `sizes`; timing in `timing`; the table in `table`, the plot in
 `plot`; `suite.run_suite` runs the rows. mlx-lm and matplotlib come with the

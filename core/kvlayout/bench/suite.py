@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kvlayout.bench import blas, peers, plot
+from kvlayout.bench import peers, plot
 from kvlayout.bench.cell_rows import row_bookkeep, row_grouped
 from kvlayout.bench.dtype_rows import row_fp16
 from kvlayout.bench.kvq_rows import row_kvq
@@ -25,6 +25,7 @@ from kvlayout.bench.sizes import SIZES
 from kvlayout.bench.table import print_table
 from kvlayout.bench.write_rows import row_write
 from kvlayout.errors import ConfigError
+from kvlayout.runner import blas
 
 # A row takes its mode's sizes and a context shared by the rows of one run (the model directory,
 # the loaded model) and returns its workload, in words, and its table lines.

@@ -22,6 +22,11 @@ which infers an unnamed module's bits from its tensors' shapes, the declared
 packing is taken at its word and the tensors are then checked against it
 (`loading.check_weights`), so a checkpoint that disagrees with its config is
 refused naming the tensor, never read another way.
+
+`dequantize_model` undoes the packing in memory, as `mlx_lm.convert --dequantize`
+does on disk: MLX's CPU backend multiplies packed weights about linearly in
+the tokens of a step, while float32 ones go through BLAS (the run decides
+when: `runner.job.dequantize_as_configured`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 import attrs
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from kvlayout.checks import int_scalar, reject_unknown
 from kvlayout.errors import ConfigError
@@ -146,3 +153,60 @@ def quantize(model: nn.Module, quant: Quantization, names: Collection[str], sour
             )
         chosen[path] = packing
     nn.quantize(model, class_predicate=lambda path, _: attrs.asdict(chosen[path]) if path in chosen else False)
+
+
+PACKED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+
+
+def packed_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's quantized Linear and Embedding layers by path ({} when it holds none)."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, PACKED)}
+
+
+def packed_bits(model: nn.Module) -> str:
+    """How the model's layers are packed, for a person: "4-bit", "4/8-bit" ("" when none are)."""
+    bits = sorted({m.bits for m in packed_modules(model).values()})
+    return "/".join(map(str, bits)) + "-bit" if bits else ""
+
+
+def dequantized_nbytes(model: nn.Module, dtype: mx.Dtype) -> int:
+    """Bytes the model's parameters would take once `dequantize_model(model, dtype)` has run: every float
+    in `dtype`, a packed weight unpacked (its scales and biases gone), anything else as it is."""
+    packed = packed_modules(model)
+    total = 0
+    for name, p in tree_flatten(model.parameters()):
+        owner, _, leaf = name.rpartition(".")
+        if owner in packed and leaf in ("scales", "biases"):
+            continue
+        if owner in packed and leaf == "weight":  # [out, in * bits / 32] words -> [out, in] floats
+            total += p.size * 32 // packed[owner].bits * dtype.size
+        elif mx.issubdtype(p.dtype, mx.floating):
+            total += p.size * dtype.size
+        else:
+            total += p.nbytes
+    return total
+
+
+def dequantize_model(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Unpack every quantized layer of `model` into a float Linear or Embedding of `dtype`, in place.
+
+    Bit for bit what `mlx_lm.convert --dequantize --dtype D` writes: every
+    float parameter (scales and biases included) is cast to `dtype` first,
+    then `mx.dequantize` unpacks the words with those scales and biases. A
+    tied head keeps working (an Embedding's `as_linear`). The new weights are
+    evaluated before returning, so the packed ones can be freed.
+    """
+    model.set_dtype(dtype)  # floats only: the packed uint32 words stay as they are
+    unpacked = []
+    for path, m in packed_modules(model).items():
+        weight = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits, m.mode)  # [out, in]
+        if isinstance(m, nn.QuantizedLinear):
+            layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+            if "bias" in m:
+                layer.bias = m.bias
+        else:
+            layer = nn.Embedding(weight.shape[0], weight.shape[1])
+        layer.weight = weight  # the layer's own random init is lazy, never computed
+        unpacked.append((path, layer))
+    model.update_modules(tree_unflatten(unpacked))
+    mx.eval(model.parameters())

@@ -33,12 +33,13 @@ from kvlayout.engines.seq import SeqEngine
 from kvlayout.errors import ConfigError, Interrupted, KVLayoutError, RunInterrupted, SaveFailed, one_line
 from kvlayout.faces import BatchControl, SequenceControl, contract
 from kvlayout.models.shard import check_shardable, local_args, model_bytes, shard_model, shards_of
+from kvlayout.runner import blas
 from kvlayout.runner.config import ModelSection, RunConfig
 from kvlayout.runner.prompts import Prompt, build_prompts
 from kvlayout.runner.records import KVBytes, OnText, RunResult, SampleResult, TextEvent
 from kvlayout.runner.text import SampleText
 
-__all__ = ["Job", "RunResult", "load_model_for", "prepare", "run"]
+__all__ = ["Job", "RunResult", "dequantize_as_configured", "load_model_for", "prepare", "run"]
 
 
 def check_capacity(cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
@@ -88,17 +89,53 @@ def load_model_for(cfg: RunConfig):
 
 def load_with_fallback(cfg: RunConfig):
     """(config, loaded, notices): the config's model, or, when it cannot be had and the config
-    names a `model.fallback`, that preset, the config saying so and the notice saying why."""
+    names a `model.fallback`, that preset, the config saying so and the notice saying why; a
+    quantized one dequantized as [model] says (`dequantize_as_configured`)."""
     try:
-        return cfg, load_model_for(cfg), []
+        loaded, notices = load_model_for(cfg), []
     except ConfigError as exc:
         if cfg.model.fallback is None:
             raise
         reason = one_line(exc)  # whatever the reason held
         m = cfg.model
-        cfg = attrs.evolve(cfg, model=ModelSection(preset=m.fallback, dtype=m.dtype, seed=m.seed), plain_chat=True)
+        cfg = attrs.evolve(cfg, model=attrs.evolve(m, path=None, preset=m.fallback, fallback=None), plain_chat=True)
         notice = f"model preset {m.preset!r} cannot be had: {reason}; running the {m.fallback!r} preset instead"
-        return cfg, load_model_for(cfg), [notice]
+        loaded, notices = load_model_for(cfg), [notice]
+    loaded, said = dequantize_as_configured(cfg.model, loaded)
+    return cfg, loaded, notices + said
+
+
+def dequantize_as_configured(section: ModelSection, loaded):
+    """(loaded, notices): a quantized model unpacked into float layers where [model] dequantize says
+    so (`ModelSection`), its name then saying so (the run's heading, report and JSON `model`; a
+    resumed run must agree); a float model, or one left packed, as it came.
+
+    Why "auto" does it on the CPU when a fast BLAS is in use (`blas.fast`): MLX's CPU backend
+    multiplies packed weights at a cost linear in the step's tokens, float32 ones through BLAS;
+    with the reference BLAS MLX's Linux wheel bundles, float32 decodes slower than packed (4.8 vs
+    8.7 tok/s on SmolLM2), so "auto" leaves them packed there. A model "auto" leaves packed for its
+    size alone is named in a notice, with the key that lets it through.
+    """
+    from kvlayout.mlx.pool import DTYPES
+    from kvlayout.models.quantization import dequantize_model, dequantized_nbytes, packed_bits
+
+    model, args, tok, name = loaded
+    bits = packed_bits(model)
+    if not bits or section.dequantize is False:
+        return loaded, []
+    dtype = mx.float32 if section.dtype == "auto" else DTYPES[section.dtype]
+    if section.dequantize == "auto":
+        if mx.default_device() != mx.cpu or dtype != mx.float32 or not blas.fast():
+            return loaded, []  # a GPU's quantized kernels are fast; a half dtype was asked for; no fast BLAS
+        need_mb = -(-dequantized_nbytes(model, dtype) // 2**20)  # rounded up
+        if need_mb > section.dequantize_max_mb:
+            return loaded, [
+                f"{name} stays {bits} quantized: its float32 weights would take {need_mb} MB, over "
+                f"model.dequantize_max_mb={section.dequantize_max_mb}; raise it to run its matmuls at BLAS speed "
+                "on the CPU (MLX multiplies packed weights far slower there)"
+            ]
+    dequantize_model(model, dtype)
+    return (model, args, tok, f"{name} ({bits} dequantized to {str(dtype).removeprefix('mlx.core.')})"), []
 
 
 @attrs.define
@@ -277,7 +314,8 @@ class Job:
         ]
         prompts = [p.text for p in self.built] or [tok.decode(p) for p in self.prompts]
         messages = [p.messages for p in self.built]
-        return RunResult(requests, outputs, stats, prompts, complete, messages, failed, self.kv_bytes(stats.peak_cells))
+        return RunResult(requests, outputs, stats, prompts, complete, messages, failed, self.kv_bytes(stats.peak_cells),
+                         blas.in_use())
 
     def kv_bytes(self, cells: int) -> KVBytes:
         """What `cells` cells of this job's cache hold in K/V, beside float16's figure for them."""
@@ -307,11 +345,11 @@ def model_source(cfg: RunConfig):
 def prepare(cfg: RunConfig, loaded=None, resume=None, world: World | None = None) -> Job:
     """Resolve the layout, load the model, check every request fits, build the cache.
 
-    `loaded` reuses a (model, args, tokenizer, name) from `load_model_for`; without it the
+    `loaded` reuses a (model, args, tokenizer, name) from `load_model_for`, as it is; without it the
     config's model is loaded, or its `model.fallback` when it cannot be had (`Job.notices`
-    says so). Every user error (layout not installed, model directory, a chat the model
-    cannot render, capacity) is raised here,
-    before anything is generated. `resume` (a directory `generate(save_state=)`
+    says so), and dequantized as [model] says (`dequantize_as_configured`). Every user error
+    (layout not installed, model directory, a chat the model cannot render, capacity) is raised
+    here, before anything is generated. `resume` (a directory `generate(save_state=)`
     wrote) loads the cache and the run's state from it instead of starting
     afresh; StateError when it was saved by a run with another config.
 

@@ -99,6 +99,7 @@ class RunResult:
     # the directory holds now (resume.SaveFailed); the run's outputs are here all the same.
     save_failed: Exception | None = None
     kv_bytes: KVBytes | None = None  # None: not measured (a result built outside a Job)
+    blas: str = ""  # the BLAS the run's matmuls used (runner.blas.in_use); "" when not known
 
     def to_json(self) -> dict:
         return {
@@ -118,4 +119,5 @@ class RunResult:
             ],
             "stats": self.stats.to_json(),
             **({"kv_bytes": self.kv_bytes.to_json()} if self.kv_bytes is not None else {}),
+            **({"blas": self.blas} if self.blas else {}),
         }

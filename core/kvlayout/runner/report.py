@@ -26,6 +26,7 @@ from rich.text import Text
 from kvlayout.config import show_bytes
 from kvlayout.engines.records import OnProgress
 from kvlayout.errors import one_line
+from kvlayout.runner.blas import short as short_blas
 from kvlayout.runner.records import KVBytes, OnText, RunResult, TextEvent
 
 
@@ -139,7 +140,8 @@ def print_report(result: RunResult, console: Console | None = None) -> None:
     """The outputs, whole and wrapped, one row per sample under its request's prompt; then the totals."""
     console = console or Console()
     st = result.stats
-    table = Table(title=f"kvlayout run · {st.layout} · kv_dtype {st.kv_dtype} · {st.model}", box=box.SQUARE)
+    blas = f" · {short_blas(result.blas)}" if result.blas else ""
+    table = Table(title=f"kvlayout run · {st.layout} · kv_dtype {st.kv_dtype} · {st.model}{blas}", box=box.SQUARE)
     table.add_column("req", justify="right", no_wrap=True)
     table.add_column("sample", justify="right", no_wrap=True)
     table.add_column("tokens", justify="right", no_wrap=True)
