@@ -8,7 +8,9 @@ process with MLX_RANK and an MLX_HOSTFILE listing one 127.0.0.1 port per rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import socket
@@ -28,6 +30,7 @@ from tests.helpers import cli_env, kvlayout
 LAUNCH = shutil.which("mlx.launch")
 KVLAYOUT = shutil.which("kvlayout")
 BOUND_S = 120  # no launch here takes more; past it the test fails instead of hanging
+STARTED: list[subprocess.Popen] = []  # every launch's and rank's process, each the leader of its own group
 
 REQUESTS = "".join(
     f'[[requests]]\nprompt = "{p}"\nmax_tokens = {m}\nn = {n}\n'
@@ -47,11 +50,33 @@ def run_toml(tmp_path: Path, layout: str = "cell", capacity: int = 512, extra: s
     return path
 
 
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Each test's launches and ranks, and whatever they started, are killed when it ends, passed or failed:
+    a rank left waiting would outlive pytest."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its own group: mlx.launch's ranks die with it
+            proc.communicate()
+
+
+def started(cmd: list[str], env: dict) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    STARTED.append(proc)
+    return proc
+
+
 def launched(n: int, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`mlx.launch --backend ring -n N kvlayout ARGV` on this machine, this tree's code."""
     assert LAUNCH and KVLAYOUT, "mlx.launch and kvlayout are installed with the package"
-    return subprocess.run([LAUNCH, "--backend", "ring", "-n", str(n), KVLAYOUT, *argv], capture_output=True,
-                          text=True, env=env or cli_env(), timeout=BOUND_S)
+    cmd = [LAUNCH, "--backend", "ring", "-n", str(n), KVLAYOUT, *argv]
+    proc = started(cmd, env or cli_env())
+    out, err = proc.communicate(timeout=BOUND_S)  # past it, the fixture kills the launch and its ranks
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def free_port() -> int:
@@ -60,14 +85,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ranks(n: int, tmp_path: Path, *argv: str, env: dict | None = None) -> list[subprocess.Popen]:
-    """N `kvlayout ARGV` processes joined over the ring backend on 127.0.0.1, as mlx.launch starts them."""
+def ranks(n: int, tmp_path: Path, *argv: str, env: dict | None = None,
+          only: list[int] | None = None) -> list[subprocess.Popen]:
+    """N `kvlayout ARGV` processes joined over the ring backend on 127.0.0.1, as mlx.launch starts them
+    (`only`: start those ranks alone; the hostfile still lists N)."""
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(n)]))
     return [
-        subprocess.Popen([sys.executable, "-m", "kvlayout.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**(env or cli_env()), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)})
-        for r in range(n)
+        started([sys.executable, "-m", "kvlayout.cli", *argv],
+                {**(env or cli_env()), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)})
+        for r in (range(n) if only is None else only)
     ]
 
 
@@ -149,6 +176,28 @@ def test_a_killed_rank_ends_the_other_with_an_error_naming_it_within_a_bound(tmp
     procs[1].communicate()
     assert procs[0].returncode != 0 and took < 5 + 10
     assert "kvlayout: error: rank 0 of 2:" in err and out == ""
+
+
+# (command, ranks listed, ranks started): rank 0 alone, another rank alone, and two of three.
+@pytest.mark.parametrize("command,n,present", [("run", 2, [0]), ("run", 2, [1]), ("run", 3, [0, 1]), ("serve", 2, [0])])
+def test_a_rank_whose_peers_never_join_names_them_within_the_timeout(tmp_path, command, n, present):
+    config = tmp_path / "serve.toml"
+    config.write_text('[model]\npreset = "tiny"\n')
+    argv = ("run", str(run_toml(tmp_path)), "--json") if command == "run" else (
+        "serve", str(config), "--port", str(free_port()))
+    procs = ranks(n, tmp_path, *argv, env=cli_env(KVLAYOUT_COLLECTIVE_TIMEOUT_S="3"), only=present)
+    t0 = time.monotonic()
+    outs = [p.communicate(timeout=60) for p in procs]
+    took = time.monotonic() - t0
+    assert [p.returncode for p in procs] == [2] * len(present) and took < 3 + 20, outs
+    hosts = [h[0] for h in json.loads((tmp_path / "hosts.json").read_text())]
+    absent = [r for r in range(n) if r not in present]
+    for rank, (out, err) in zip(present, outs):
+        assert out == ""
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kvlayout: error: rank {rank} of {n}: "), err
+        assert all(f"rank {r} ({hosts[r]}) did not " in lines[0] for r in absent), err
+        assert "KVLAYOUT_COLLECTIVE_TIMEOUT_S" in lines[0]
 
 
 def test_a_prompt_for_a_model_without_a_chat_template_runs_on_two_ranks(tmp_path):

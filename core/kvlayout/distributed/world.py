@@ -15,7 +15,9 @@ A collective that does not complete (a rank died, or hangs) would block the
 others forever; the ring backend has no timeout. Each collective is run
 under `Watchdog`: past its deadline the process says which rank it is,
 what it waited for, and exits (EXIT_STALLED), so `mlx.launch` ends the
-others too.
+others too. The ring's join has no timeout either, and no thread can end it
+(MLX holds the GIL in its accept()): the ranks first answer a roll call
+that gives up (`rollcall`), naming the ranks that never joined.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from kvlayout.distributed.rollcall import ring_from_environment, roll_call
 from kvlayout.errors import DistributedError
 
 LAUNCHED_BY = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE")  # mlx.launch's ring/jaccl backends; MPI
@@ -221,6 +224,9 @@ def current() -> World:
 
 def _join() -> World:
     timeout = _timeout()
+    ring = ring_from_environment()
+    if ring is not None:  # every rank known up before the ring's join, which would wait for a missing one forever
+        roll_call(ring, timeout, TIMEOUT_ENV)
     try:
         group = mx.distributed.init()
     except RuntimeError as exc:  # a hostfile that is missing or not a host list, a port taken, ...
