@@ -305,6 +305,194 @@ def test_map_draws_the_occupancy_stats_reports(driver, tiny_loaded):
         assert console_problems(driver) == []
 
 
+def record_requests(driver) -> None:
+    """From now on, the JSON body of every request the page sends is kept in `window.sent`."""
+    driver.execute_script("""window.sent = []; const fetch0 = window.fetch;
+        window.fetch = (url, init) => { if (init && init.body) window.sent.push(JSON.parse(init.body));
+                                        return fetch0(url, init); };""")
+
+
+def fits_without_scrolling(driver, element) -> dict:
+    """Where `element` lies against the viewport, its panel (`#map`) and the page's scroll sizes."""
+    return driver.execute_script("""
+        const r = arguments[0].getBoundingClientRect(), m = document.getElementById("map");
+        const p = m.getBoundingClientRect(), d = document.documentElement;
+        return {tip: [r.left, r.top, r.right, r.bottom], panel: [p.left, p.top, p.right, p.bottom],
+                viewport: [d.clientWidth, d.clientHeight], page_scroll: [d.scrollWidth, d.scrollHeight],
+                panel_scroll: [m.scrollWidth, m.scrollHeight], panel_client: [m.clientWidth, m.clientHeight]};""",
+                                 element)
+
+
+def test_a_tooltip_of_twenty_owners_wraps_inside_the_panel(driver, tiny_loaded, artifacts):
+    """A cell 20 samples share (one request, n=20, on a slowed model) has a long tooltip: it wraps
+    inside the map's panel and adds no scrollbar, to the page or to the panel."""
+    config = {**ONE_CELL_PER_BUCKET, "cache": {"capacity": 2048, "max_seqs": 32}, "server": {"max_sequences": 24}}
+    shot = artifacts / "page-long-tooltip.png"
+    shot.unlink(missing_ok=True)
+    with serving(tiny_loaded, config, model=SlowModel(tiny_loaded[0], 0.05)) as live, opened(driver, live):
+        before = fits_without_scrolling(driver, by_testid(driver, "cell-map"))
+        assert before["page_scroll"] == before["viewport"], before  # the page does not scroll to begin with
+        done: dict = {}
+
+        def twenty() -> None:
+            done["answer"] = live.post("/v1/chat/completions", {
+                "model": live.model, "n": 20, "temperature": 1, "seed": 7, "max_tokens": 80,
+                "messages": [{"role": "user", "content": "Twenty answers to one question, please."}]})
+
+        client = threading.Thread(target=twenty, daemon=True)
+        client.start()
+        try:
+            def twenty_live(d) -> bool:
+                assert done.get("answer", (200,))[0] == 200, done  # refused: say so now, not after the wait
+                return len(map_state(d)["lastFrame"]["live"]) == 20
+
+            wait_for(driver, "a frame with 20 live sequences", twenty_live)
+            shared = classes_of(map_state(driver)["lastFrame"]).index(2)  # a prompt cell: all 20 hold it
+            hover_bucket(driver, shared)
+            tip = driver.find_element("id", "tip")
+
+            def shows_what_the_server_says(d) -> bool:  # /cells/at's answer, 20 samples' owners and more
+                status, info = live.get(f"/cells/at?cell={shared}")
+                assert status == 200, info
+                want = (f"cell {shared} (bucket covers {shared}..{shared}): position {info['position']}, "
+                        f"owners [{', '.join(map(str, info['owners']))}], cached prefix: no")
+                return len(info["owners"]) >= 20 and tip.is_displayed() and tip.text == want
+
+            wait_for(driver, "the tooltip to list the shared cell's 20+ owners", shows_what_the_server_says)
+            where = fits_without_scrolling(driver, tip)
+            assert driver.save_screenshot(str(shot))
+        finally:
+            client.join(WAIT_S)
+        assert not client.is_alive() and done["answer"][0] == 200, done
+        (left, top, right, bottom), (pl, pt, pr, pb) = where["tip"], where["panel"]
+        assert pl <= left and right <= pr and pt <= top and bottom <= pb, where  # inside the panel
+        assert 0 <= left and right <= where["viewport"][0] and 0 <= top and bottom <= where["viewport"][1], where
+        assert bottom - top > 20, f"a tooltip this long wraps onto several lines: {where}"
+        assert where["page_scroll"] == where["viewport"], f"the tooltip made the page scroll: {where}"
+        assert where["panel_scroll"][0] == where["panel_client"][0], f"the tooltip made the panel scroll: {where}"
+        assert shot.read_bytes()[:8] == PNG_MAGIC
+        assert console_problems(driver) == []
+
+
+def test_stop_aborts_the_answer_and_the_server_frees_its_request(driver, tiny_loaded, artifacts):
+    """Stop, mid-answer on a slowed model: the request is gone from /health within a bound, its
+    generation stops well short of the whole answer, and the shown part stays in the conversation."""
+    question = "Tell me a long story about caches."
+    with serving(tiny_loaded, ONE_CELL_PER_BUCKET, model=SlowModel(tiny_loaded[0], 0.03)) as live, \
+            opened(driver, live):
+        stop = by_testid(driver, "chat-stop")
+        assert not stop.is_enabled(), "Stop with nothing to stop"
+        field = by_testid(driver, "chat-max-tokens")
+        field.clear()
+        field.send_keys("200")
+        generated = live.get("/stats")[1]["generated_tokens"]
+        by_testid(driver, "chat-input").send_keys(question)
+        click_send(driver)
+        wait_for(driver, "an assistant bubble", lambda d: all_by_testid(d, "assistant-message"))
+        bubble = all_by_testid(driver, "assistant-message")[0]
+        wait_for(driver, "some of the answer", lambda d: bubble.text.strip() != "")
+        assert live.health()["requests"]["running"] == 1
+        assert stop.is_enabled() and not by_testid(driver, "chat-send").is_enabled()
+        stop.click()
+        wait_for(driver, "the bubble to say it stopped", lambda d: bubble.get_attribute("data-state") == "stopped")
+        wait_for(driver, "/health to show no request", lambda d: live.health()["requests"] == {"running": 0,
+                                                                                              "waiting": 0}, 10)
+        shown, note = driver.execute_script(
+            "const b = arguments[0]; return [b.firstChild.textContent, b.lastChild.outerHTML]", bubble)
+        assert shown and note == '<span class="stopped">(stopped)</span>', (shown, note)
+        assert by_testid(driver, "chat-send").is_enabled() and not stop.is_enabled()
+        stopped_at = live.get("/stats")[1]["generated_tokens"] - generated
+        time.sleep(0.5)
+        assert live.get("/stats")[1]["generated_tokens"] - generated == stopped_at, "it kept generating"
+        shot = artifacts / "page-stopped.png"
+        assert driver.save_screenshot(str(shot)) and shot.read_bytes()[:8] == PNG_MAGIC
+        # The whole answer is far longer than what ran before Stop.
+        status, whole, _ = live.post("/v1/chat/completions", {"model": live.model, "temperature": 0,
+                                                              "max_tokens": 200,
+                                                              "messages": [{"role": "user", "content": question}]})
+        assert status == 200 and stopped_at < whole["usage"]["completion_tokens"], (stopped_at, whole["usage"])
+        # The next turn sends what was shown of the stopped answer as the assistant's.
+        record_requests(driver)
+        field.clear()
+        field.send_keys("3")
+        chat(driver, "Go on.", click_send)
+        assert [b["messages"] for b in driver.execute_script("return window.sent")] == [[
+            {"role": "user", "content": question}, {"role": "assistant", "content": shown},
+            {"role": "user", "content": "Go on."}]]
+        assert console_problems(driver) == []
+
+
+def test_new_chat_clears_the_conversation_and_stops_an_answer(driver, tiny_loaded):
+    with serving(tiny_loaded, ONE_CELL_PER_BUCKET, model=SlowModel(tiny_loaded[0], 0.03)) as live, \
+            opened(driver, live):
+        record_requests(driver)
+        field = by_testid(driver, "chat-max-tokens")
+        field.clear()
+        field.send_keys("3")
+        chat(driver, "First question.", click_send)
+        by_testid(driver, "chat-new").click()
+        assert all_by_testid(driver, "assistant-message") == []
+        assert driver.execute_script("return document.getElementById('messages').children.length") == 0
+        chat(driver, "A fresh start.", click_send)
+        sent = driver.execute_script("return window.sent")
+        assert [b["messages"] for b in sent][-1] == [{"role": "user", "content": "A fresh start."}], sent
+        # New chat mid-answer stops it too: the server frees the request.
+        field.clear()
+        field.send_keys("200")
+        by_testid(driver, "chat-input").send_keys("A long one.")
+        click_send(driver)
+        wait_for(driver, "the request to run", lambda d: live.health()["requests"]["running"] == 1)
+        by_testid(driver, "chat-new").click()
+        assert all_by_testid(driver, "assistant-message") == []
+        wait_for(driver, "/health to show no request", lambda d: live.health()["requests"] == {"running": 0,
+                                                                                              "waiting": 0}, 10)
+        assert by_testid(driver, "chat-send").is_enabled() and not by_testid(driver, "chat-stop").is_enabled()
+        field.clear()
+        field.send_keys("3")
+        chat(driver, "Again.", click_send)
+        assert driver.execute_script("return window.sent")[-1]["messages"] == [{"role": "user", "content": "Again."}]
+        assert console_problems(driver) == []
+
+
+def test_temperature_and_max_tokens_are_sent_and_a_bad_one_is_shown_not_sent(driver, tiny_loaded, artifacts):
+    with serving(tiny_loaded, ONE_CELL_PER_BUCKET) as live, opened(driver, live):
+        record_requests(driver)
+        temperature, max_tokens = by_testid(driver, "chat-temperature"), by_testid(driver, "chat-max-tokens")
+        error = by_testid(driver, "chat-settings-error")
+        assert not error.is_displayed()
+        refusals = [(temperature, "2.5", "temperature: expected a number from 0 to 2, not 2.5"),
+                    (temperature, "-1", "temperature: expected a number from 0 to 2, not -1"),
+                    (max_tokens, "0", "max_tokens: expected a whole number of at least 1, not 0"),
+                    (max_tokens, "2.5", "max_tokens: expected a whole number of at least 1, not 2.5"),
+                    (max_tokens, "", "max_tokens: expected a whole number of at least 1, not not a number")]
+        box = by_testid(driver, "chat-input")
+        box.send_keys("Count to three.")
+        for field, value, message in refusals:
+            field.clear()
+            if value:
+                field.send_keys(value)
+            click_send(driver)
+            assert error.is_displayed() and error.text == message, (value, error.text)
+            assert field.get_attribute("aria-invalid") == "true"
+            if value == "2.5" and field is temperature:
+                shot = artifacts / "page-bad-setting.png"
+                assert driver.save_screenshot(str(shot)) and shot.read_bytes()[:8] == PNG_MAGIC
+            field.clear()
+            field.send_keys("0.7" if field is temperature else "3")  # fixing it clears the message
+            assert not error.is_displayed() and field.get_attribute("aria-invalid") is None
+        assert driver.execute_script("return window.sent") == [], "a bad setting was sent"
+        assert all_by_testid(driver, "assistant-message") == [] and box.get_attribute("value") == "Count to three."
+        before = live.get("/stats")[1]["generated_tokens"]
+        box.clear()
+        chat(driver, "Count to three.", click_send)
+        sent = driver.execute_script("return window.sent")
+        assert [{k: v for k, v in b.items() if k != "messages"} for b in sent] == [
+            {"model": live.model, "stream": True, "temperature": 0.7, "max_tokens": 3}]
+        settled(driver, live)
+        assert 1 <= live.get("/stats")[1]["generated_tokens"] - before <= 3
+        assert console_problems(driver) == []
+
+
 def test_screenshot_with_four_streaming_clients(driver, tiny_loaded, artifacts):
     """A screenshot while four clients stream prompts that share a prefix, on a model slowed so a
     burst outlasts several frames (the page gets one at most every 0.2 s); up to three bursts run
@@ -401,9 +589,13 @@ def test_trace_page_scrubs_between_its_frames(driver, tmp_path):
             return on_the_frame and stats.text == stats_line(frames[i])
         return check
 
-    wait_for(driver, "the first frame", showing(0))
+    wait_for(driver, "the busiest frame (the second: 37 cells against 10) on load", showing(1))
+    assert map_state(driver)["drawnOccupied"] == 37 and drawn_non_free(driver) == 37
+    assert scrubber.get_attribute("max") == "1" and scrubber.get_attribute("value") == "1"
+    scrubber.send_keys(Keys.ARROW_LEFT)
+    wait_for(driver, "the first frame after the scrubber moved", showing(0))
     assert map_state(driver)["drawnOccupied"] == 10 and drawn_non_free(driver) == 10
-    assert scrubber.get_attribute("max") == "1" and scrubber.get_attribute("value") == "0"
+    assert scrubber.get_attribute("value") == "0"
     scrubber.send_keys(Keys.ARROW_RIGHT)
     wait_for(driver, "the second frame after the scrubber moved", showing(1))
     assert map_state(driver)["drawnOccupied"] == 37 and drawn_non_free(driver) == 37
@@ -418,6 +610,39 @@ def test_trace_page_scrubs_between_its_frames(driver, tmp_path):
     wait_for(driver, "play to stop at the end", lambda d: by_testid(d, "trace-play").text == "Play")
     assert scrubber.get_attribute("value") == "1"
     assert map_state(driver)["frames"] >= 4
+    assert console_problems(driver) == []
+
+
+def test_trace_page_opens_on_its_busiest_frame(driver, tmp_path, artifacts):
+    """25 frames as a run makes them (an empty table first, filling, then freed): the page written
+    by kvlayout.server.trace.write opens on the frame with the most occupied cells, not frame 1."""
+    from kvlayout.server import trace
+
+    def frame(step: int, occupied: int) -> dict:
+        classes = bytes([3 + (i // 16) % 4 if i < occupied else 0 for i in range(512)])
+        return {"step": step, "capacity": 512, "bucket": 1, "buckets": 512,
+                "classes": base64.b64encode(classes).decode(), "used": occupied, "free": 512 - occupied,
+                "live": sorted({(i // 16) % 4 for i in range(occupied)}), "cached": 0, "shared": 0}
+
+    occupancy = [0, 0, 12, 40, 75, 110, 150, 190, 230, 260, 300, 330, 351, 340, 320, 300, 280, 240, 200, 150,
+                 100, 60, 30, 10, 0]
+    frames = [frame(step, n) for step, n in enumerate(occupancy)]
+    occupied = [sum(c != 0 for c in classes_of(f)) for f in frames]  # counted from the frames' bytes
+    most = max(occupied)
+    busiest = occupied.index(most)
+    assert most > 0 and busiest not in (0, len(frames) - 1)
+    page = tmp_path / "trace.html"
+    trace.write(page, frames, "busiest")
+    driver.get(page.as_uri())
+    wait_for(driver, "a frame drawn", lambda d: (map_state(d) or {}).get("frames", 0) >= 1)
+    state = map_state(driver)
+    assert state["lastFrame"]["step"] == frames[busiest]["step"]
+    assert state["drawnOccupied"] == most and drawn_non_free(driver) == most
+    assert by_testid(driver, "trace-scrubber").get_attribute("value") == str(busiest)
+    assert by_testid(driver, "trace-position").text == f"{busiest + 1} / {len(frames)}"
+    assert by_testid(driver, "cell-stats").text == stats_line(frames[busiest])
+    shot = artifacts / "trace-busiest-frame.png"
+    assert driver.save_screenshot(str(shot)) and shot.read_bytes()[:8] == PNG_MAGIC
     assert console_problems(driver) == []
 
 

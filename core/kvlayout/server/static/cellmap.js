@@ -71,13 +71,21 @@ const CELLMAP = (() => {
     }
     return { draw, bucketAt, classOf: (i) => classes[i] };
   }
-  // A tooltip near the mouse, inside `box` (the positioned parent of `tip`).
+  // A tooltip near the mouse, inside the visible part of `box` (the positioned parent of `tip`):
+  // left of the mouse when it would pass the right edge, above it when it would pass the bottom.
+  // The bounds are the box's client size, not its scroll size: a tip past them would grow the
+  // scroll size and add the scrollbar it was measured against.
   function showTip(tip, box, ev, text) {
     const r = box.getBoundingClientRect();
     tip.textContent = text; tip.hidden = false;
-    const x = ev.clientX - r.left + box.scrollLeft + 14, y = ev.clientY - r.top + box.scrollTop + 14;
-    tip.style.left = Math.max(0, Math.min(x, box.scrollWidth - tip.offsetWidth - 4)) + "px";
-    tip.style.top = y + "px";
+    tip.style.left = "0px"; tip.style.top = "0px";  // measured where it has the whole width to wrap in
+    const w = tip.offsetWidth, h = tip.offsetHeight, mx = ev.clientX - r.left - box.clientLeft,
+      my = ev.clientY - r.top - box.clientTop;
+    const right = box.clientWidth - w - 4, bottom = box.clientHeight - h - 4;
+    const x = mx + 14 <= right ? mx + 14 : Math.max(4, Math.min(right, mx - w - 14));
+    const y = my + 14 <= bottom ? my + 14 : Math.max(4, my - h - 14);
+    tip.style.left = (x + box.scrollLeft) + "px";
+    tip.style.top = (y + box.scrollTop) + "px";
   }
   return { create, stats, range, className, showTip };
 })();
