@@ -62,7 +62,8 @@ The heading names the BLAS MLX multiplies with (`kvlayout.runner.blas`: a
 fast OpenBLAS by default on Linux); `--blas PATH|none` picks another.
 
 Sizes are in `sizes`; timing in `timing`; the table in `table`, the plot in
-`plot`; `suite.run_suite` runs the rows. mlx-lm and matplotlib come with the
+`plot`, the progress on stderr in `progress`; `suite.run_suite` runs the rows,
+printing each row's lines (and rewriting --out's files) as it finishes. mlx-lm and matplotlib come with the
 `bench` extra (`peers`). The rows drive the layouts through their faces and
 `update_and_fetch`, and time or inspect beyond them only what a layout makes
 public on purpose (the pools, the cell cache's `step_groups`/`step_mask` and

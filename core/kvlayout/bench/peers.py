@@ -12,7 +12,7 @@ from types import ModuleType
 
 from kvlayout.errors import MissingExtra
 
-INSTALL = "pip install 'kvlayout[bench]'"
+INSTALL = "pip install -e '.[bench]' in the kvlayout checkout"  # kvlayout is not on a package index
 
 
 def require(module: str, needed_by: str, package: str | None = None) -> None:

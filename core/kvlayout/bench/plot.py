@@ -7,10 +7,12 @@ pyplot state or display is involved. Bar i is table line i, labelled
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any
 
+from kvlayout import persist
 from kvlayout.bench import peers
 from kvlayout.bench.record import Row
 
@@ -64,8 +66,11 @@ def figure(rows: list[Row], title: str) -> Any:
 
 
 def save(path: Path, rows: list[Row], title: str) -> None:
-    """Write `figure(rows, title)` to `path` as a PNG."""
-    figure(rows, title).savefig(path, dpi=120, bbox_inches="tight")
+    """Write `figure(rows, title)` to `path` as a PNG, whole or not at all (the suite rewrites it after each row,
+    and a stop part way must leave the last one readable)."""
+    png = io.BytesIO()
+    figure(rows, title).savefig(png, format="png", dpi=120, bbox_inches="tight")
+    persist.write_atomic(path, [png.getvalue()])
 
 
 def _ratio(x: float) -> str:

@@ -104,7 +104,7 @@ def row_decode(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         got["mlx-lm"], dt = decode_after_first(generate_step, prompt, m["theirs"], n)
         return dt
 
-    t = interleaved({**{side: ours_side(side) for side in sides}, "mlx-lm": theirs_side}, z["repeats"])
+    t = interleaved({**{side: ours_side(side) for side in sides}, "mlx-lm": theirs_side}, z["model_repeats"])
     out = []
     theirs_tok_s = (n - 1) / statistics.median(t["mlx-lm"])
     for lay in ("mlx:seq", "mlx:cell"):
@@ -158,7 +158,7 @@ def row_chat(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         got["theirs"] = [list(map(int, ids)) for ids in r.token_ids]
         return dt
 
-    t = interleaved({"mlx:cell": ours_side, "batch_generate": theirs_side}, z["repeats"])
+    t = interleaved({"mlx:cell": ours_side, "batch_generate": theirs_side}, z["model_repeats"])
     same = got["ours"] == got["theirs"]
     ours, theirs = n * k / statistics.median(t["mlx:cell"]), n * k / statistics.median(t["batch_generate"])
     lengths = sorted(len(p) for p in prompts)
@@ -222,7 +222,7 @@ def row_lockstep(z: dict, ctx: dict) -> tuple[str, list[Row]]:
             got["theirs"], dt = lockstep_theirs(m["theirs"], prompts, n)
             return dt
 
-        t = interleaved({"mlx:cell": ours_side, "mlx-lm batch": theirs_side}, z["repeats"])
+        t = interleaved({"mlx:cell": ours_side, "mlx-lm batch": theirs_side}, z["model_repeats"])
         same = got["ours"] == got["theirs"]
         step = {side: statistics.median(ts) / (n - 1) for side, ts in t.items()}
         out.append(Row.from_times(
