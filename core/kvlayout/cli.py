@@ -17,6 +17,9 @@ from rich.text import Text
 from kvlayout import registry
 from kvlayout.errors import ConfigError, KVLayoutError, LeaderRefused, RunInterrupted, os_reason
 
+# The layouts are not on a package index: they install from the checkout, beside kvlayout (README).
+INSTALL_LAYOUTS = "pip install -e plugins/seq_layout -e plugins/cell_layout, in the kvlayout checkout"
+
 
 class Console(rich.console.Console):
     """rich's Console, but a reader that goes away (`kvlayout run | head -1`) raises BrokenPipeError,
@@ -42,7 +45,7 @@ def _plugins(args: argparse.Namespace) -> int:
     console.print(_plugins_table(plugins))
     console.print(_layouts_table(builders, dups))
     if not builders:
-        console.print("no layouts installed: pip install kvlayout-seq kvlayout-cell")
+        console.print(f"no layouts installed: {INSTALL_LAYOUTS}")
     _print_plugin_problems(console, dups, pm.failures)
     return 0
 
@@ -514,8 +517,8 @@ def _bench(args: argparse.Namespace) -> int:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"--out {out}: cannot create the directory ({os_reason(exc)})") from None
-    suite.run_suite(mode, rows, out, Path(args.model) if args.model is not None else None)
-    return 0
+    result = suite.run_suite(mode, rows, out, Path(args.model) if args.model is not None else None)
+    return 130 if result["rows_pending"] else 0  # rows left unmeasured: a Ctrl-C stopped it (the suite said so)
 
 
 def version_text() -> str:
@@ -532,7 +535,7 @@ def version_text() -> str:
 
     builders = registry.available()
     layouts = ", ".join(f"{b.key} ({b.provider()})" for b in builders)
-    layouts = layouts or "none (pip install kvlayout-seq kvlayout-cell)"
+    layouts = layouts or f"none ({INSTALL_LAYOUTS})"
     return (
         f"kvlayout {version('kvlayout')} (mlx {version('mlx')}, Python {platform.python_version()})\n"
         f"layouts: {layouts}"
@@ -708,7 +711,7 @@ def _add_init_model_command(sub) -> None:
 
 def _add_bench_command(sub) -> None:
     bench = sub.add_parser(
-        "bench", help="kvlayout beside mlx-lm on the same work (needs the bench extra: pip install 'kvlayout[bench]')"
+        "bench", help="kvlayout beside mlx-lm on the same work (needs the bench extra: pip install -e '.[bench]')"
     )
     bench.add_argument("what", nargs="?", choices=["serve", "kvq"],
                        help="serve: row 10 only, K concurrent clients against kvlayout serve and mlx_lm.server; "
@@ -716,7 +719,7 @@ def _add_bench_command(sub) -> None:
                        "(each on --model DIR, else SmolLM2-135M-Instruct)")
     bench.add_argument("--out", type=given, metavar="DIR", help="also write bench.json and bench.png into DIR")
     size = bench.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="a short smoke-test run (small sizes, 2 repeats)")
+    size.add_argument("--quick", action="store_true", help="a smoke test of seconds a row (small sizes, 1-2 repeats)")
     size.add_argument("--full", action="store_true", help="the issue's full sizes (much longer)")
     bench.add_argument(
         "--rows", type=given, metavar="NAMES",

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvlayout.cli import main
+from tests.helpers import ROOT
 
 
 @pytest.fixture
@@ -180,6 +181,57 @@ def test_version_names_kvlayout_mlx_python_and_each_installed_layout(plugin_worl
     for entry in ("fake:good (kvlayout-fake-good 1.2.3)", "fake:dup (kvlayout-fake-dup-a 1.0)",
                   "fake:dup (kvlayout-fake-dup-b 2.0)", "mlx:seq (kvlayout-seq ", "mlx:cell (kvlayout-cell "):
         assert entry in layouts
+
+
+def _checkout_installs(hint: str) -> dict[str, set[str]]:
+    """What `pip install -e PATH[extras] ...` in `hint` installs from this checkout: each distribution's name
+    (read from PATH's pyproject.toml, which must exist) and the extras named, which it must declare."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    words = hint.replace("'", " ").replace('"', " ").replace(",", " ").split()
+    assert words[:2] == ["pip", "install"] and "-e" in words, hint
+    installs = {}
+    for i, word in enumerate(words):
+        if word != "-e":
+            continue
+        path, _, extras = words[i + 1].partition("[")
+        project = tomllib.loads((ROOT / path / "pyproject.toml").read_text())["project"]
+        wanted = set(filter(None, extras.rstrip("]").split(",")))
+        assert wanted <= set(project.get("optional-dependencies", {})), (hint, wanted)
+        installs[project["name"]] = wanted
+    return installs
+
+
+@pytest.fixture
+def no_layouts(fake_dists, monkeypatch) -> set[str]:
+    """No layout installed, as kvlayout sees it; the distributions that would give the real ones."""
+    from kvlayout import registry
+
+    real = {b.distribution for b in registry.available()}
+    assert real == {"kvlayout-seq", "kvlayout-cell"}
+    monkeypatch.setattr(registry, "available", lambda pm=None: [])
+    return real
+
+
+def test_no_layouts_installed_names_the_install_that_works_from_a_checkout(no_layouts, wide, capsys):
+    layouts = no_layouts
+    assert main(["plugins"]) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no layouts installed: ")]
+    assert _checkout_installs(line.removeprefix("no layouts installed: ")) == {name: set() for name in layouts}
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("layouts: ")]
+    assert line.startswith("layouts: none (") and line.endswith(")")
+    assert _checkout_installs(line.removeprefix("layouts: none (")[:-1]) == {name: set() for name in layouts}
+
+
+def test_the_bench_extras_install_hint_works_from_a_checkout():
+    from kvlayout.bench import peers
+
+    assert _checkout_installs(peers.INSTALL) == {"kvlayout": {"bench"}}
 
 
 def test_ctrl_c_where_no_command_catches_it_is_one_line_and_exit_130(fake_dists):

@@ -85,6 +85,33 @@ def test_a_missing_directory_says_how_to_make_one(tmp_path):
         load_model(tmp_path / "nowhere")
 
 
+def _config_only(path):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(preset_config("tiny")))
+    return path
+
+
+@pytest.mark.parametrize("names", [["pytorch_model.bin"], ["model.pt"], ["weights.pth"],
+                                   ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]])
+def test_pickled_pytorch_weights_are_named_as_not_read_with_how_to_convert_them(tmp_path, names):
+    model_dir = _config_only(tmp_path / "m")
+    for name in names:
+        (model_dir / name).write_bytes(b"\x80\x02not read")  # a pickle's opening bytes
+    with pytest.raises(ConfigError) as raised:
+        load_model(model_dir)
+    message = str(raised.value)
+    assert "\n" not in message and "no *.safetensors file" in message and names[0] in message
+    assert "not read" in message and "save_pretrained(" in message and "safe_serialization=True" in message
+    assert str(model_dir) in message.partition("save_pretrained(")[2]  # the conversion names the directory to fix
+    assert (f"and {len(names) - 1} more" in message) == (len(names) > 1)
+
+
+def test_a_directory_without_any_weights_gets_no_conversion_hint(tmp_path):
+    with pytest.raises(ConfigError, match=r"no \*\.safetensors file") as raised:
+        load_model(_config_only(tmp_path / "m"))
+    assert "not read" not in str(raised.value)
+
+
 def test_an_unsupported_model_type_is_named(tmp_path):
     _hand_written(tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())

@@ -8,6 +8,7 @@ without contacting any index.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -83,6 +84,16 @@ def test_a_failed_build_leaves_neither_a_directory_nor_its_temporary(tmp_path):
     with pytest.raises(ConfigError):
         publish_dir(tmp_path / "models" / "m", half_then_fail)
     assert os.listdir(tmp_path / "models") == []
+
+
+def test_a_failed_build_names_the_directory_asked_for_never_its_temporary(tmp_path):
+    def out_of_space(tmp: Path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "model.safetensors"))
+
+    with pytest.raises(OSError) as raised:
+        publish_dir(tmp_path / "m", out_of_space)
+    assert raised.value.filename == str(tmp_path / "m" / "model.safetensors")
+    assert ".tmp" not in str(raised.value) and os.listdir(tmp_path) == []
 
 
 def test_a_published_directory_replaces_the_old_one_whole(tmp_path):

@@ -177,6 +177,16 @@ def test_init_model_refuses_a_used_or_unwritable_dir_in_one_line_changing_nothin
     assert _listing(tmp_path) == before
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="/proc, where no directory can be made, is Linux's")
+def test_init_model_where_no_directory_can_be_made_names_the_dir_given_not_a_temporary_one(capsys):
+    from tests.helpers import refused_in_one_line
+
+    line = refused_in_one_line(capsys, "init-model", "/proc/kvlayout-model", "--preset", "tiny")
+    assert line.startswith("kvlayout: error: cannot write /proc/kvlayout-model: ") and "in /proc " in line
+    assert ".tmp" not in line and "/proc/." not in line, line  # the temporary directory is kvlayout's, not the user's
+    assert not os.path.exists("/proc/kvlayout-model")
+
+
 @pytest.mark.parametrize("source", ["tiny", "gguf"])
 def test_init_model_force_replaces_a_used_dir_whole(source, tmp_path, capsys):
     from kvlayout.models.loading import load_model

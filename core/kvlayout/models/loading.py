@@ -44,7 +44,8 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 def read_weights(model_dir: Path) -> dict[str, mx.array]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"{model_dir}: no *.safetensors file; a model directory needs its weights")
+        needs = f"{model_dir}: no *.safetensors file; a model directory needs its weights"
+        raise ConfigError(needs + _pickled(model_dir))
     weights: dict[str, mx.array] = {}
     for f in files:
         try:
@@ -55,6 +56,24 @@ def read_weights(model_dir: Path) -> dict[str, mx.array]:
             raise ConfigError(f"{f}: tensor {name!r} also appears in another shard")
         weights.update(shard)
     return weights
+
+
+# PyTorch's pickled checkpoints (torch.save): unpickling runs code from the file and needs torch, so they are
+# not read. mlx_lm.convert cannot help either (it reads only *.safetensors); transformers converts them.
+PICKLED = ("*.bin", "*.pt", "*.pth")
+
+
+def _pickled(model_dir: Path) -> str:
+    """Where the weights are there but pickled: that they are not read, and how to convert them."""
+    found = sorted(p.name for pattern in PICKLED for p in Path(model_dir).glob(pattern))
+    if not found:
+        return ""
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    d = str(model_dir)
+    return (
+        f"; {found[0]}{more} found, but PyTorch .bin/.pt/.pth files are not read: convert them with transformers, "
+        f"AutoModelForCausalLM.from_pretrained({d!r}).save_pretrained({d!r}, safe_serialization=True)"
+    )
 
 
 def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) -> dict[str, mx.array]:

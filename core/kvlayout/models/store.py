@@ -10,13 +10,14 @@ user names (`write_model_dir`, `kvlayout init-model DIR`).
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlayout.errors import ConfigError, one_line
+from kvlayout.errors import ConfigError, one_line, os_reason
 
 
 def cache_root() -> Path:
@@ -31,12 +32,14 @@ def publish_dir(final: Path, build: Callable[[Path], object]) -> Path:
     """Run `build(tmp)` on an empty directory beside `final`, then move it to `final`.
 
     An existing `final` is replaced. If `build` raises, `final` is as it was and
-    the temporary directory is gone.
+    the temporary directory is gone. An OSError names `final` (and the paths
+    under it) where it named the temporary directory, which its caller never saw.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _fresh_dir(final.parent, f".{final.name}.", ".tmp")
+    tmp = None
     try:
+        tmp = _fresh_dir(final.parent, f".{final.name}.", ".tmp")
         build(tmp)
         if final.exists():
             # rename() cannot replace a non-empty directory: move the old one aside first.
@@ -44,10 +47,22 @@ def publish_dir(final: Path, build: Callable[[Path], object]) -> Path:
             final.rename(old / final.name)
             shutil.rmtree(old, ignore_errors=True)
         tmp.rename(final)
+    except OSError as exc:
+        _name_final(exc, final)
+        raise
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _name_final(exc: OSError, final: Path) -> None:
+    """Put `final` in `exc` where it names a temporary directory beside it (`.NAME.<random>.tmp` or `.old`)."""
+    temporary = re.compile("^" + re.escape(str(final.parent / f".{final.name}.")) + r"[^/]*\.(?:tmp|old)(?=/|$)")
+    for attr in ("filename", "filename2"):
+        name = getattr(exc, attr, None)
+        if isinstance(name, str):
+            setattr(exc, attr, temporary.sub(lambda _: str(final), name))
 
 
 def _fresh_dir(parent: Path, prefix: str, suffix: str) -> Path:
@@ -88,4 +103,12 @@ def write_model_dir(dest: Path, build: Callable[[Path], object], force: bool = F
     try:
         return publish_dir(dest, build)
     except OSError as exc:
-        raise ConfigError(f"cannot write {dest}: {one_line(exc)}") from None
+        raise ConfigError(f"cannot write {dest}: {_why(exc, dest)}") from None
+
+
+def _why(exc: OSError, dest: Path) -> str:
+    """The error's reason. One naming only `dest` came from making a directory beside it (`publish_dir`
+    names `dest` for its temporary one): say so, where "No such file or directory: DEST" would puzzle."""
+    if exc.filename == str(dest) and exc.filename2 is None:
+        return f"cannot make a directory in {dest.absolute().parent} ({os_reason(exc)})"
+    return one_line(exc)
