@@ -17,13 +17,11 @@ from typing import Any
 import attrs
 import openai
 import pytest
-import uvicorn
 
 from kvlayout.runner.config import ModelSection
 from kvlayout.runner.job import load_model_for
-from kvlayout.server.app import build_app
 from kvlayout.server.config import ServeConfig
-from kvlayout.server.serve import Server, bind
+from kvlayout.server.serve import Server, bind, http_config
 from kvlayout.server.service import Service, prepare_service
 
 LIFETIME_S = 120
@@ -119,8 +117,7 @@ def serving(loaded, config: dict | None = None, model=None) -> Iterator[Live]:
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     ready = threading.Event()
-    config = uvicorn.Config(build_app(service), log_level="warning", lifespan="on", timeout_graceful_shutdown=2,
-                            limit_max_requests=MAX_REQUESTS)
+    config = http_config(service, timeout_graceful_shutdown=2, limit_max_requests=MAX_REQUESTS)
     server = Server(config, ready.set)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -23,9 +23,19 @@ import uvicorn
 
 from kvlayout.errors import ConfigError, os_reason
 from kvlayout.server.app import build_app
+from kvlayout.server.config import ServerSection
+from kvlayout.server.connections import (
+    REFUSING_SPARE,
+    ConnectionLimits,
+    OutOfDescriptorsFilter,
+    PerRequestWarningsFilter,
+    bounded_protocol,
+    descriptor_room,
+)
 from kvlayout.server.service import Service
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+logger = logging.getLogger("kvlayout.server")
 
 
 class Server(uvicorn.Server):
@@ -60,18 +70,41 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def connection_limits(server: ServerSection) -> ConnectionLimits:
+    """`[server]`'s connection limits, `max_connections` lowered (said once) to what descriptors allow:
+    accepting past them would fail, where a connection past the cap is answered 503."""
+    cap, room = server.max_connections, descriptor_room()
+    # Half of what is left for refusals: each connection past the cap holds one while it is answered 503.
+    most = None if room is None else max(1, (room - REFUSING_SPARE) // 2)
+    if most is not None and most < cap:
+        logger.warning("kvlayout: server.max_connections=%d is more than this process can hold (ulimit -n leaves "
+                       "room for %d descriptors, about half of them for refused connections); capping connections "
+                       "at %d", cap, room, most)
+        cap = most
+    return ConnectionLimits(server.header_timeout_s, server.idle_timeout_s, cap)
+
+
+def http_config(service: Service, **uvicorn_options) -> uvicorn.Config:
+    """uvicorn's config for `service`: its app, quiet logs, and `[server]`'s bounds on each connection
+    (`connections.BoundedProtocol`); `uvicorn_options` add to them."""
+    limits = connection_limits(service.cfg.server)
+    return uvicorn.Config(
+        build_app(service),
+        http=bounded_protocol(limits),
+        timeout_keep_alive=limits.idle_timeout_s,  # idle between requests: uvicorn's own timer
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        **uvicorn_options,
+    )
+
+
 def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]) -> int:
     """Serve `service` on the bound `sock` until a stop signal; `on_ready(url)` once connections are taken.
     Runs the engine on this thread (the one that prepared `service`)."""
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-    config = uvicorn.Config(
-        build_app(service),
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=service.cfg.server.shutdown_grace_s,  # seconds, as given (0: none)
-        lifespan="on",
-    )
+    config = http_config(service, timeout_graceful_shutdown=service.cfg.server.shutdown_grace_s)  # 0: none
     server = Server(config, lambda: on_ready(url))
 
     def not_the_forced_exit(record: logging.LogRecord) -> bool:
@@ -80,6 +113,10 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
 
     uvicorn_errors = logging.getLogger("uvicorn.error")
     uvicorn_errors.addFilter(not_the_forced_exit)
+    per_request = PerRequestWarningsFilter()  # a client sending bad requests fills no disk with warnings
+    uvicorn_errors.addFilter(per_request)
+    asyncio_log, out_of_descriptors = logging.getLogger("asyncio"), OutOfDescriptorsFilter()
+    asyncio_log.addFilter(out_of_descriptors)
 
     def http() -> None:
         try:
@@ -109,4 +146,6 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
         sock.close()
         service.close()
         uvicorn_errors.removeFilter(not_the_forced_exit)
+        asyncio_log.removeFilter(out_of_descriptors)
+        uvicorn_errors.removeFilter(per_request)
     return 0
