@@ -454,7 +454,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here: the other commands never load the HTTP stack.
     from kvlayout import distributed
     from kvlayout.runner import blas
-    from kvlayout.server.config import load_serve_config
+    from kvlayout.server.config import is_host_name, load_serve_config
     from kvlayout.server.serve import bind, serve
     from kvlayout.server.service import prepare_service
 
@@ -466,6 +466,13 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = cfg.with_layout(args.layout)
     if args.model is not None:
         cfg = cfg.with_model_path(args.model)
+    for name in args.allowed_host:
+        if not is_host_name(name):
+            raise ConfigError(f"--allowed-host {name!r}: expected a host name without a port, e.g. kv.example.org")
+    # A name given to --host is one of the server's own; an address needs no allowing (a connection's
+    # own address is let in, hosts.HostCheck), and 0.0.0.0 is no name a client should give.
+    named = [args.host] if is_host_name(args.host) and not args.host.replace(".", "").isdigit() else []
+    cfg = cfg.with_allowed_hosts([*args.allowed_host, *named])
     world = distributed.current()  # a world of one unless started by mlx.launch
     if not world.leader:  # the same config (checked), no HTTP: replay rank 0's engine
         service = prepare_service(cfg, world=world)
@@ -684,6 +691,12 @@ def _add_serve_command(sub) -> None:
         help="the address to listen on (default 127.0.0.1: this machine only)",
     )
     server.add_argument("--port", type=int, default=8080, help="the port (default 8080; 0 picks a free one)")
+    server.add_argument(
+        "--allowed-host", action="append", default=[], metavar="NAME",
+        help="a name clients reach the server by (repeatable; also server.allowed_hosts). A request whose Host "
+        "header names neither this, the address it came in on, nor localhost on a loopback address gets 403, "
+        "so a web page cannot reach the server by DNS rebinding",
+    )
     _add_blas_flag(server)
     server.set_defaults(func=_serve)
 

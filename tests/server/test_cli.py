@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -32,9 +34,9 @@ BOUND_S = 60
 
 
 class Process:
-    def __init__(self, args: list[str], cwd):
+    def __init__(self, args: list[str], cwd, **popen):
         self.proc = subprocess.Popen([sys.executable, "-m", "kvlayout.cli", "serve", *args], cwd=cwd,
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
+                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"}, **popen)
         self.lines: list[str] = []
 
     def ready(self) -> str:
@@ -107,7 +109,7 @@ def test_in_flight_requests_are_finished_or_cancelled_within_the_grace_period(co
     server = Process([config(grace=1), "--port", "0"], tmp_path)
     url = server.ready()
     raw = json.dumps({"model": "tiny", "prompt": "go on", "max_tokens": 1000, "stream": True}).encode()
-    sock = first_event(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock = first_event(url, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                        + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
     started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
@@ -141,7 +143,7 @@ def test_a_burst_of_stop_signals_still_ends_the_server_with_exit_0(config, tmp_p
 def test_an_open_cell_map_stream_does_not_hold_the_shutdown_for_the_grace_period(config, tmp_path):
     server = Process([config(grace=20), "--port", "0"], tmp_path)
     url = server.ready()
-    sock = first_event(url, b"GET /cells HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock = first_event(url, b"GET /cells HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     code, said = server.finish()
@@ -184,3 +186,52 @@ def test_a_bad_server_section_is_one_line_naming_the_key(tmp_path):
     path.write_text('[model]\npreset = "tiny"\n[[requests]]\nprompt = "x"\n')
     code, said = Process([str(path), "--port", "0"], tmp_path).finish()
     assert code == 2 and "requests" in said and len(said.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("line, key", [
+    ("header_timeout_s = 0", "server.header_timeout_s"), ("idle_timeout_s = -1", "server.idle_timeout_s"),
+    ('idle_timeout_s = "30"', "server.idle_timeout_s"), ("max_connections = 0", "server.max_connections"),
+    ("max_connections = 2.5", "server.max_connections"),
+])
+def test_a_bad_connection_limit_is_one_line_naming_the_key(tmp_path, line, key):
+    path = tmp_path / "bad.toml"
+    path.write_text(f'[model]\npreset = "tiny"\n[server]\n{line}\n')
+    code, said = Process([str(path), "--port", "0"], tmp_path).finish()
+    assert code == 2 and key in said and "Traceback" not in said and len(said.strip().splitlines()) == 1
+
+
+def test_idle_sockets_past_the_descriptor_limit_neither_hang_a_request_nor_flood_stderr(config, tmp_path):
+    """The probe's case: more idle connections than the process may open descriptors. The cap (lowered to
+    what the limit leaves) answers the surplus 503 instead of failing accepts; the idle ones go after the
+    header timeout, and a request is served."""
+    path = tmp_path / "serve.toml"
+    path.write_text(CONFIG.format(grace=1) + "header_timeout_s = 5\n")
+    limit = 128
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    server = Process([str(path), "--port", "0"], tmp_path,
+                     preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard)))
+    url = server.ready()
+    port = int(url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(limit)]
+    try:
+        time.sleep(2)  # the surplus refused and closed (within 1 s each); the first ones held, idle
+        with pytest.raises(urllib.error.HTTPError) as refused:  # answered at once, not left hanging
+            post(url, {"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert refused.value.code == 503
+        assert "server.max_connections" in json.loads(refused.value.read())["error"]["message"]
+        for sock in idle:  # each closed: by the header timeout, or refused
+            sock.settimeout(15)
+            try:
+                while sock.recv(65536):
+                    pass
+            except ConnectionResetError:  # refused past the refusals the server holds: closed at once
+                pass
+    finally:
+        for sock in idle:
+            sock.close()
+    assert post(url, {"model": "tiny", "prompt": "hi", "max_tokens": 2})["usage"]["completion_tokens"] >= 1
+    server.proc.send_signal(signal.SIGTERM)
+    code, said = server.finish()
+    assert code == 0 and "Traceback" not in said, said
+    assert "capping connections at" in said and said.count("Too many open files") <= 2, said
+    assert said.count("refused a connection") <= 2, said  # one line per interval, however many were refused

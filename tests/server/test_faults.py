@@ -30,7 +30,7 @@ def open_stream(live, body: dict) -> socket.socket:
     """A raw streaming request whose first event has arrived; the caller closes it whenever."""
     sock = socket.create_connection(("127.0.0.1", live.port), timeout=30)
     raw = json.dumps({"model": "tiny", "stream": True, **body}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
     seen = b""
     while b"data: " not in seen:
@@ -103,6 +103,7 @@ def test_an_oversized_body_answers_413_declared_or_not(tiny_loaded):
         conn = live.connection()
         conn.putrequest("POST", "/v1/completions")
         conn.putheader("Transfer-Encoding", "chunked")
+        conn.putheader("Content-Type", "application/json")
         conn.endheaders()
         for i in range(0, len(big), 500):
             part = big[i : i + 500]

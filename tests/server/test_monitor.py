@@ -26,7 +26,7 @@ def first_frame(live) -> dict:
     """The first frame /cells sends (it sends the current one at once)."""
     sock = socket.create_connection(("127.0.0.1", live.port), timeout=10)
     try:
-        sock.sendall(b"GET /cells HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET /cells HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         seen = b""
         while b"\n\n" not in seen.split(b"data: ", 1)[-1] or b"data: " not in seen:
             seen += sock.recv(65536)

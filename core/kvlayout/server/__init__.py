@@ -8,5 +8,7 @@ whose model loading, cache building and stop-string texts it reuses):
 - `shapes`: OpenAI's response objects, stream chunks, usage and errors.
 - `worker`: the engine thread; tickets in, events out.
 - `service`: what a running server holds, prepared before a port is bound.
+- `hosts`: the Host check every request passes (DNS rebinding kept out).
 - `app`: the Starlette routes; `serve`: binding, uvicorn, signals.
+- `connections`: what one connection may hold: deadlines on a request, a cap on how many.
 """

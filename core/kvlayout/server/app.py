@@ -8,9 +8,11 @@ server-sent events), `GET /cells/at?cell=N`, `GET /stats`, `GET /metrics`. A han
 ever blocking the event loop; the model runs on the worker's thread. Every
 error a client can cause is a KVLayoutError carrying its status (`BadRequest`,
 `QueueFull`), answered as OpenAI's error object with the field named (400,
-404, 413, 429 with Retry-After); anything else is a 500 of the same shape,
-and the server goes on. A client that goes away (its stream closed,
-or a whole-answer request abandoned) has its request cancelled.
+404, 413, 415 for a body not sent as JSON, 429 with Retry-After); anything
+else is a 500 of the same shape, and the server goes on. A request whose
+Host is not the server's is refused 403 before any route (`hosts`). A client
+that goes away (its stream closed, or a whole-answer request abandoned) has
+its request cancelled at once.
 """
 
 from __future__ import annotations
@@ -23,17 +25,18 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvlayout.errors import BadRequest, KVLayoutError, one_line
 from kvlayout.server import cellmap, monitor, shapes
+from kvlayout.server.hosts import HostCheck
 from kvlayout.server.requests import parse_chat, parse_completion
 from kvlayout.server.service import Service
 from kvlayout.server.worker import Event, Ticket, new_ticket
 
-DISCONNECT_POLL_S = 0.25  # how often a whole-answer request checks that its client is still there
 FRAME_POLL_S = 0.05  # how often a /cells stream looks for a new frame
 KEEPALIVE_S = 15.0
 RETRY_AFTER_S = 1
@@ -55,7 +58,8 @@ def build_app(service: Service) -> Starlette:
         Route("/", h.page, methods=["GET"]),
     ]
     handlers = {KVLayoutError: refused, HTTPException: http_error, Exception: internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=h.lifespan)
+    checked = [Middleware(HostCheck, allowed=service.cfg.server.allowed_hosts)]  # every route: DNS rebinding
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=h.lifespan, middleware=checked)
 
 
 class Handlers:
@@ -133,11 +137,13 @@ class Handlers:
 
 
 async def read_json(request: Request, limit: int):
-    """The body as JSON, at most `limit` bytes (413 past it, read no further); 400 when not JSON."""
+    """The body as JSON, at most `limit` bytes (413 past it, read no further); 400 when not JSON,
+    415 (before reading it) when not sent as application/json."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise BadRequest(f"the request body is {declared} bytes; this server takes at most {limit} "
                          "(server.max_body_bytes)", status=413, code="request_too_large")
+    require_json(request.headers.get("content-type"))
     body = bytearray()
     async for part in request.stream():
         body += part
@@ -148,6 +154,17 @@ async def read_json(request: Request, limit: int):
         return json.loads(body, parse_constant=not_json)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise BadRequest(f"the request body is not valid JSON ({one_line(exc)})") from None
+
+
+def require_json(content_type: str | None) -> None:
+    """A body must come as `Content-Type: application/json` (a charset may follow). A web page on
+    another site can POST text/plain, a form or a typeless blob without asking the server first
+    (a CORS "simple request"); application/json it cannot, so refusing the rest keeps pages out."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        given = f"Content-Type {content_type[:100]!r}" if content_type else "no Content-Type"
+        raise BadRequest(f"the request body came with {given}; send it as JSON with Content-Type: application/json "
+                         "(curl: -H 'Content-Type: application/json')", status=415, code="unsupported_media_type")
 
 
 def not_json(name: str):
@@ -209,18 +226,21 @@ async def events(ticket: Ticket) -> AsyncIterator[Event]:
 
 
 async def whole(request: Request, ticket: Ticket, rid: str, service: Service) -> Response:
-    """Wait for every sample, checking that the client is still there; the answer, or a 500."""
+    """Wait for every sample while watching the client; the answer, or a 500. A client that goes
+    away has its request cancelled at once (between two of the engine's steps, as a stream's is)."""
     order = ticket.order
     texts, reasons, error = [""] * order.n, ["length"] * order.n, None
+    gone = asyncio.ensure_future(client_gone(request))
     try:
         while True:
             try:
-                event = await asyncio.wait_for(ticket.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
+                event = ticket.events.get_nowait()
+            except asyncio.QueueEmpty:
+                event = await next_event_unless(ticket, gone)
+            if gone.done():
+                if not ticket.done:
                     service.worker.cancel(ticket)
-                    return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-                continue
+                return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
             if event is None:
                 break
             texts[event.index] += event.text
@@ -231,10 +251,29 @@ async def whole(request: Request, ticket: Ticket, rid: str, service: Service) ->
     except asyncio.CancelledError:
         service.worker.cancel(ticket)
         raise
+    finally:
+        gone.cancel()
     if ticket.failed is not None or error is not None:
         raise BadRequest(f"generation failed: {ticket.failed or error}", status=500, kind="server_error")
     body = shapes.completion(order.chat, rid, service.created, service.model_id, texts, reasons, usage_of(ticket))
     return JSONResponse(body)
+
+
+async def client_gone(request: Request) -> None:
+    """Returns once the client has disconnected. The body is read already, so the server's next
+    message for this request is `http.disconnect` (the ASGI server sends it as the socket closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(FRAME_POLL_S)  # uvicorn sends nothing else; a server that did must not spin the loop
+
+
+async def next_event_unless(ticket: Ticket, gone: asyncio.Future) -> Event | None:
+    """The ticket's next event, or None as soon as `gone` is done first."""
+    getter = asyncio.ensure_future(ticket.events.get())
+    try:
+        await asyncio.wait((getter, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        getter.cancel()
+    return getter.result() if getter.done() and not getter.cancelled() else None
 
 
 def usage_of(ticket: Ticket) -> dict:

@@ -9,6 +9,7 @@ meets as errors (429, 400, 413), each named by its key in the message.
 
 from __future__ import annotations
 
+import string
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,15 @@ DEFAULT_HOST = "127.0.0.1"  # reachable from this machine only, unless the user 
 DEFAULT_PORT = 8080
 
 
+def is_host_name(name) -> bool:
+    """A name a `Host` header can carry, without a port: "kv.example.org", "10.0.0.2", "[::1]"."""
+    if not isinstance(name, str) or not 0 < len(name) <= 255:
+        return False
+    if name.startswith("[") and name.endswith("]"):  # an IPv6 address: its colons are no port
+        return all(c in string.hexdigits or c in ":." for c in name[1:-1])
+    return not any(c.isspace() or c in "/@:?#[]" for c in name)
+
+
 @attrs.frozen
 class ServerSection:
     """The server's limits.
@@ -46,6 +56,15 @@ class ServerSection:
     admitting and lets in-flight requests finish this long, then cancels them.
     `prefix_cache`: keep finished requests' cells for later prompts that start
     with the same tokens (a cell layout only; engines.prefixes).
+    `allowed_hosts`: names a request's `Host` may give besides the server's
+    own address (and loopback names on a loopback one); others get 403
+    (`server.hosts`, against DNS rebinding). `--allowed-host` adds to them.
+    `header_timeout_s`: a request head must be whole this long after its
+    first byte (408 when part came; a connection that sends nothing is
+    closed). `idle_timeout_s`: a body pausing this long (408), a client not
+    reading its answer, or a connection idle between requests is closed.
+    `max_connections`: connections open at once; one more is answered 503
+    and closed (lowered, with a warning, to what `ulimit -n` allows).
     """
 
     queue: int = 64
@@ -54,6 +73,10 @@ class ServerSection:
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 10.0
     prefix_cache: bool = True
+    allowed_hosts: tuple[str, ...] = attrs.field(default=(), converter=lambda v: tuple(v) if isinstance(v, list) else v)
+    header_timeout_s: float = 10.0
+    idle_timeout_s: float = 30.0
+    max_connections: int = 256
 
     def __attrs_post_init__(self):
         int_scalar("server.queue", self.queue, ConfigError, 0, numpy=False)
@@ -62,8 +85,17 @@ class ServerSection:
         int_scalar("server.max_body_bytes", self.max_body_bytes, ConfigError, 64, numpy=False)
         if not isinstance(self.prefix_cache, bool):
             raise ConfigError(f"server.prefix_cache={self.prefix_cache!r}: expected true or false")
+        if not (isinstance(self.allowed_hosts, tuple) and all(map(is_host_name, self.allowed_hosts))):
+            shown = list(self.allowed_hosts) if isinstance(self.allowed_hosts, tuple) else self.allowed_hosts
+            raise ConfigError(f"server.allowed_hosts={shown!r}: expected a list of host names without ports, "
+                              "e.g. [\"kv.example.org\"]")
         if finite_number("server.shutdown_grace_s", self.shutdown_grace_s, ConfigError) < 0:
             raise ConfigError(f"server.shutdown_grace_s={self.shutdown_grace_s!r}: expected a number of seconds >= 0")
+        for key in ("header_timeout_s", "idle_timeout_s"):
+            value = getattr(self, key)
+            if finite_number(f"server.{key}", value, ConfigError) <= 0:
+                raise ConfigError(f"server.{key}={value!r}: expected a number of seconds > 0")
+        int_scalar("server.max_connections", self.max_connections, ConfigError, 1, numpy=False)
 
 
 @attrs.frozen
@@ -93,6 +125,11 @@ class ServeConfig(LayoutAndModel):
                 f"{self.source}: server.max_sequences={self.server.max_sequences} is more than "
                 f"cache.max_seqs={self.cache.max_seqs} (the ids the cache has); lower it or raise cache.max_seqs"
             )
+
+    def with_allowed_hosts(self, names) -> ServeConfig:
+        """`--allowed-host NAME`s, added to `server.allowed_hosts`."""
+        server = attrs.evolve(self.server, allowed_hosts=(*self.server.allowed_hosts, *names))
+        return attrs.evolve(self, server=server)
 
     @classmethod
     def from_mapping(
