@@ -454,6 +454,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here: the other commands never load the HTTP stack.
     from kvlayout import distributed
     from kvlayout.runner import blas
+    from kvlayout.server.auth import is_loopback, read_keys
     from kvlayout.server.config import is_host_name, load_serve_config
     from kvlayout.server.serve import bind, serve
     from kvlayout.server.service import prepare_service
@@ -473,12 +474,16 @@ def _serve(args: argparse.Namespace) -> int:
     # own address is let in, hosts.HostCheck), and 0.0.0.0 is no name a client should give.
     named = [args.host] if is_host_name(args.host) and not args.host.replace(".", "").isdigit() else []
     cfg = cfg.with_allowed_hosts([*args.allowed_host, *named])
+    cfg = cfg.with_api_keys(read_keys(args.api_key, args.api_key_file, os.environ.get("KVLAYOUT_API_KEY")))
     world = distributed.current()  # a world of one unless started by mlx.launch
     if not world.leader:  # the same config (checked), no HTTP: replay rank 0's engine
         service = prepare_service(cfg, world=world)
         service.follow()
         return 0
     sock = bind(args.host, args.port)  # before the model loads: a port in use is said at once
+    if not cfg.server.api_keys and not is_loopback(args.host):  # once bound: a bad --host is only its error
+        print(f"kvlayout: warning: --host {args.host} is reachable from other machines and no API key is set: "
+              "anyone who can reach it can use it (--api-key KEY)", file=sys.stderr)
     try:
         service = prepare_service(cfg, world=world)
     except BaseException:
@@ -696,6 +701,16 @@ def _add_serve_command(sub) -> None:
         help="a name clients reach the server by (repeatable; also server.allowed_hosts). A request whose Host "
         "header names neither this, the address it came in on, nor localhost on a loopback address gets 403, "
         "so a web page cannot reach the server by DNS rebinding",
+    )
+    server.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help="a key clients must send as Authorization: Bearer KEY (repeatable; also --api-key-file, "
+        "KVLAYOUT_API_KEY and server.api_keys). With any key, every route but /health and the page needs one, "
+        "and each key's requests share cached prefixes only among themselves",
+    )
+    server.add_argument(
+        "--api-key-file", action="append", default=[], type=given, metavar="FILE",
+        help="a file of API keys, one a line (blank lines and lines starting with # skipped; repeatable)",
     )
     _add_blas_flag(server)
     server.set_defaults(func=_serve)

@@ -237,3 +237,54 @@ def test_a_cell_engine_with_a_prefix_cache_refuses_to_save_its_state(tiny):
     engine, _, _ = cell_engine(tiny, True)
     with pytest.raises(KVLayoutError, match="prefix cache"):
         engine.state()
+
+
+# -- isolation: prefixes are shared only between sequences with the same isolation key
+
+tenants_st = st.sampled_from(["", "tenant-a", "tenant-b"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(tenants_st, tokens_st), max_size=10), st.lists(st.tuples(tenants_st, tokens_st),
+                                                                         min_size=1, max_size=6))
+def test_find_reuses_only_entries_of_the_same_isolation_key(kept, queries):
+    control = FakeControl()
+    cache = PrefixCache(control, block=BLOCK)
+    for i, (tenant, t) in enumerate(kept):
+        cache.keep(i, t, isolation=tenant)
+    # Plain-Python model, per tenant: the kept-entries rule of the test above, applied to that
+    # tenant's ids alone (another tenant's entry neither covers nor replaces one).
+    model: dict[int, tuple[str, tuple]] = {}
+    for i, (tenant, t) in enumerate((tenant, tuple(t)) for tenant, t in kept):
+        mine = {j: e for j, (who, e) in model.items() if who == tenant}
+        if len(t) < BLOCK or any(e[: len(t)] == t for e in mine.values()):
+            continue
+        model = {j: (who, e) for j, (who, e) in model.items() if who != tenant or t[: len(e)] != e}
+        model[i] = (tenant, t)
+    assert {i: (e.isolation, e.tokens) for i, e in cache.entries.items()} == model
+    for tenant, q in queries:
+        limit = max(len(q) - 1, 0)
+        best = max((brute_lcp(e, q, limit) for who, e in model.values() if who == tenant), default=0)
+        hit = cache.find(q, limit, isolation=tenant)
+        if best < BLOCK:
+            assert hit is None
+            continue
+        assert hit is not None and model[hit.seq_id][0] == tenant
+        assert hit.length == best
+        assert cache.covers(q, isolation=tenant) == any(
+            len(e) >= len(q) and e[: len(q)] == tuple(q) for who, e in model.values() if who == tenant)
+
+
+def test_the_same_tokens_under_two_isolation_keys_are_two_entries_and_neither_finds_the_other():
+    control = FakeControl()
+    cache = PrefixCache(control, block=BLOCK)
+    prompt = list(range(12))
+    assert cache.keep(1, prompt, isolation="a")
+    assert cache.keep(2, prompt, isolation="b")  # not covered by a's: kept as its own entry
+    assert set(cache.entries) == {1, 2} and control.removed == []
+    assert cache.find(prompt + [99], 12, isolation="a").seq_id == 1
+    assert cache.find(prompt + [99], 12, isolation="b").seq_id == 2
+    assert cache.find(prompt + [99], 12, isolation="c") is None
+    assert cache.find(prompt + [99], 12) is None  # no key at all is a key of its own
+    # The chains differ from the first block: no index key is shared, not even by a collision's luck.
+    assert set(cache.entries[1].keys).isdisjoint(cache.entries[2].keys)

@@ -297,3 +297,47 @@ def test_a_lone_request_with_more_samples_than_the_cap_still_runs():
     sched = Scheduler(table, chunk=64, stats=Stats(), max_samples=1)
     sched.add(make_requests([[1, 2]], [4], [3], 0))
     assert run_step(sched, table) == [(0, 2)]  # nothing else runs: it is not starved
+
+
+def owners_shared(table: FakeTable, a: int, b: int) -> list[int]:
+    """The cells both `a` and `b` own."""
+    return [c for c, o in enumerate(table.owners) if a in o and b in o]
+
+
+@pytest.mark.parametrize("same_tenant", [True, False])
+def test_a_kept_prefix_is_reused_only_by_a_request_of_the_same_isolation_key(same_tenant):
+    table = FakeTable(capacity=64, max_seqs=8)
+    prefixes = PrefixCache(table, block=4)
+    sched = Scheduler(table, chunk=16, stats=Stats(), prefixes=prefixes)
+    system = list(range(900, 908))
+    a, b = make_requests([system + [1, 2], system + [3, 4, 5]], [4, 4], [1, 1], 0)
+    a.isolation = "tenant-a"
+    b.isolation = "tenant-a" if same_tenant else "tenant-b"
+    sched.add([a])
+    run_step(sched, table)  # a's prompt in; 8 of its tokens kept, as tenant-a's
+    entry = next(iter(prefixes.entries))
+    sched.add([b])
+    plan = run_step(sched, table)
+    b_id = next(s.seq_id for s in sched.running if s.request is b)
+    if same_tenant:
+        assert plan == [(0, 1), (1, 3)] and b.cached_tokens == 8
+        assert len(owners_shared(table, entry, b_id)) == 8
+    else:  # b prefills all of its prompt in cells of its own
+        assert plan == [(0, 1), (1, 11)] and b.cached_tokens == 0
+        assert not any(call[0] == "seq_clone" and call[1] == entry for call in table.calls)
+        assert owners_shared(table, entry, b_id) == []
+
+
+def test_a_prompt_still_prefilling_is_cloned_only_by_a_request_of_the_same_isolation_key():
+    table = FakeTable(capacity=64, max_seqs=8)
+    prefixes = PrefixCache(table, block=4)
+    sched = Scheduler(table, chunk=26, stats=Stats(), prefixes=prefixes)
+    system = list(range(900, 912))
+    a, b = make_requests([system + [1], system + [2]], [4, 4], [1, 1], 0)
+    a.isolation, b.isolation = "tenant-a", "tenant-b"
+    sched.add([a, b])
+    # Sharing 12 tokens with a, b of another tenant neither waits for a's prefill nor clones it.
+    assert run_step(sched, table) == [(0, 13), (1, 13)]
+    assert b.cached_tokens == 0
+    a_id, b_id = (next(s.seq_id for s in sched.running if s.request is r) for r in (a, b))
+    assert owners_shared(table, a_id, b_id) == []

@@ -663,3 +663,38 @@ def test_both_pages_draw_with_the_code_written_once_and_load_nothing_from_elsewh
         assert all(part in text for part in shared) and "KVLAYOUT_CELLMAP" not in text
         assert 'rel="icon" href="data:,"' in text
         assert not re.search(r"""(src|href)=["']https?://""", text), "the pages load nothing from elsewhere"
+
+
+def test_with_an_api_key_the_page_asks_for_it_keeps_it_for_the_tab_and_then_works(driver, tiny_loaded):
+    key = "page-key-0123"
+    question = "Tell me about key-value caches in one paragraph."
+    with serving(tiny_loaded, {**ONE_CELL_PER_BUCKET, "server": {"api_keys": [key]}}) as live:
+        driver.get(f"{live.url}/")
+        try:
+            form = by_testid(driver, "api-key-form")
+            wait_for(driver, "the page to ask for the key", lambda d: form.is_displayed())
+            assert (map_state(driver) or {}).get("frames", 0) == 0  # nothing shown before the key
+            by_testid(driver, "api-key-input").send_keys("a-wrong-key")
+            by_testid(driver, "api-key-submit").click()
+            wait_for(driver, "the page to ask again after a wrong key",
+                     lambda d: form.is_displayed() and "refused" in by_testid(d, "api-key-note").text)
+            by_testid(driver, "api-key-input").send_keys(key)
+            by_testid(driver, "api-key-submit").click()
+            wait_for(driver, "the key form to go", lambda d: not form.is_displayed())
+            wait_for(driver, "the first frame of /cells", lambda d: (map_state(d) or {}).get("frames", 0) >= 1)
+            wait_for(driver, "the model id from /v1/models", lambda d: d.find_element("id", "model").text == live.model)
+            assert driver.execute_script("return sessionStorage.getItem('kvlayout.apiKey')") == key
+            answer = chat(driver, question, click_send)
+            status, body, _ = live.post("/v1/chat/completions", {"model": live.model, "temperature": 0,
+                                                                 "max_tokens": 128,
+                                                                 "messages": [{"role": "user", "content": question}]},
+                                        {"Authorization": f"Bearer {key}"})
+            assert status == 200 and answer == body["choices"][0]["message"]["content"]
+            # A reload in the same tab keeps the key: no question, the map at once.
+            driver.refresh()
+            wait_for(driver, "the first frame after a reload", lambda d: (map_state(d) or {}).get("frames", 0) >= 1)
+            assert not by_testid(driver, "api-key-form").is_displayed()
+            # The only console complaints are the refused requests' 401s (the browser logs each).
+            assert all("401" in e.get("message", "") for e in console_problems(driver)), console_problems(driver)
+        finally:
+            driver.get("about:blank")

@@ -13,8 +13,15 @@ cells of positions `[0, len(tokens))`, holding exactly `tokens`. The engine
 A new sequence whose tokens start with an entry's is admitted as a clone of
 the entry up to the common length and prefills only the rest.
 
+Isolation: every entry and lookup carries an isolation key (a server's
+tenant: its API key's hash, its `cache_salt`; "" for none), and a prefix is
+shared only between sequences with the same one. The key seeds the hash
+chain, so different tenants' blocks never share an index key, and it is
+compared again on the exact check, so not even a hash collision crosses it.
+
 Index: a hash chain over blocks of `block` tokens. Block i's key hashes
-(key of block i-1, the block's tokens), so one key names a whole prefix;
+(key of block i-1, the block's tokens), block 0's seeded by the isolation
+key, so one key names a whole prefix of one tenant;
 `index[key]` holds the entries whose tokens start with that prefix. A lookup
 walks the new tokens' chain to the deepest key any entry holds; among that
 key's entries, the one sharing the most tokens exactly (into its partial
@@ -61,6 +68,7 @@ class Entry:
     keys: list[int]  # the chain of its whole blocks
     used: int  # the use counter when it was last found or kept: LRU order
     source: int | None = None  # the request it came from
+    isolation: str = ""  # only lookups with the same isolation key may reuse it
 
 
 class PrefixCache:
@@ -86,9 +94,9 @@ class PrefixCache:
         """Tokens the entries hold, each counting its whole prefix (shared cells counted again)."""
         return sum(len(e.tokens) for e in self.entries.values())
 
-    def chain(self, tokens: Sequence[int], blocks: int) -> list[int]:
-        """The keys of the first `blocks` whole blocks of `tokens`."""
-        keys, key, b = [], 0, self.block
+    def chain(self, tokens: Sequence[int], blocks: int, isolation: str = "") -> list[int]:
+        """The keys of the first `blocks` whole blocks of `tokens`, for sequences of `isolation`."""
+        keys, key, b = [], chain_seed(isolation), self.block
         for i in range(blocks):
             key = hash((key, tuple(tokens[i * b : (i + 1) * b])))
             keys.append(key)
@@ -96,11 +104,11 @@ class PrefixCache:
 
     # -- finding
 
-    def find(self, tokens: Sequence[int], limit: int) -> Hit | None:
-        """The longest reuse for `tokens`, at most `limit` of them (a sequence must feed at least
-        one token to get logits); None when no entry shares a whole first block."""
+    def find(self, tokens: Sequence[int], limit: int, isolation: str = "") -> Hit | None:
+        """The longest reuse for `tokens` among `isolation`'s entries, at most `limit` of them (a
+        sequence must feed at least one token to get logits); None when no entry shares a whole first block."""
         best = None
-        for key in self.chain(tokens, limit // self.block):
+        for key in self.chain(tokens, limit // self.block, isolation):
             holders = self.index.get(key)
             if not holders:
                 break
@@ -109,7 +117,7 @@ class PrefixCache:
             return None
         # The holders of the deepest key hold every entry sharing the most whole blocks; the
         # longest exact match among them is the longest of all (the most recently used on a tie).
-        length, _, seq_id = max((common_length(self.entries[i].tokens, tokens, limit), self.entries[i].used, i)
+        length, _, seq_id = max((self.shared(self.entries[i], tokens, limit, isolation), self.entries[i].used, i)
                                 for i in best)
         if length == 0:  # a hash collision
             return None
@@ -124,14 +132,14 @@ class PrefixCache:
             self.hits += 1
             self.reused_tokens += hit.length
 
-    def covers(self, tokens: Sequence[int], keys: list[int] | None = None) -> bool:
-        """Whether an entry holds all of `tokens` (touching it); the engine then keeps no copy.
-        `keys`: their chain, when the caller has it already."""
+    def covers(self, tokens: Sequence[int], keys: list[int] | None = None, isolation: str = "") -> bool:
+        """Whether an entry of `isolation` holds all of `tokens` (touching it); the engine then keeps
+        no copy. `keys`: their chain (for `isolation`), when the caller has it already."""
         n = len(tokens)
-        keys = self.chain(tokens, n // self.block) if keys is None else keys
+        keys = self.chain(tokens, n // self.block, isolation) if keys is None else keys
         for seq_id in self.index.get(keys[-1], ()) if keys else ():
             entry = self.entries[seq_id]
-            if len(entry.tokens) >= n and common_length(entry.tokens, tokens, n) == n:
+            if len(entry.tokens) >= n and self.shared(entry, tokens, n, isolation) == n:
                 entry.used = next(self.clock)
                 return True
         return False
@@ -139,25 +147,30 @@ class PrefixCache:
     # -- keeping and dropping
 
     def keep(self, seq_id: int, tokens: Sequence[int], source: int | None = None,
-             keys: list[int] | None = None) -> bool:
-        """Take `seq_id` (which holds exactly `tokens`, positions 0..) as an entry: True. False,
-        having released the id, when it is shorter than a block or an entry already covers it.
-        Entries that are prefixes of it are dropped: it owns their cells too. `keys`: the
-        tokens' chain, when the caller has it already."""
+             keys: list[int] | None = None, isolation: str = "") -> bool:
+        """Take `seq_id` (which holds exactly `tokens`, positions 0..) as an entry of `isolation`:
+        True. False, having released the id, when it is shorter than a block or an entry already
+        covers it. Entries of `isolation` that are prefixes of it are dropped: it owns their cells
+        too. `keys`: the tokens' chain (for `isolation`), when the caller has it already."""
         tokens = tuple(tokens)
-        keys = self.chain(tokens, len(tokens) // self.block) if keys is None else keys
-        if len(tokens) < self.block or self.covers(tokens, keys):
+        keys = self.chain(tokens, len(tokens) // self.block, isolation) if keys is None else keys
+        if len(tokens) < self.block or self.covers(tokens, keys, isolation):
             self.bc.seq_rm(seq_id)
             return False
         candidates = set().union(*(self.index.get(k, ()) for k in keys))
         for other in candidates:
             e = self.entries[other]
-            if len(e.tokens) <= len(tokens) and common_length(e.tokens, tokens, len(e.tokens)) == len(e.tokens):
+            if len(e.tokens) <= len(tokens) and self.shared(e, tokens, len(e.tokens), isolation) == len(e.tokens):
                 self.drop(other)
-        self.entries[seq_id] = Entry(tokens, keys, next(self.clock), source)
+        self.entries[seq_id] = Entry(tokens, keys, next(self.clock), source, isolation)
         for k in keys:
             self.index[k].add(seq_id)
         return True
+
+    @staticmethod
+    def shared(entry: Entry, tokens: Sequence[int], limit: int, isolation: str) -> int:
+        """How many leading tokens `entry` may lend `tokens` (at most `limit`): none across isolation keys."""
+        return common_length(entry.tokens, tokens, limit) if entry.isolation == isolation else 0
 
     def drop(self, seq_id: int) -> None:
         """Release entry `seq_id`: its cells that no live sequence or other entry owns are freed."""
@@ -192,6 +205,11 @@ class PrefixCache:
             "reused_tokens": self.reused_tokens,
             "evictions": self.evictions,
         }
+
+
+def chain_seed(isolation: str) -> int:
+    """Block 0's predecessor key: 0 for no isolation, else the key's own (tenants' chains never meet)."""
+    return hash(("isolation", isolation)) if isolation else 0
 
 
 def common_length(a: Sequence[int], b: Sequence[int], limit: int) -> int:

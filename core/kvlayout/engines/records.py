@@ -66,7 +66,8 @@ class Request:
     engine's; None: the engine's. `cached_tokens`: prompt tokens an engine found in a prefix
     cache and did not prefill (engines.prefixes; 0 without one). `started`: an engine began one
     of its samples (admitted it), so it no longer waits in the engine's queue (a server counts it
-    running from then).
+    running from then). `isolation`: the prefix cache shares cells only between requests with
+    the same key (a server's tenant; "" for everyone, engines.prefixes).
     """
 
     index: int
@@ -77,6 +78,7 @@ class Request:
     sampling: Sampling | None = None
     cached_tokens: int = 0
     started: bool = False
+    isolation: str = ""  # prefix-cache tenant: only requests with the same key share kept prefixes
 
 
 @attrs.define

@@ -181,7 +181,7 @@ class Scheduler:
             w = self.queue[0]
             if not within_cap(self.ids_held(), len(w.samples), self.max_samples):
                 break  # checked first: a request that waits evicts nothing
-            hit = self.reuse_for(w.tokens)
+            hit = self.reuse_for(w.tokens, w.request.isolation)
             if hit is WAIT:
                 break  # what it shares with a prefill is not all in yet: wait rather than prefill it again
             # Nothing is evicted before the budget check: a request that waits must not empty the cache.
@@ -295,7 +295,7 @@ class Scheduler:
             if self.prefixes is not None:  # kept as an entry: only what its tokens say
                 self.bc.seq_rm(s.seq_id, s.cached)
         if self.prefixes is not None:
-            self.prefixes.keep(s.seq_id, s.tokens[: s.cached], s.request.index)
+            self.prefixes.keep(s.seq_id, s.tokens[: s.cached], s.request.index, isolation=s.request.isolation)
         else:
             self.bc.seq_rm(s.seq_id)
 
@@ -320,18 +320,19 @@ class Scheduler:
 
     # -- the prefix cache (engines.prefixes)
 
-    def reuse_for(self, tokens: list[int]) -> Hit | None | object:
+    def reuse_for(self, tokens: list[int], isolation: str = "") -> Hit | None | object:
         """The cells a sequence of `tokens` may start from: a kept prefix, or a prompt still
         prefilling that shares at least a block more (as far as it is in; WAIT while that is not
         all of what it shares); None for nothing. Clients sending one system prompt at once: the
-        first prefills it, the others clone it as far as it is in, or wait."""
+        first prefills it, the others clone it as far as it is in, or wait. Only sequences of
+        the same `isolation` key (Request.isolation) lend their cells."""
         if self.prefixes is None or len(tokens) < 2:
             return None
-        hit = self.prefixes.find(tokens, len(tokens) - 1)  # at least one token is fed: its logits
+        hit = self.prefixes.find(tokens, len(tokens) - 1, isolation)  # at least one token is fed: its logits
         # The prompt still prefilling that shares most, when that is at least a block more.
         best, most = None, reused(hit) + self.prefixes.block - 1
         for s in self.running:
-            if s.remembered:
+            if s.remembered or s.request.isolation != isolation:
                 continue
             common = common_length(s.tokens, tokens, len(tokens) - 1)
             if common > most:
@@ -367,9 +368,10 @@ class Scheduler:
         p = self.prefixes
         if p is None or len(tokens) < p.block:
             return
-        keys = p.chain(tokens, len(tokens) // p.block)  # once, for both questions below
-        if p.covers(tokens, keys) or not self.room_for_ids(1, None):
+        isolation = s.request.isolation
+        keys = p.chain(tokens, len(tokens) // p.block, isolation)  # once, for both questions below
+        if p.covers(tokens, keys, isolation) or not self.room_for_ids(1, None):
             return
         sid = self.bc.seq_clone(s.seq_id, s.cached)
         if sid is not None:
-            p.keep(sid, tokens, s.request.index, keys)
+            p.keep(sid, tokens, s.request.index, keys, isolation)

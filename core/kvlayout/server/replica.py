@@ -41,6 +41,7 @@ def request_record(request: Request) -> dict:
         "sampling": None if s is None else [s.temperature, s.top_p, s.seed],
         "rngs": [sample.rng.bit_generator.state for sample in request.samples],
         "stop": [list(getattr(sample.stopper, "stop", ())) for sample in request.samples],
+        "isolation": request.isolation,  # the followers' prefix caches must share exactly as rank 0's does
     }
 
 
@@ -54,7 +55,8 @@ def rebuild_request(record: dict, decode: Callable) -> Request:
         sample.stopper = SampleText(decode, stop)
         samples.append(sample)
     sampling = None if record["sampling"] is None else Sampling(*record["sampling"])
-    return Request(record["index"], record["prompt"], record["max_tokens"], record["n"], samples, sampling=sampling)
+    return Request(record["index"], record["prompt"], record["max_tokens"], record["n"], samples, sampling=sampling,
+                   isolation=record["isolation"])
 
 
 class Leading:

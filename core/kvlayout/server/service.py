@@ -68,16 +68,18 @@ class Service:
     def tokenizer(self):
         return self.job.tokenizer
 
-    def order_request(self, order: Order) -> Request:
+    def order_request(self, order: Order, isolation: str = "") -> Request:
         """The engine's record of `order`: a fresh index, the order's sampling, a generator per sample.
 
         With a `seed` the samples are reproducible (OpenAI's meaning); without one each request
-        draws from its own index, so two unseeded requests do not sample alike."""
+        draws from its own index, so two unseeded requests do not sample alike. `isolation`: its
+        prefix-cache tenant (server.auth.isolation_key: its API key's and cache_salt's hash)."""
         index = next(self.counter)
         sampling = Sampling(order.temperature, order.top_p, order.seed)
         key = [order.seed] if order.seeded else [order.seed, index]
         samples = [Sample(index, j, np.random.default_rng([*key, j])) for j in range(order.n)]
-        return Request(index, list(order.prompt), order.max_tokens, order.n, samples, sampling=sampling)
+        return Request(index, list(order.prompt), order.max_tokens, order.n, samples, sampling=sampling,
+                       isolation=isolation)
 
 
 def model_id_of(cfg: ServeConfig) -> str:
