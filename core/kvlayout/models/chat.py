@@ -33,6 +33,7 @@ ROLES = ("system", "user", "assistant")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+CONTENT_MARK = "\U000f8a1d"  # a private-use character around a content's index (render_parts)
 
 
 class ChatTemplate:
@@ -60,6 +61,23 @@ class ChatTemplate:
             raise ConfigError(
                 f"{self.origin}: the chat template failed on the messages ({type(exc).__name__}: {one_line(exc)})"
             ) from None
+
+    def render_parts(self, messages: Sequence[Mapping[str, str]], rendered: str) -> list[tuple[str, bool]] | None:
+        """`rendered` (this template's text for `messages`) cut into the template's own text and the
+        messages' contents, in order: (text, is_content). Found by rendering again with a marker in
+        place of each content; None when the template changes a content (trims it, say) so that the
+        markers do not give back `rendered`."""
+        marked = [{**m, "content": f"{CONTENT_MARK}{i}{CONTENT_MARK}"} for i, m in enumerate(messages)]
+        pieces = self.render(marked).split(CONTENT_MARK)
+        parts = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                parts.append((piece, False))
+            elif piece.isdigit() and int(piece) < len(messages):
+                parts.append((messages[int(piece)]["content"], True))
+            else:
+                return None
+        return parts if "".join(text for text, _ in parts) == rendered else None
 
 
 class GenerationTag(jinja2.ext.Extension):

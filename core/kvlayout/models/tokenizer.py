@@ -10,6 +10,7 @@ missing (a 32000-id model decoding through bytes would "generate" nothing).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +38,15 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), cheap to take (the server's length check): exact here."""
+        return len(text.encode("utf-8"))
+
+    special_texts: tuple[str, ...] = ()  # no text encodes to a special id
+
+    def encode_literal(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.encode(text, add_special_tokens)
+
 
 class HFTokenizer:
     """A `tokenizer.json` read by the `tokenizers` library (no transformers needed); ConfigError naming
@@ -53,6 +63,8 @@ class HFTokenizer:
             raise ConfigError(f"{path}: not a tokenizer the tokenizers library reads ({why})") from None
         self.eos_ids = frozenset(eos_ids)
         self.chat_template = chat_template
+        self._bound: tuple[int, bytes] | None = None  # byte_level_bound's, taken on first use
+        self._literal = None  # encode_literal's tokenizer, made on first use
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of `text`; special tokens written in it (`<|im_start|>`) are parsed as one id each.
@@ -66,6 +78,64 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        """The texts `encode` turns into a special id (`<|im_end|>`)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
+    def encode_literal(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of `text` read as plain text: `<|im_end|>` written in it is the characters, not the
+        special id (a user's chat message, models.chat). A second tokenizer, so that `encode` on
+        another thread never sees the switch."""
+        if self._literal is None:
+            from tokenizers import Tokenizer
+
+            literal = Tokenizer.from_str(self._tok.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal
+        return self._literal.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), cheap to take (the server's length check; 0 where no
+        cheap bound is known): see `byte_level_bound`."""
+        if self._bound is None:
+            self._bound = byte_level_bound(json.loads(self._tok.to_str()), self._tok.get_vocab(with_added_tokens=True))
+        longest, dropped = self._bound
+        if not longest:
+            return 0
+        return -(-len(text.encode("utf-8").translate(None, dropped)) // longest)
+
+
+# Pre-tokenizers that split text without dropping any of it.
+LOSSLESS_SPLITS = {"ByteLevel", "Digits", "Punctuation", "Split"}
+
+
+def byte_level_bound(spec: dict, vocab: dict[str, int]) -> tuple[int, bytes]:
+    """For a byte-level BPE tokenizer (tokenizer.json `spec`): (L, D), L the UTF-8 length of its
+    longest vocabulary entry or added token, D the bytes its vocabulary lacks. Each byte of a text
+    not in D lands in exactly one token (a byte the vocabulary lacks is silently dropped: SmolLM2's
+    lacks some control bytes) and no token covers more than L of them, so a text with B bytes
+    outside D takes at least ceil(B / L) tokens. A byte-level entry's characters stand for one byte
+    each and take one or two in UTF-8, so counting L in UTF-8 never makes it too small. (0, b"")
+    where nothing so simple holds: a normalizer (it may shorten the text), a pre-tokenizer that
+    drops text (whitespace splitting), a model other than BPE (WordPiece's one unknown token covers
+    a whole word; SentencePiece's)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    byte_level = any(step.get("type") == "ByteLevel" for step in steps)
+    lossless = all(step.get("type") in LOSSLESS_SPLITS and step.get("behavior") != "Removed" for step in steps)
+    if spec.get("normalizer") is not None or not (byte_level and lossless) or spec["model"].get("type") != "BPE":
+        return 0, b""
+    # ByteLevel.alphabet() is GPT-2's byte-to-character table, in no order: rebuild which byte each stands for.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    char_of = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+    assert set(char_of.values()) == set(ByteLevel.alphabet())
+    dropped = bytes(b for b, c in char_of.items() if c not in vocab)
+    return max(len(token.encode("utf-8")) for token in vocab), dropped
 
 
 def eos_ids_of(model_dir: Path, config_eos: Sequence[int] = ()) -> list[int]:

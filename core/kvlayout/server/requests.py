@@ -3,11 +3,20 @@
 OpenAI's fields, with OpenAI's meaning: `model`, `messages` (chat) or
 `prompt` (text, or token ids), `max_tokens` (`max_completion_tokens` on
 chat), `temperature`, `top_p`, `seed`, `n`, `stop`, `stream`,
-`stream_options.include_usage`. Fields we cannot honour are accepted only at
+`stream_options.include_usage`; and vLLM's `cache_salt` (a non-empty string:
+only requests with the same salt, under the same API key, share cached
+prefixes; `Order.cache_salt`, server.service). Fields we cannot honour are accepted only at
 the value that means "off" (`presence_penalty: 0`, `logprobs: false`, ...):
 anything else is refused rather than silently ignored, as is a field we do
 not know. Every refusal is a `BadRequest` naming the field (`param`), which
 the app answers with OpenAI's error object; nothing of the server changes.
+
+A text far too long for the cache is refused before it is encoded (encoding a
+megabyte takes seconds): the tokenizer's `fewest_tokens` is a lower bound on
+its token count taken at the speed of a byte count (one token per byte for
+the byte tokenizer; for a byte-level BPE, the text's bytes over its longest
+token's, `models.tokenizer.byte_level_bound`; 0, no early refusal, for any
+other tokenizer). The app runs these parsers off its event loop all the same.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ NEUTRAL = {
     "store": (None, False),
     "metadata": None,  # any object: OpenAI stores it with a stored completion; we store nothing
 }
-COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options")
+COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options", "cache_salt")
 CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens")
 TEXT_FIELDS = (*COMMON, "prompt")
 NEUTRAL_CHAT = ("frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias", "user",
@@ -82,6 +91,7 @@ class Order:
     stream: bool
     include_usage: bool
     seeded: bool = False  # the request gave its seed: its samples are reproducible
+    cache_salt: str | None = None  # vLLM's field: prefixes are shared only with requests of the same salt
 
 
 def parse_chat(body: Any, limits: Limits, tokenizer: Any, plain_chat: bool) -> Order:
@@ -96,9 +106,13 @@ def parse_chat(body: Any, limits: Limits, tokenizer: Any, plain_chat: bool) -> O
     if tokenizer.chat_template is None and plain_chat:
         # The model has no template (the server said so as it started): the contents, joined.
         text = plain_text(messages)
-        ids = tokenizer.encode(text)
+        _could_fit(text, tokenizer, limits, "messages")
+        ids = tokenizer.encode_literal(text)  # a message's text is not markup (runner.prompts)
     else:
         try:
+            if tokenizer.chat_template is not None:  # rendering is cheap; encoding a huge chat is not
+                rendered = tokenizer.chat_template.render([attrs.asdict(m) for m in messages])
+                _could_fit(rendered, tokenizer, limits, "messages")
             ids = build_prompt(0, spec, tokenizer, plain_chat)[0].ids
         except ConfigError as exc:
             # The runner names the field as its config does (requests[0].messages); here it is `messages`.
@@ -120,6 +134,7 @@ def parse_completion(body: Any, limits: Limits, tokenizer: Any) -> Order:
         _unicode(prompt, "prompt")
         if not prompt:
             raise BadRequest("prompt is empty; give some text or token ids", "prompt")
+        _could_fit(prompt, tokenizer, limits, "prompt")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         ids = list(prompt)
@@ -130,6 +145,16 @@ def parse_completion(body: Any, limits: Limits, tokenizer: Any) -> Order:
             f"prompt must be a non-empty string or a non-empty array of token ids, not {shown(prompt)}", "prompt"
         )
     return _order(body, limits, ids, "prompt", "max_tokens", chat=False)
+
+
+def _could_fit(text: str, tokenizer: Any, limits: Limits, field: str) -> None:
+    """BadRequest, before encoding `text`, when even its fewest possible tokens leave no cell to generate in."""
+    fewest = tokenizer.fewest_tokens(text)
+    if fewest >= limits.capacity:
+        raise BadRequest(
+            f"{field} is at least {fewest} tokens ({len(text.encode('utf-8'))} bytes of text); it leaves no room "
+            f"in the cache's {limits.capacity} cells", field, code="context_length_exceeded",
+        )
 
 
 def _order(body: Mapping, limits: Limits, ids: list[int], prompt_field: str, limit_field: str, chat: bool) -> Order:
@@ -179,11 +204,21 @@ def _order(body: Mapping, limits: Limits, ids: list[int], prompt_field: str, lim
     include_usage = _stream_options(body.get("stream_options"), stream)
     seeded = body.get("seed") is not None
     return Order(
-        chat, ids, max_tokens, n, _stop(body.get("stop")), temperature, top_p, seed, stream, include_usage, seeded
+        chat, ids, max_tokens, n, _stop(body.get("stop")), temperature, top_p, seed, stream, include_usage, seeded,
+        _cache_salt(body.get("cache_salt")),
     )
 
 
 # -- the fields, one at a time
+
+
+def _cache_salt(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"cache_salt must be a non-empty string, not {shown(value)}", "cache_salt")
+    _unicode(value, "cache_salt")
+    return value
 
 
 def _object(body: Any) -> Mapping:
