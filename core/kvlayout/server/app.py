@@ -10,9 +10,11 @@ error a client can cause is a KVLayoutError carrying its status (`BadRequest`,
 `QueueFull`), answered as OpenAI's error object with the field named (400,
 404, 413, 415 for a body not sent as JSON, 429 with Retry-After); anything
 else is a 500 of the same shape, and the server goes on. A request whose
-Host is not the server's is refused 403 before any route (`hosts`). A client
+Host is not the server's is refused 403 before any route (`hosts`); with API
+keys configured, one without a right key is refused 401 next (`auth`). A client
 that goes away (its stream closed, or a whole-answer request abandoned) has
-its request cancelled at once.
+its request cancelled at once. A request the shutdown ends (`serve`) is
+answered 503, a stream with that error as its last event before [DONE].
 """
 
 from __future__ import annotations
@@ -26,19 +28,21 @@ from collections.abc import AsyncIterator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvlayout.errors import BadRequest, KVLayoutError, one_line
 from kvlayout.server import cellmap, monitor, shapes
+from kvlayout.server.auth import ApiKeys, isolation_key, tenant_of
 from kvlayout.server.hosts import HostCheck
 from kvlayout.server.requests import parse_chat, parse_completion
 from kvlayout.server.service import Service
-from kvlayout.server.worker import Event, Ticket, new_ticket
+from kvlayout.server.worker import Event, Ticket, new_ticket, queue_timed_out, shutting_down
 
 FRAME_POLL_S = 0.05  # how often a /cells stream looks for a new frame
 KEEPALIVE_S = 15.0
+QUEUED_KEEPALIVE_S = 3.0  # a stream still queued hears `: waiting` this often
 RETRY_AFTER_S = 1
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -57,8 +61,10 @@ def build_app(service: Service) -> Starlette:
         Route("/cells/at", h.cell_at, methods=["GET"]),
         Route("/", h.page, methods=["GET"]),
     ]
-    handlers = {KVLayoutError: refused, HTTPException: http_error, Exception: internal_error}
-    checked = [Middleware(HostCheck, allowed=service.cfg.server.allowed_hosts)]  # every route: DNS rebinding
+    handlers = {KVLayoutError: refused, HTTPException: http_error, ClientDisconnect: left_mid_body,
+                Exception: internal_error}
+    checked = [Middleware(HostCheck, allowed=service.cfg.server.allowed_hosts),  # every route: DNS rebinding
+               Middleware(ApiKeys, keys=service.cfg.server.api_keys)]  # every route but /health and the page
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=h.lifespan, middleware=checked)
 
 
@@ -88,11 +94,15 @@ class Handlers:
         """Check the body, queue its ticket (QueueFull: a 429), then stream the answer or wait for all of it."""
         service = self.service
         body = await read_json(request, service.cfg.server.max_body_bytes)
+        # Encoding a long prompt takes a while (the tokenizer lets go of the GIL meanwhile): on a
+        # thread, so other clients' streams and /health go on.
         if chat:
-            order = parse_chat(body, service.limits, service.tokenizer, service.cfg.plain_chat)
+            order = await asyncio.to_thread(parse_chat, body, service.limits, service.tokenizer, service.cfg.plain_chat)
         else:
-            order = parse_completion(body, service.limits, service.tokenizer)
-        ticket = new_ticket(order, service.order_request(order), service.tokenizer.decode, asyncio.get_running_loop())
+            order = await asyncio.to_thread(parse_completion, body, service.limits, service.tokenizer)
+        isolation = isolation_key(tenant_of(request), order.cache_salt)  # whose cached prefixes it may share
+        ticket = new_ticket(order, service.order_request(order, isolation), service.tokenizer.decode,
+                            asyncio.get_running_loop(), service.cfg.server.queue_timeout_s)
         self.worker.submit(ticket)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if order.stream:
@@ -179,12 +189,23 @@ async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[di
         for i in range(order.n):
             yield shapes.chunk(True, rid, service.created, model, i, "", None, first=True)
     async for event in events(ticket):
+        if event is None:  # still queued
+            yield None
+            continue
         if event.finish_reason == "error":
             yield shapes.error(f"generation failed: {event.error}", "server_error")
             return
         reason = event.finish_reason if event.finish_reason in ("stop", "length") else None
         if event.text or reason:
             yield shapes.chunk(order.chat, rid, service.created, model, event.index, event.text or None, reason)
+    if ticket.shut_down:  # its error event, then [DONE]: the client knows it was cut short, and why
+        refusal = shutting_down()
+        yield shapes.error(refusal.message, refusal.kind, code=refusal.code)
+        return
+    if ticket.timed_out:
+        refusal = queue_timed_out()
+        yield shapes.error(refusal.message, refusal.kind, code=refusal.code)
+        return
     if ticket.failed is not None:
         yield shapes.error(ticket.failed, "server_error")
         return
@@ -192,11 +213,15 @@ async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[di
         yield shapes.usage_chunk(order.chat, rid, service.created, model, usage_of(ticket))
 
 
-async def sse(chunks: AsyncIterator[dict], worker, ticket: Ticket) -> AsyncIterator[str]:
-    """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`; the request is cancelled
-    when the client goes away first (Starlette cancels this generator on a disconnect)."""
+async def sse(chunks: AsyncIterator[dict | None], worker, ticket: Ticket) -> AsyncIterator[str]:
+    """Server-sent events: `data: {json}` per chunk (a `: waiting` comment for None), then
+    `data: [DONE]`; the request is cancelled when the client goes away first (Starlette cancels
+    this generator on a disconnect)."""
     try:
         async for chunk in chunks:
+            if chunk is None:
+                yield ": waiting\n\n"
+                continue
             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
@@ -220,8 +245,18 @@ async def cell_frames(worker) -> AsyncIterator[str]:
         quiet += FRAME_POLL_S
 
 
-async def events(ticket: Ticket) -> AsyncIterator[Event]:
-    while (event := await ticket.events.get()) is not None:
+async def events(ticket: Ticket) -> AsyncIterator[Event | None]:
+    """The ticket's events until it is over; None every QUEUED_KEEPALIVE_S while the engine has
+    not started it (a queued stream would otherwise hear nothing, and proxies close quiet ones)."""
+    while True:
+        try:
+            event = await asyncio.wait_for(ticket.events.get(), QUEUED_KEEPALIVE_S)
+        except TimeoutError:  # Queue.get loses no event to a timeout
+            if not ticket.request.started:
+                yield None
+            continue
+        if event is None:
+            return
         yield event
 
 
@@ -253,6 +288,10 @@ async def whole(request: Request, ticket: Ticket, rid: str, service: Service) ->
         raise
     finally:
         gone.cancel()
+    if ticket.shut_down:
+        raise shutting_down()
+    if ticket.timed_out:
+        raise queue_timed_out()
     if ticket.failed is not None or error is not None:
         raise BadRequest(f"generation failed: {ticket.failed or error}", status=500, kind="server_error")
     body = shapes.completion(order.chat, rid, service.created, service.model_id, texts, reasons, usage_of(ticket))
@@ -299,6 +338,11 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
     message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
     text = message.get(exc.status_code, str(exc.detail))
     return JSONResponse(shapes.error(text, "invalid_request_error"), exc.status_code, headers=exc.headers)
+
+
+async def left_mid_body(request: Request, exc: ClientDisconnect) -> Response:
+    """The client went away before its body was whole: nothing to do, nobody to answer, nothing to log."""
+    return Response(status_code=499)
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:

@@ -43,17 +43,26 @@ def is_host_name(name) -> bool:
     return not any(c.isspace() or c in "/@:?#[]" for c in name)
 
 
+def is_api_key(key) -> bool:
+    """A key a client can send as `Authorization: Bearer KEY`: printable ASCII, no spaces."""
+    return isinstance(key, str) and 0 < len(key) <= 4096 and all("!" <= c <= "~" for c in key)
+
+
 @attrs.frozen
 class ServerSection:
     """The server's limits.
 
     `max_sequences`: requests generating at once (a request's n samples
     count n); the rest wait in the server's queue, up to `queue` of them,
-    and a request past that is answered 429 with Retry-After. `max_tokens`:
+    and a request past that is answered 429 with Retry-After. `queue_timeout_s`:
+    a request still waiting this long is dropped and answered 503 (a stream:
+    an error event, then [DONE]); a waiting stream gets a `: waiting` comment
+    every few seconds meanwhile. `max_tokens`:
     the most a request may ask for (and what it gets when it asks for none,
     less where the cache is smaller). `max_body_bytes`: a larger body is
     answered 413. `shutdown_grace_s`: on SIGINT/SIGTERM the server stops
-    admitting and lets in-flight requests finish this long, then cancels them.
+    admitting, answers the queued requests 503 at once and lets the generating
+    ones finish this long, then answers them 503 too (a stream: an error event).
     `prefix_cache`: keep finished requests' cells for later prompts that start
     with the same tokens (a cell layout only; engines.prefixes).
     `allowed_hosts`: names a request's `Host` may give besides the server's
@@ -65,10 +74,16 @@ class ServerSection:
     reading its answer, or a connection idle between requests is closed.
     `max_connections`: connections open at once; one more is answered 503
     and closed (lowered, with a warning, to what `ulimit -n` allows).
+    `api_keys`: when any is given, every route but /health and the page
+    itself needs `Authorization: Bearer KEY` (401 otherwise; `server.auth`),
+    and each key's requests share cached prefixes only among themselves.
+    `--api-key`, `--api-key-file` and KVLAYOUT_API_KEY add to them. Never
+    shown: not in the record's repr, not in an error message.
     """
 
     queue: int = 64
     max_sequences: int = 32
+    queue_timeout_s: float = 300.0
     max_tokens: int = 1024
     max_body_bytes: int = 1 << 20
     shutdown_grace_s: float = 10.0
@@ -77,6 +92,8 @@ class ServerSection:
     header_timeout_s: float = 10.0
     idle_timeout_s: float = 30.0
     max_connections: int = 256
+    api_keys: tuple[str, ...] = attrs.field(default=(), repr=False,
+                                            converter=lambda v: tuple(v) if isinstance(v, list) else v)
 
     def __attrs_post_init__(self):
         int_scalar("server.queue", self.queue, ConfigError, 0, numpy=False)
@@ -91,11 +108,14 @@ class ServerSection:
                               "e.g. [\"kv.example.org\"]")
         if finite_number("server.shutdown_grace_s", self.shutdown_grace_s, ConfigError) < 0:
             raise ConfigError(f"server.shutdown_grace_s={self.shutdown_grace_s!r}: expected a number of seconds >= 0")
-        for key in ("header_timeout_s", "idle_timeout_s"):
+        for key in ("header_timeout_s", "idle_timeout_s", "queue_timeout_s"):
             value = getattr(self, key)
             if finite_number(f"server.{key}", value, ConfigError) <= 0:
                 raise ConfigError(f"server.{key}={value!r}: expected a number of seconds > 0")
         int_scalar("server.max_connections", self.max_connections, ConfigError, 1, numpy=False)
+        if not (isinstance(self.api_keys, tuple) and all(is_api_key(k) for k in self.api_keys)):
+            raise ConfigError("server.api_keys: expected a list of non-empty strings of printable ASCII without "
+                              "spaces (the keys are not shown here)")
 
 
 @attrs.frozen
@@ -129,6 +149,11 @@ class ServeConfig(LayoutAndModel):
     def with_allowed_hosts(self, names) -> ServeConfig:
         """`--allowed-host NAME`s, added to `server.allowed_hosts`."""
         server = attrs.evolve(self.server, allowed_hosts=(*self.server.allowed_hosts, *names))
+        return attrs.evolve(self, server=server)
+
+    def with_api_keys(self, keys) -> ServeConfig:
+        """`--api-key`, `--api-key-file` and KVLAYOUT_API_KEY's keys, added to `server.api_keys`."""
+        server = attrs.evolve(self.server, api_keys=(*self.server.api_keys, *keys))
         return attrs.evolve(self, server=server)
 
     @classmethod

@@ -4,19 +4,24 @@ The model runs where it was loaded (MLX's streams belong to their thread),
 the main thread; uvicorn serves on a second one with its own event loop.
 The socket is bound before the model loads (`bind`), so a port in use or a
 host that is not this machine's is one line naming them (exit 2), not a
-logged traceback. On SIGINT/SIGTERM uvicorn stops accepting connections and
-lets the in-flight requests finish for `server.shutdown_grace_s`, then
-cancels what is left; the engine stops after its step and the process exits
-0 (a server asked to stop that stops has not failed). A second Ctrl-C does
-not wait for the grace period.
+logged traceback. On SIGINT/SIGTERM uvicorn stops accepting connections;
+the requests still queued are answered at once (503 in OpenAI's shape, or a
+stream's error event and [DONE]), those generating get `server.shutdown_grace_s`
+to finish and are then answered the same way, before uvicorn closes the
+sockets (it cancels only what is still unanswered `ANSWER_S` later, and a
+cancelled request logs no traceback). The engine stops after its step and the
+process exits 0 (a server asked to stop that stops has not failed). A second
+Ctrl-C does not wait for the grace period.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import uvicorn
@@ -33,23 +38,46 @@ from kvlayout.server.connections import (
     descriptor_room,
 )
 from kvlayout.server.service import Service
+from kvlayout.server.worker import Worker
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ANSWER_S = 2.0  # past the grace period, how long the answers of the requests it ended get to be written
+GRACE_POLL_S = 0.05
 logger = logging.getLogger("kvlayout.server")
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, telling `on_ready` once it accepts connections. It runs off the main
-    thread, where uvicorn leaves signals alone: `serve` takes them."""
+    """uvicorn's server, telling `on_ready` once it accepts connections and, given the `worker`, ending
+    its requests itself at shutdown (see the module docstring; `grace_s` after it begins). It runs off
+    the main thread, where uvicorn leaves signals alone: `serve` takes them."""
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None], worker: Worker | None = None,
+                 grace_s: float = 0.0):
         super().__init__(config)
-        self.on_ready = on_ready
+        self.on_ready, self.worker, self.grace_s = on_ready, worker, grace_s
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
             self.on_ready()
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.worker is None:
+            return await super().shutdown(sockets)
+        self.worker.refuse_waiting()
+        grace = asyncio.ensure_future(self.end_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            grace.cancel()
+
+    async def end_after_grace(self) -> None:
+        """Past the grace period (or at a second Ctrl-C), end what still runs: each client is answered
+        while its connection is open, rather than cut off by uvicorn's cancel."""
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(GRACE_POLL_S)
+        self.worker.end_running()
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -104,12 +132,17 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
     Runs the engine on this thread (the one that prepared `service`)."""
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-    config = http_config(service, timeout_graceful_shutdown=service.cfg.server.shutdown_grace_s)  # 0: none
-    server = Server(config, lambda: on_ready(url))
+    grace_s = service.cfg.server.shutdown_grace_s  # 0: none
+    config = http_config(service, timeout_graceful_shutdown=grace_s + ANSWER_S)  # a backstop: Server ends them first
+    server = Server(config, lambda: on_ready(url), service.worker, grace_s)
 
     def not_the_forced_exit(record: logging.LogRecord) -> bool:
-        # A second Ctrl-C cancels the app's lifespan on purpose; uvicorn would log that as a traceback.
-        return not (server.force_exit and "CancelledError" in record.getMessage())
+        # A request (or, at a second Ctrl-C, the app's lifespan) cancelled by the shutdown is cancelled
+        # on purpose; uvicorn would log each as a traceback.
+        if not server.should_exit:
+            return True
+        cancelled = record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError)
+        return not (cancelled or "CancelledError" in record.getMessage())
 
     uvicorn_errors = logging.getLogger("uvicorn.error")
     uvicorn_errors.addFilter(not_the_forced_exit)

@@ -14,11 +14,18 @@ generating stay within `max_sequences` (EngineOptions.max_samples), first come
 first served. The HTTP side only counts: a ticket is accepted while fewer
 requests wait than `queue` plus the samples still free under
 `max_sequences`, else refused (429). A request waits until the engine starts
-it (`Request.started`). A step that raises out of the engine (the engine
+it (`Request.started`), or until its ticket's queue deadline (`[server]
+queue_timeout_s`): one not started by then is dropped between two steps and
+ends `timed_out` (the HTTP side answers 503). A step that raises out of the engine (the engine
 itself retries a failed forward, and fails only the request that still
 fails) ends every request it had started with an error, and the cache is
 cleared and a fresh engine built, given the requests still waiting: the
 server keeps serving.
+
+Shutdown (`serve`): `refuse_waiting` ends at once the tickets the engine has
+not started, and refuses new ones; `end_running`, past the grace period, ends
+the rest. Both are answered `shutting_down()` (503 in OpenAI's shape, an
+error event in a stream) by the HTTP side, before uvicorn closes the sockets.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import attrs
 
 from kvlayout.engines.prefixes import PrefixCache
 from kvlayout.engines.records import Request, Stats
-from kvlayout.errors import QueueFull, RunEnded
+from kvlayout.errors import BadRequest, QueueFull, RunEnded
 from kvlayout.runner.text import SampleText
 from kvlayout.server import cellmap
 from kvlayout.server.observer import CellObserver
@@ -43,6 +50,18 @@ from kvlayout.server.requests import Order
 
 FRAME_EVERY_S = 0.2  # the cell map is redrawn at most five times a second
 RATE_WINDOW_S = 5.0  # tokens/s are over the last five seconds
+
+
+def shutting_down() -> BadRequest:
+    """What a request is answered when the server's shutdown ends it, or comes before it is taken."""
+    return BadRequest("the server is shutting down; retry later", status=503, code="server_shutting_down",
+                      kind="server_error")
+
+
+def queue_timed_out() -> BadRequest:
+    """What a request is answered when it waited past its queue deadline without being started."""
+    return BadRequest("the request waited in the queue longer than server.queue_timeout_s without being started; "
+                      "retry later", status=503, code="queue_timeout", kind="server_error")
 
 
 @attrs.frozen
@@ -66,7 +85,10 @@ class Ticket:
     events: asyncio.Queue = attrs.field(factory=asyncio.Queue)
     finished: int = 0  # samples ended
     handed: bool = False  # the engine thread gave its request to the engine
-    failed: str | None = None  # why the whole request failed (a step that raised)
+    failed: str | None = None  # why the whole request failed (a step that raised, or its queue deadline)
+    deadline: float | None = None  # time.monotonic() by which the engine must have started it, or None
+    timed_out: bool = False  # it waited past its deadline: dropped before it started
+    shut_down: bool = False  # the server's shutdown ended it: answered shutting_down()
 
     @property
     def done(self) -> bool:
@@ -80,13 +102,16 @@ class Ticket:
             pass
 
 
-def new_ticket(order: Order, request: Request, decode: Callable, loop: asyncio.AbstractEventLoop) -> Ticket:
-    """A ticket whose samples' texts end at the order's stop strings (their stoppers, in the engine)."""
+def new_ticket(order: Order, request: Request, decode: Callable, loop: asyncio.AbstractEventLoop,
+               queue_timeout_s: float | None = None) -> Ticket:
+    """A ticket whose samples' texts end at the order's stop strings (their stoppers, in the engine),
+    dropped when the engine has not started it `queue_timeout_s` from now (None: it waits as long as it takes)."""
     texts = []
     for sample in request.samples:
         sample.stopper = text = SampleText(decode, order.stop)
         texts.append(text)
-    return Ticket(order, request, texts, loop, asyncio.Queue())
+    deadline = None if queue_timeout_s is None else time.monotonic() + queue_timeout_s
+    return Ticket(order, request, texts, loop, asyncio.Queue(), deadline=deadline)
 
 
 class Worker:
@@ -132,16 +157,18 @@ class Worker:
         # signal handler, which runs on the main thread between any two bytecodes, possibly inside
         # this thread's own Event.set or lock; taking a lock there deadlocks.
         self.closing = False
+        self.refusing = False  # set once shutdown begins: submit refuses (503), see refuse_waiting
         self.publish()
 
     # -- the HTTP side (any thread)
 
     def submit(self, ticket: Ticket) -> None:
         """Hand `ticket` to the engine (it runs when the engine admits it); QueueFull (nothing
-        changed) when `queue` requests wait beyond what `max_sequences` still has room for."""
+        changed) when `queue` requests wait beyond what `max_sequences` still has room for;
+        `shutting_down()` (503) once the shutdown began."""
         with self.lock:
-            if self.stopping.is_set():
-                raise QueueFull("the server is shutting down")
+            if self.refusing or self.stopping.is_set():
+                raise shutting_down()
             room = self.queue_limit + max(0, self.max_sequences - self.running_samples)
             if self.waiting >= room:
                 raise QueueFull(f"{self.waiting} requests are waiting (server.queue={self.queue_limit})")
@@ -158,6 +185,30 @@ class Worker:
         self.closing = True
         self.stopping.set()
         self.inbox.put(("stop", None))
+
+    def refuse_waiting(self) -> None:
+        """Shutdown begins (the HTTP side, not a signal handler: it locks): no ticket is taken any
+        more, and those the engine has not started end now, answered at once; the started ones
+        go on (the grace period)."""
+        self.refusing = True
+        self.end_for_shutdown(started_too=False)
+
+    def end_running(self) -> None:
+        """The grace period is over: every ticket left ends now, its answer said at once (the HTTP
+        side, not waiting for the engine's step); the engine frees their cells after its step."""
+        self.refusing = True
+        self.end_for_shutdown(started_too=True)
+
+    def end_for_shutdown(self, started_too: bool) -> None:
+        with self.lock:
+            tickets = [t for t in self.tickets.values() if started_too or not t.request.started]
+            for ticket in tickets:
+                del self.tickets[ticket.request.index]
+            self.count()
+        for ticket in tickets:
+            ticket.failed, ticket.shut_down = shutting_down().message, True
+            ticket.post(None)
+            self.inbox.put(("forget", ticket))  # the engine drops it (a started one, or one it took meanwhile)
 
     def close_streams(self) -> None:
         """The server is shutting down: the endless streams (the cell map's) end now, so the
@@ -190,12 +241,17 @@ class Worker:
                     self.stopped()
                     return
                 if verb == "run":
-                    if ticket.failed is None:  # not ended meanwhile by a step that raised
+                    if ticket.failed is None:  # not ended meanwhile by a step that raised, or the shutdown
                         self.engine.add([ticket.request])
                         ticket.handed = True
+                elif verb == "forget":  # ended for the shutdown, its client answered already
+                    if ticket.handed:
+                        self.engine.cancel(ticket.request)  # heard() ignores it: its ticket is gone
+                    self.mark_stale()
                 else:
                     self.drop(ticket)
                     self.mark_stale()  # freed cells: no hook tells of a verb
+            self.expire(time.monotonic())
             if self.engine.has_work:
                 self.step()
             self.publish()
@@ -254,6 +310,22 @@ class Worker:
         started = [t for t in self.tickets.values() if t.request.started]
         self.waiting = len(self.tickets) - len(started)
         self.running_samples = sum(t.order.n for t in started)
+
+    def expire(self, now: float) -> None:
+        """Drop every ticket the engine has not started whose queue deadline has passed: it ends
+        `timed_out`, having held no cell. Runs on the engine thread between steps, so no step can
+        start one while it goes."""
+        with self.lock:
+            late = [t for t in self.tickets.values()
+                    if t.handed and not t.request.started and t.deadline is not None and now >= t.deadline]
+            for ticket in late:
+                del self.tickets[ticket.request.index]
+            self.count()
+        for ticket in late:
+            self.engine.cancel(ticket.request)  # heard() ignores it now: its ticket is gone
+            ticket.timed_out = True
+            ticket.failed = queue_timed_out().message
+            self.ending.append(ticket)  # told once /health shows it gone (`ending`)
 
     def cancel_all(self, why: str, cancel_in_engine: bool, queued_too: bool = True) -> None:
         """End every request the engine started with `why` (and those still waiting, with
