@@ -81,6 +81,9 @@ BAD_BODIES = [
     (b'{"model": "tiny", "prompt": "x", "stop": {"a": 1}}', 400), (b'{"model": "tiny", "prompt": "x"}' * 2, 400),
     (b'{"model": "tiny", "prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400),  # math.isfinite overflows
     (b'{"model": "tiny", "prompt": "x", "top_p": -1' + b"0" * 400 + b"}", 400),
+    # A lone surrogate echoed in the message (the body shown, a field's value shown, an unknown field's name).
+    (b'"\\ud800"', 400), (b'{"model": "tiny", "prompt": "x", "stop": ["\\ud800", 1]}', 400),
+    (b'{"model": "tiny", "\\udfff": 1}', 400),
 ]
 
 
@@ -92,6 +95,11 @@ def test_a_malformed_body_is_answered_in_openai_shape_and_the_server_keeps_servi
     if status != 200:
         assert set(body["error"]) == {"message", "type", "param", "code"}
     assert live.health() == before  # refused: nothing of the server changed (cells, steps, kept prefixes)
+
+
+def test_a_lone_surrogate_a_message_echoes_comes_back_as_the_escape_it_came_as(live):
+    code, body, _ = live.post("/v1/completions", b'{"model": "tiny", "prompt": "x", "\\ud800": 1}')
+    assert code == 400 and body["error"]["message"].endswith(": \ud800") and body["error"]["param"] == "\ud800"
 
 
 def test_an_oversized_body_answers_413_declared_or_not(tiny_loaded):

@@ -4,6 +4,7 @@ connections open at once, and a flood of failed accepts logged as one line."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -190,53 +191,55 @@ class Lines(logging.Handler):
         self.lines.extend(self.format(record).splitlines())
 
 
+@contextlib.contextmanager
+def heard(name: str, limit: logging.Filter):
+    """The lines logger `name` writes while `limit` filters it."""
+    log, lines = logging.getLogger(name), Lines()
+    log.addHandler(lines)
+    log.addFilter(limit)
+    try:
+        yield lines.lines
+    finally:
+        log.removeFilter(limit)
+        log.removeHandler(lines)
+
+
 def test_a_thousand_failed_accepts_in_a_second_log_one_line_then_one_per_interval_with_the_count():
     now = [0.0]
-    limit = OutOfDescriptorsFilter(interval_s=10.0, clock=lambda: now[0])
-    asyncio_log, lines = logging.getLogger("asyncio"), Lines()
-    asyncio_log.addHandler(lines)
-    asyncio_log.addFilter(limit)
     loop = asyncio.new_event_loop()
-    try:
-        # What asyncio's accept does on EMFILE, through its own default exception handler.
-        for i in range(1000):
-            now[0] = i / 1000
+    with heard("asyncio", OutOfDescriptorsFilter(interval_s=10.0, clock=lambda: now[0])) as lines:
+        try:
+            # What asyncio's accept does on EMFILE, through its own default exception handler.
+            for i in range(1000):
+                now[0] = i / 1000
+                loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                             "exception": OSError(errno.EMFILE, "Too many open files")})
+            assert len(lines) == 1 and "Too many open files" in lines[0] and "Traceback" not in lines[0]
+            now[0] = 10.5
             loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                          "exception": OSError(errno.EMFILE, "Too many open files")})
-        assert len(lines.lines) == 1 and "Too many open files" in lines.lines[0] and "Traceback" not in lines.lines[0]
-        now[0] = 10.5
-        loop.call_exception_handler({"message": "socket.accept() out of system resource",
-                                     "exception": OSError(errno.EMFILE, "Too many open files")})
-        assert len(lines.lines) == 2 and "999 more like it in the last 10 s" in lines.lines[1]
-        # Anything else asyncio says passes as it was.
-        loop.call_exception_handler({"message": "something else", "exception": ValueError("x")})
-        assert lines.lines[2] == "something else" and any("ValueError: x" in line for line in lines.lines[3:])
-    finally:
-        loop.close()
-        asyncio_log.removeFilter(limit)
-        asyncio_log.removeHandler(lines)
+            assert len(lines) == 2 and "999 more like it in the last 10 s" in lines[1]
+            # Anything else asyncio says passes as it was.
+            loop.call_exception_handler({"message": "something else", "exception": ValueError("x")})
+            assert lines[2] == "something else" and any("ValueError: x" in line for line in lines[3:])
+        finally:
+            loop.close()
 
 
 def test_a_flood_of_invalid_requests_logs_one_warning_per_interval():
     now = [0.0]
-    limit = PerRequestWarningsFilter(interval_s=10.0, clock=lambda: now[0])
-    uvicorn_log, lines = logging.getLogger("uvicorn.error"), Lines()
-    uvicorn_log.addHandler(lines)
-    uvicorn_log.addFilter(limit)
-    try:
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    with heard("uvicorn.error", PerRequestWarningsFilter(interval_s=10.0, clock=lambda: now[0])) as lines:
         for i in range(1000):
             now[0] = i / 1000
             uvicorn_log.warning("Invalid HTTP request received.")
             uvicorn_log.warning("Unsupported upgrade request.")
         uvicorn_log.warning("Exceeded concurrency limit.")  # not per request from one client: as it was
-        assert lines.lines == ["Invalid HTTP request received.", "Unsupported upgrade request.",
-                               "Exceeded concurrency limit."]
+        assert lines == ["Invalid HTTP request received.", "Unsupported upgrade request.",
+                         "Exceeded concurrency limit."]
         now[0] = 11
         uvicorn_log.warning("Invalid HTTP request received.")
-        assert lines.lines[-1] == "Invalid HTTP request received. (999 more like it in the last 10 s)"
-    finally:
-        uvicorn_log.removeFilter(limit)
-        uvicorn_log.removeHandler(lines)
+        assert lines[-1] == "Invalid HTTP request received. (999 more like it in the last 10 s)"
 
 
 @pytest.mark.parametrize("held_back, expected", [(0, ""), (1, " (1 more like it in the last 5 s)")])

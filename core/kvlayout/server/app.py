@@ -198,12 +198,8 @@ async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[di
         reason = event.finish_reason if event.finish_reason in ("stop", "length") else None
         if event.text or reason:
             yield shapes.chunk(order.chat, rid, service.created, model, event.index, event.text or None, reason)
-    if ticket.shut_down:  # its error event, then [DONE]: the client knows it was cut short, and why
-        refusal = shutting_down()
-        yield shapes.error(refusal.message, refusal.kind, code=refusal.code)
-        return
-    if ticket.timed_out:
-        refusal = queue_timed_out()
+    refusal = cut_short(ticket)
+    if refusal is not None:  # its error event, then [DONE]: the client knows it was cut short, and why
         yield shapes.error(refusal.message, refusal.kind, code=refusal.code)
         return
     if ticket.failed is not None:
@@ -211,6 +207,16 @@ async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[di
         return
     if order.include_usage:
         yield shapes.usage_chunk(order.chat, rid, service.created, model, usage_of(ticket))
+
+
+def cut_short(ticket: Ticket) -> BadRequest | None:
+    """What a ticket the server ended before its answer was whole is answered: the shutdown's or
+    its queue deadline's refusal (503); None for any other."""
+    if ticket.shut_down:
+        return shutting_down()
+    if ticket.timed_out:
+        return queue_timed_out()
+    return None
 
 
 async def sse(chunks: AsyncIterator[dict | None], worker, ticket: Ticket) -> AsyncIterator[str]:
@@ -288,10 +294,9 @@ async def whole(request: Request, ticket: Ticket, rid: str, service: Service) ->
         raise
     finally:
         gone.cancel()
-    if ticket.shut_down:
-        raise shutting_down()
-    if ticket.timed_out:
-        raise queue_timed_out()
+    refusal = cut_short(ticket)
+    if refusal is not None:
+        raise refusal
     if ticket.failed is not None or error is not None:
         raise BadRequest(f"generation failed: {ticket.failed or error}", status=500, kind="server_error")
     body = shapes.completion(order.chat, rid, service.created, service.model_id, texts, reasons, usage_of(ticket))
@@ -331,7 +336,17 @@ async def refused(request: Request, exc: KVLayoutError) -> Response:
     if exc.status is None:
         raise exc
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
-    return JSONResponse(shapes.error(str(exc), exc.kind, exc.param, exc.code), exc.status, headers=headers)
+    return EchoingJSON(shapes.error(str(exc), exc.kind, exc.param, exc.code), exc.status, headers=headers)
+
+
+class EchoingJSON(JSONResponse):
+    """A JSONResponse whose message may echo a client's text, lone surrogates included (JSON's
+    `\\ud800` escapes, which Python reads and UTF-8 cannot write): written back as those same
+    escapes, not a 500. Only inside JSON strings can they be, so the text stays valid JSON."""
+
+    def render(self, content) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+        return text.encode("utf-8", "backslashreplace")
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
