@@ -60,19 +60,22 @@ class Ring:
 
 def ring_from_environment() -> Ring | None:
     """The ring backend's launch this process belongs to (MLX_RANK, MLX_HOSTFILE), or None when it is
-    none, holds one rank, or its hostfile or rank cannot be read: the ring's own join then says why."""
+    none, holds one rank, or its hostfile or rank cannot be read: the ring's own join then says why.
+    DistributedError, one line, for a port past 0..65535, on which that join would wait forever."""
     hostfile, rank = os.environ.get("MLX_HOSTFILE"), os.environ.get("MLX_RANK")
     if not hostfile or rank is None or "OMPI_COMM_WORLD_SIZE" in os.environ:
         return None
     try:
         nodes = json.loads(Path(hostfile).read_text())
         ring = Ring(int(rank), tuple(node[0] for node in nodes))
-        for r in range(ring.size):
-            ring.host_port(r)  # each a "host:port"
-    except (OSError, ValueError, TypeError, KeyError, IndexError):
+        ports = [ring.host_port(r)[1] for r in range(ring.size)]  # each a "host:port"
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):  # an address no string
         return None
     if ring.size < 2 or not 0 <= ring.rank < ring.size:
         return None
+    bad = [r for r, port in enumerate(ports) if not 0 <= port <= 65535]
+    if bad:  # MLX's join does not refuse it: it waits forever
+        raise DistributedError(f"MLX_HOSTFILE {hostfile}: {ring.named(bad)}: a port past 0..65535")
     return ring
 
 

@@ -132,7 +132,10 @@ def preload_env(path: str, environ: Mapping[str, str] = os.environ) -> dict[str,
     libgfortran when the system has no libgfortran.so.5 of its own."""
     env = {"LD_PRELOAD": " ".join([path, *environ.get("LD_PRELOAD", "").replace(":", " ").split()])}
     if ctypes.util.find_library("gfortran") is None:
-        links = gfortran_links()
+        try:
+            links = gfortran_links()
+        except OSError:  # a cache that cannot be written: no links, and a library needing them fails its check
+            links = None
         if links is not None:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(links), environ.get("LD_LIBRARY_PATH")]))
     return env
@@ -163,7 +166,7 @@ def check(path: str) -> str | None:
     else why not, in a few words."""
     key = _verdict_key(path)
     verdicts = _read_verdicts()
-    if key not in verdicts:
+    if not isinstance(verdicts.get(key), str):  # unchecked, or a damaged cache's entry
         verdicts[key] = _probe(path)
         _write_verdicts(verdicts)
     verdict = verdicts[key]
@@ -230,17 +233,25 @@ def _write_verdicts(verdicts: dict[str, str]) -> None:
         pass  # a cache that cannot be written only means checking again next time
 
 
+def _setting(flag: str | None, environ: Mapping[str, str]) -> tuple[str, str]:
+    """The setting (--blas FLAG; None: KVLAYOUT_BLAS, else "auto") and how a refusal names it."""
+    if flag is not None:
+        return flag, f"--blas {flag}"
+    value = environ.get(ENV) or "auto"
+    return value, f"{ENV}={value}"
+
+
 def choose(setting: str | None, environ: Mapping[str, str] = os.environ) -> Choice:
     """The BLAS for `setting` (--blas; None: KVLAYOUT_BLAS, else "auto"). ConfigError, one line, for a
     library named explicitly that is not a loadable file or fails its check."""
-    setting = setting if setting is not None else (environ.get(ENV) or "auto")
+    setting, named = _setting(setting, environ)
     if setting == "none":
         return Choice(None)
     if setting != "auto":
-        path = _named_library(setting)
+        path = _named_library(setting, named)
         why = check(path)
         if why is not None:
-            raise ConfigError(f"--blas {setting}: {why}; use another, or --blas none for MLX's bundled one")
+            raise ConfigError(f"{named}: {why}; use another, or --blas none for MLX's bundled one")
         return Choice(path, preload_env(path, environ))
     passed_over = []
     for path in candidates():
@@ -251,12 +262,13 @@ def choose(setting: str | None, environ: Mapping[str, str] = os.environ) -> Choi
     return Choice(None, passed_over=tuple(passed_over))
 
 
-def _named_library(path: str) -> str:
-    """`path` as a real path once it names a file; ConfigError, one line, otherwise."""
+def _named_library(path: str, named: str) -> str:
+    """`path` as a real path once it names a file; ConfigError, one line starting with `named`, otherwise."""
     if not Path(path).is_file():
         hint = f" (Debian: apt-get install libopenblas0-pthread gives {DEBIAN_OPENBLAS})"
-        what = "a directory, not a library file" if Path(path).is_dir() else "no such file"
-        raise ConfigError(f"--blas {path}: {what}{hint}")
+        what = ("a directory, not a library file" if Path(path).is_dir() else
+                "not a library file" if Path(path).exists() else "no such file")
+        raise ConfigError(f"{named}: {what}{hint}")
     return str(Path(path).resolve())
 
 
@@ -267,11 +279,11 @@ def ensure(setting: str | None, argv: list[str], say=lambda line: print(f"kvlayo
     re-executed process: CHOSEN is set), or when LD_PRELOAD holds a BLAS someone preloaded by hand
     and none is asked for. ConfigError, one line, for a library named that fails its check, or any
     named where there is no BLAS to choose (macOS, a GPU build)."""
-    explicit = setting if setting is not None else (os.environ.get(ENV) or "auto")
+    explicit, named = _setting(setting, os.environ)
     if not applies():
         if explicit not in ("auto", "none"):
             where = "macOS builds of MLX use Accelerate" if sys.platform == "darwin" else "this MLX has no CPU BLAS"
-            raise ConfigError(f"--blas {explicit}: {where}; there is no BLAS to preload")
+            raise ConfigError(f"{named}: {where}; there is no BLAS to preload")
         return
     chosen = os.environ.get(CHOSEN)
     if chosen is not None and (explicit in ("auto", "none") or _same_file(explicit, chosen)):
@@ -321,9 +333,7 @@ def in_use() -> str:
     """The BLAS MLX's matmuls resolve to, in words: a preloaded library wins over the bundled one."""
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
-    preloaded = hand_preloaded() or [
-        p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "openblas" in p.lower()
-    ]
+    preloaded = hand_preloaded()
     if preloaded:
         kind = "OpenBLAS" if "openblas" in preloaded[0].lower() else "preloaded"
         return f"{kind} {preloaded[0]} (LD_PRELOAD)"
