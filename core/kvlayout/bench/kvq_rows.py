@@ -124,7 +124,8 @@ def row_kvq(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     QuantizedKVCache = peers.mlx_lm("models.cache").QuantizedKVCache
     out: list[Row] = []
     notes: list[str] = []
-    for name, model_dir in kvq_models(ctx):
+    models = kvq_models(ctx)
+    for name, model_dir in models:
         print(f"[kvq: {name}]", file=sys.stderr)
         model = load_kvq_model(name, model_dir)
         notes.append(bytes_note(model))
@@ -134,7 +135,7 @@ def row_kvq(z: dict, ctx: dict) -> tuple[str, list[Row]]:
         out += [single_seq_row(z, model, d, generate_step, QuantizedKVCache) for d in QUANTIZED]
         out.append(server_row(z, model, generate_step, QuantizedKVCache))
         notes.append(agreement_note(z, model, answers))
-    return kvq_work(z, ctx, notes), out
+    return kvq_work(z, models[1][0], notes), out
 
 
 def bytes_note(model: KvqModel) -> str:
@@ -276,10 +277,10 @@ def agreement_note(z: dict, model: KvqModel, answers: dict[tuple[str, int], list
     )
 
 
-def kvq_work(z: dict, ctx: dict, notes: list[str]) -> str:
-    """The row's description of the work, with every model's notes."""
+def kvq_work(z: dict, real: str, notes: list[str]) -> str:
+    """The row's description of the work on the tiny preset and the `real` model, with every model's notes."""
     return (
-        f"tiny preset at head_dim 64 and {kvq_models(ctx)[1][0]}: kv_group_size {GROUP}; decode rows: "
+        f"tiny preset at head_dim 64 and {real}: kv_group_size {GROUP}; decode rows: "
         f"{'/'.join(map(str, z['kvq_ns']))} requests on mlx:cell (chat-templated questions for a chat model, byte "
         f"strings for the tiny one), {z['kvq_tokens']} tokens each greedy, no EOS, decode time = Stats.decode_s; "
         f"1-seq rows: {z['kvq_single_tokens']} tokens, time after the first token; the {z['kvq_server_n']}-request "
