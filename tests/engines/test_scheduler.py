@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvlayout.engines.prefixes import PrefixCache
-from kvlayout.engines.records import Stats, make_requests
+from kvlayout.engines.records import Request, Stats, make_requests
 from kvlayout.engines.scheduler import Scheduler, budget_left
 from kvlayout.errors import CapacityError
 
@@ -191,12 +191,17 @@ def test_a_kept_prefix_is_reused_as_a_clone_and_only_the_rest_is_prefilled():
     assert b.cached_tokens == 8
 
 
-def test_a_request_sharing_a_prompt_still_prefilling_waits_for_it_then_clones_it():
+def two_sharing_a_prompt(chunk: int) -> tuple[FakeTable, Scheduler, Request, Request]:
+    """A scheduler with a prefix cache (blocks of 4) and two requests whose prompts share 12 tokens."""
     table = FakeTable(capacity=64, max_seqs=8)
-    prefixes = PrefixCache(table, block=4)
-    sched = Scheduler(table, chunk=10, stats=Stats(), prefixes=prefixes)
+    sched = Scheduler(table, chunk=chunk, stats=Stats(), prefixes=PrefixCache(table, block=4))
     system = list(range(900, 912))
     a, b = make_requests([system + [1], system + [2]], [4, 4], [1, 1], 0)
+    return table, sched, a, b
+
+
+def test_a_request_sharing_a_prompt_still_prefilling_waits_for_it_then_clones_it():
+    table, sched, a, b = two_sharing_a_prompt(chunk=10)
     sched.add([a, b])
     assert run_step(sched, table) == [(0, 10)]
     # Budget is left, but b shares 12 tokens with a, of which 10 are in: b waits, not prefills them.
@@ -329,11 +334,7 @@ def test_a_kept_prefix_is_reused_only_by_a_request_of_the_same_isolation_key(sam
 
 
 def test_a_prompt_still_prefilling_is_cloned_only_by_a_request_of_the_same_isolation_key():
-    table = FakeTable(capacity=64, max_seqs=8)
-    prefixes = PrefixCache(table, block=4)
-    sched = Scheduler(table, chunk=26, stats=Stats(), prefixes=prefixes)
-    system = list(range(900, 912))
-    a, b = make_requests([system + [1], system + [2]], [4, 4], [1, 1], 0)
+    table, sched, a, b = two_sharing_a_prompt(chunk=26)
     a.isolation, b.isolation = "tenant-a", "tenant-b"
     sched.add([a, b])
     # Sharing 12 tokens with a, b of another tenant neither waits for a's prefill nor clones it.

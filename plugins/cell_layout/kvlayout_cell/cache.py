@@ -39,7 +39,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.checks import int_array, int_scalar
+from kvlayout.checks import int_array
 from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import BatchControl, CellStepper, CellView, FacesBase, face_of
@@ -50,7 +50,7 @@ from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout_cell import persist
 from kvlayout_cell.groups import PAGE_SIZES, PATHS, plan_cells
-from kvlayout_cell.stepper import Stepper, batch_control
+from kvlayout_cell.stepper import Stepper, batch_control, checked_layer
 from kvlayout_cell.table import CellTable
 
 
@@ -147,9 +147,7 @@ class CellCache(FacesBase):
         return persist.load_seq(self, path)
 
     def update_and_fetch(self, layer: int, positions: Sequence[int], k: mx.array, v: mx.array) -> AttendSpec:
-        layer = int_scalar("layer", layer, StepError, minimum=0)
-        if layer >= self.n_layers:
-            raise StepError(f"layer={layer}: expected a layer in [0, {self.n_layers})")
+        layer = checked_layer(self.n_layers, layer)
         lc = self.config.layer(layer)
         pos = int_array("positions", positions, StepError)
         T = check_kv(layer, k, v, lc.n_kv_heads, lc.head_dim, pos.size)  # before placing: a refusal claims no cell
