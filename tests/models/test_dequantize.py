@@ -17,9 +17,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import kvlayout
+from kvlayout.mlx.pool import DTYPES
 from kvlayout.models import smollm2
 from kvlayout.models.loading import load_model
-from kvlayout.models.quantization import dequantized_nbytes
+from kvlayout.models.quantization import dequantize_model, dequantized_nbytes
 from kvlayout.runner import job
 from tests.helpers import cli_env
 from tests.helpers import kvlayout as kvlayout_command
@@ -70,10 +71,17 @@ def assert_same_tensors(model, directory) -> None:
         assert mx.array_equal(got, want).item(), name  # exactly, not within a tolerance
 
 
+def load_dequantized(model_dir, dtype: str | None = None):
+    """The model of `model_dir` loaded (cast to `dtype`), then unpacked into float layers of it, as a run does."""
+    model, _, _ = load_model(model_dir, dtype)
+    dequantize_model(model, DTYPES[dtype or "float32"])
+    return model
+
+
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_weights_dequantized_at_load_are_bit_identical_to_mlx_lm_convert_dequantize(checkpoint, name):
     quantized, dequantized = checkpoint(name)
-    model, _, _ = load_model(quantized, dequantize=True)
+    model = load_dequantized(quantized)
     assert not any(packings(model).values())  # every layer a float one now
     assert model.dtype == mx.float32
     assert_same_tensors(model, dequantized)
@@ -89,14 +97,14 @@ def test_the_float32_size_a_budget_is_held_against_is_what_mlx_lm_writes(checkpo
 
 def test_dequantizing_into_float16_is_bit_identical_to_convert_with_dtype_float16(checkpoint, tmp_path):
     quantized, _ = checkpoint("mixed_3_6_g32_bfloat16")
-    model, _, _ = load_model(quantized, "float16", dequantize=True)
+    model = load_dequantized(quantized, "float16")
     assert model.dtype == mx.float16
     assert_same_tensors(model, mlx_lm_dequantized(quantized, tmp_path / "f16", "float16"))
 
 
 def test_a_float_directory_loads_the_same_with_or_without_dequantize(checkpoint):
     _, dequantized = checkpoint("4bit_g64_tied")
-    model, _, _ = load_model(dequantized, dequantize=True)
+    model = load_dequantized(dequantized)
     assert_same_tensors(model, dequantized)
 
 
@@ -131,7 +139,7 @@ def smollm2_dequantized(tmp_path_factory):
 
 def test_smollm2_dequantized_at_load_is_bit_identical_to_mlx_lm_convert_dequantize(smollm2_dequantized):
     model_dir, copy, _ = smollm2_dequantized
-    model, _, _ = load_model(model_dir, dequantize=True)
+    model = load_dequantized(model_dir)
     assert_same_tensors(model, copy)
 
 

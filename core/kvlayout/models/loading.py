@@ -22,7 +22,7 @@ from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
 from kvlayout.models.files import read_json_object
 from kvlayout.models.llama import Model, ModelArgs
-from kvlayout.models.quantization import dequantize_model, quantize, read_quantization
+from kvlayout.models.quantization import quantize, read_quantization
 from kvlayout.models.tokenizer import load_tokenizer
 
 
@@ -133,14 +133,13 @@ def _name(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
-def load_model(model_dir: Path, dtype: str | None = None, dequantize: bool = False):
+def load_model(model_dir: Path, dtype: str | None = None):
     """(model, args, tokenizer) from an HF directory; `dtype` casts the weights (None: as stored).
 
     A quantized directory's layers are swapped for their quantized forms
-    before the tensors are checked, so the check sees the packed shapes.
-    `dequantize` then unpacks them into float layers of `dtype` (float32 when
-    None), exactly as `mlx_lm.convert --dequantize --dtype` would write them
-    (`quantization.dequantize_model`); a float directory is loaded as without it.
+    before the tensors are checked, so the check sees the packed shapes (the
+    run unpacks them afterwards where [model] dequantize says so:
+    `quantization.dequantize_model`, `runner.job.dequantize_as_configured`).
     """
     model_dir = Path(model_dir)
     cfg, source = read_config(model_dir), str(model_dir / "config.json")
@@ -156,8 +155,6 @@ def load_model(model_dir: Path, dtype: str | None = None, dequantize: bool = Fal
         weights = {k: v.astype(DTYPES[dtype]) if _is_float(v) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
-    if dequantize and quant is not None:
-        dequantize_model(model, DTYPES[dtype or "float32"])
     return model, args, load_tokenizer(model_dir, args.eos_token_id, args.vocab_size)
 
 
