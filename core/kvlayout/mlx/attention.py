@@ -12,7 +12,7 @@ from kvlayout.errors import ShapeError, StepError
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind, QuantizedKV
 
 
-def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:
+def attend(q: mx.array, spec: AttendSpec, scale: float, *, sinks: mx.array | None = None) -> mx.array:
     """Attention of `q` `[1, H_q, T, D]` over the spec's keys `[1, H_kv, S, D]`.
 
     GQA is native to `scaled_dot_product_attention` (H_q a multiple of H_kv),
@@ -24,14 +24,25 @@ def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:
     keys and values (QuantizedKV) go through `quantized_attention`, on every
     path.
 
+    `sinks` (optional) `[H_q]`: attention sinks (gpt-oss), one learned logit
+    per query head that joins every query's softmax denominator but carries
+    no value: each path takes the softmax over `[scores..., sink]` and drops
+    the sink's column, so a head can put weight on "nothing" instead of
+    being forced to spread it over the keys. It is cast to q's dtype (MLX's
+    fused attention requires sinks that promote to its output type). None
+    (the default) adds no op: the result is the sink-free one, bit for bit.
+
     StepError naming the argument for a `spec` that is not an AttendSpec, a
     `q` that is not a floating `[B, H_q, T, D]` mlx array matching the keys
     (batch, head_dim, H_q a multiple of H_kv) or holding another T than
-    `spec.queries`, or a `scale` that is not a finite number.
+    `spec.queries`, a `scale` that is not a finite number, or `sinks` that
+    are not None nor a floating mlx array of shape `(H_q,)`.
     """
-    _check(q, spec, scale)
+    _check(q, spec, scale, sinks)
+    if sinks is not None and sinks.dtype != q.dtype:
+        sinks = sinks.astype(q.dtype)
     if spec.groups is not None:
-        return attend_groups(q, spec.groups, scale)
+        return attend_groups(q, spec.groups, scale, sinks=sinks)
     keys, values = spec.keys, spec.values
     if spec.mask_kind is MaskKind.NONE or (spec.mask_kind is MaskKind.CAUSAL and q.shape[2] == 1):
         mask = None  # one query, causal: it sees every key (mlx-lm's decode passes no mask either)
@@ -40,13 +51,15 @@ def attend(q: mx.array, spec: AttendSpec, scale: float) -> mx.array:
     else:
         mask = spec.mask
     if isinstance(keys, QuantizedKV):
-        return quantized_attention(q, keys, values, scale, mask)
+        return quantized_attention(q, keys, values, scale, mask, sinks=sinks)
     if keys.dtype != q.dtype:
         keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-def quantized_attention(q: mx.array, keys: QuantizedKV, values: QuantizedKV, scale: float, mask: Any) -> mx.array:
+def quantized_attention(
+    q: mx.array, keys: QuantizedKV, values: QuantizedKV, scale: float, mask: Any, *, sinks: mx.array | None = None
+) -> mx.array:
     """Attention of `q` `[B, H_q, T, D]` over quantized `keys`/`values` `[B or 1, H_kv, S, D]`,
     multiplying the packed triples in place with `mx.quantized_matmul` (nothing is dequantized).
 
@@ -54,7 +67,9 @@ def quantized_attention(q: mx.array, keys: QuantizedKV, values: QuantizedKV, sca
     order of operations is mlx-lm's quantized SDPA (scale the queries, masked scores at the
     dtype's lowest finite value, a precise softmax), so one sequence gives mlx-lm's
     QuantizedKVCache result bit for bit. GQA: a KV head's `H_q / H_kv` query heads share its
-    product, as a broadcast axis, never a copy of the keys.
+    product, as a broadcast axis, never a copy of the keys. `sinks` (optional, `[H_q]`): each
+    query head's sink logit joins the softmax as one more column, dropped before the values
+    (see `attend`); None adds no op.
     """
     batch, h_q, t, d = q.shape
     h_kv = keys.packed.shape[1]
@@ -72,12 +87,12 @@ def quantized_attention(q: mx.array, keys: QuantizedKV, values: QuantizedKV, sca
         if rep > 1 and mask.ndim == 4:
             mask = mx.expand_dims(mask, -3)  # [., 1, 1, T, S]: every query head of a KV head
         s = mx.where(mask, s, mx.finfo(s.dtype).min)
-    p = mx.softmax(s, axis=-1, precise=True)
+    p = _softmax(s, sinks)  # s's axes 1..-3 are (H_kv, rep) or (H_q,): query head h = kv * rep + r
     o = mx.quantized_matmul(p, *values.parts(), transpose=False, group_size=group, bits=bits)  # [B, H_kv, (rep,) T, D]
     return o.reshape(batch, h_q, t, d).astype(q.dtype)
 
 
-def _check(q: Any, spec: Any, scale: Any) -> None:
+def _check(q: Any, spec: Any, scale: Any, sinks: Any = None) -> None:
     """What `attend` refuses (see there), before MLX would raise its own ValueError or broadcast."""
     if not isinstance(spec, AttendSpec):
         raise StepError(f"spec: expected an AttendSpec (what update_and_fetch returns), got {type(spec).__name__}")
@@ -97,9 +112,33 @@ def _check(q: Any, spec: Any, scale: Any) -> None:
         raise StepError(f"q holds T={t} queries, more than the {keys[2]} keys of a causal step")
     if not finite(scale):  # an mx.array is no number here: refused too
         raise StepError(f"scale={scale!r}: expected a finite number")
+    if sinks is not None:
+        _check_sinks(sinks, h_q)
 
 
-def attend_groups(q: mx.array, groups: AttendGroups, scale: float) -> mx.array:
+def _check_sinks(sinks: Any, h_q: int) -> None:
+    """Sinks are one floating logit per query head; MLX would broadcast a scalar or fail late on the rest."""
+    if not isinstance(sinks, mx.array) or sinks.shape != (h_q,) or not mx.issubdtype(sinks.dtype, mx.floating):
+        got = f"{tuple(sinks.shape)} {sinks.dtype}" if isinstance(sinks, mx.array) else type(sinks).__name__
+        raise StepError(
+            f"sinks: expected None or a floating mlx array of shape ({h_q},) (one logit per query head), got {got}"
+        )
+
+
+def _softmax(s: mx.array, sinks: mx.array | None) -> mx.array:
+    """The precise softmax over `s`'s last axis, with a sink column when `sinks` `[H_q]` are given.
+
+    `s`'s axes 1 to -3 are the query heads: `(H_q,)`, or `(H_kv, rep)` with query head
+    h = kv * rep + r (GQA), so `sinks` reshaped to them broadcast over the batch and query
+    axes. The sink's column is appended and its probability dropped: it weighs no value.
+    """
+    if sinks is None:
+        return mx.softmax(s, axis=-1, precise=True)
+    col = mx.broadcast_to(sinks.astype(s.dtype).reshape(*s.shape[1:-2], 1, 1), (*s.shape[:-1], 1))
+    return mx.softmax(mx.concatenate([s, col], axis=-1), axis=-1, precise=True)[..., :-1]
+
+
+def attend_groups(q: mx.array, groups: AttendGroups, scale: float, *, sinks: mx.array | None = None) -> mx.array:
     """The dense EXPLICIT result, computed group by group, one batch of groups at a time.
 
     A gathered batch (`page` 0) takes each group's K/V rows from
@@ -113,20 +152,26 @@ def attend_groups(q: mx.array, groups: AttendGroups, scale: float) -> mx.array:
     neither is gathered: for one-query groups both are views.
     Work: G * Qg * Kg query-key pairs (plus G * Kg gathered rows), instead of
     T * S for the dense mask (the layout picks the cheapest; see its rule).
+    `sinks` (optional, `[H_q]`, see `attend`) join every batch's softmax, gathered or paged;
+    they are cast to q's dtype, as the fused attention requires.
     """
+    if sinks is not None and sinks.dtype != q.dtype:
+        sinks = sinks.astype(q.dtype)
     outs, first = [], 0
     for b in groups.batches():
         n_groups, q_len = b.tokens.shape
         # In order: the batch's queries are tokens [first, first + G * Qg), a slice (a view) of q.
         qg = _run_queries(q, first, n_groups, q_len) if groups.in_order else _group_queries(q, b.tokens)
-        outs.append(_ungroup(_attend_batch(qg, groups.keys, groups.values, b, scale)))  # [1, H_q, G_b * Q_b, D]
+        outs.append(_ungroup(_attend_batch(qg, groups.keys, groups.values, b, scale, sinks)))  # [1, H_q, G_b * Q_b, D]
         first += n_groups * q_len
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # [1, H_q, sum G_b * Q_b, D]
     return o if groups.in_order else mx.take(o, groups.out, axis=2)  # [1, H_q, T, D]
 
 
-def _attend_batch(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:
-    """One batch of groups, its queries `qg` `[G, H_q, Qg, D]`: outputs `[G, H_q, Qg, D]`."""
+def _attend_batch(
+    qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float, sinks: mx.array | None = None
+) -> mx.array:
+    """One batch of groups, its queries `qg` `[G, H_q, Qg, D]`: outputs `[G, H_q, Qg, D]`; `sinks` `[H_q]` or None."""
     slots = keys.shape[2]
     cells = b.cells
     quantized = isinstance(keys, QuantizedKV)
@@ -134,7 +179,7 @@ def _attend_batch(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch
         if slots % b.page:
             raise ShapeError(f"pages of {b.page} cells do not tile the {slots} slots of keys")
         if not quantized and keys.dtype == qg.dtype and pages_in_place(keys.dtype):
-            return _attend_pages(qg, keys, values, b, scale)
+            return _attend_pages(qg, keys, values, b, scale, sinks)
         # Storage narrower than q, or pages this device cannot read in place: gather the pages'
         # cells and the tail (casting only those, as dense would); the result is the same.
         cells = (cells[:, :, None] * b.page + mx.arange(b.page, dtype=cells.dtype)).reshape(cells.shape[0], -1)
@@ -142,11 +187,11 @@ def _attend_batch(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch
             cells = mx.concatenate([cells, b.tail.astype(cells.dtype)], axis=1)  # [G, P * B + Kt]
     if quantized:  # the triples' rows, a quarter to an eighth of float32's bytes
         k, v = (x.map(lambda a: _take_rows(a, cells)) for x in (keys, values))  # [G, H_kv, Kg, .] parts
-        return quantized_attention(qg, k, v, scale, b.mask)
+        return quantized_attention(qg, k, v, scale, b.mask, sinks=sinks)
     k, v = _gather(keys, values, cells)  # [G, H_kv, Kg, D] each
     if k.dtype != qg.dtype:  # cast only what was gathered
         k, v = k.astype(qg.dtype), v.astype(qg.dtype)
-    return mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=b.mask)
+    return mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=b.mask, sinks=sinks)
 
 
 def _group_queries(q: mx.array, tokens: mx.array) -> mx.array:
@@ -211,7 +256,9 @@ def _take_flat(a: mx.array, rows: mx.array) -> mx.array:
     return mx.take(a.reshape(-1, a.shape[-1]), rows, axis=0)
 
 
-def _attend_pages(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float) -> mx.array:
+def _attend_pages(
+    qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch, scale: float, sinks: mx.array | None = None
+) -> mx.array:
     """A paged batch of grouped queries `qg` `[G, H_q, Qg, D]`: each group attends P whole pages of
     B cells, read in place, and its gathered tail; outputs `[G, H_q, Qg, D]`.
 
@@ -222,7 +269,8 @@ def _attend_pages(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch
     group's P * B + Kt slots (foreign cells and padding masked), and a second
     `gather_mm` weighs the pages' values (the tail's with one matmul). Queries
     of one KV head (GQA: q head h reads KV head h // (H_q / H_kv)) share each
-    product, as in the fused SDPA.
+    product, as in the fused SDPA. `sinks` `[H_q]` (or None): each query head's sink joins the
+    softmax as one more column (the scores viewed `[G, H_kv, rep, Qg, .]` for it), then dropped.
     """
     _, h_kv, slots, d = keys.shape  # [1, H_kv, S, D]
     n_groups, h_q, q_len, _ = qg.shape
@@ -244,7 +292,9 @@ def _attend_pages(qg: mx.array, keys: mx.array, values: mx.array, b: AttendBatch
         s = mx.concatenate([s, qg @ k_tail.swapaxes(-1, -2)], axis=-1)  # [G, H_kv, rep*Qg, P*B + Kt]
     if b.mask is not None:  # [G, 1, Qg, P*B + Kt], for each of a KV head's rep query heads
         s = mx.where(b.mask[:, :, None], s.reshape(n_groups, h_kv, -1, q_len, s.shape[-1]), -mx.inf)
-    p = mx.softmax(s, axis=-1, precise=True).reshape(n_groups, h_kv, rows, -1)
+    if sinks is not None:  # query head h = kv * rep + r: its rows are [r * Qg, (r + 1) * Qg) of KV head kv
+        s = s.reshape(n_groups, h_kv, -1, q_len, s.shape[-1])  # [G, H_kv, rep, Qg, P*B + Kt]
+    p = _softmax(s, sinks).reshape(n_groups, h_kv, rows, -1)
     p_pages = p[..., : n_pages * page].reshape(n_groups, h_kv, rows, n_pages, page)
     p_pages = p_pages.transpose(0, 3, 1, 2, 4).reshape(-1, rows, page)  # [G * P * H_kv, rep*Qg, B]
     p_at = mx.arange(n_groups * n_pages * h_kv, dtype=mx.uint32).reshape(kv_at.shape)
