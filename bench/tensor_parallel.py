@@ -50,11 +50,11 @@ def main() -> None:
         ranked = [run([launch, "--backend", "ring", "-n", str(a.ranks), kvlayout, "run", str(cfg), "--json"])
                   for _ in range(2)][-1]
     ids = lambda out: [[s["token_ids"] for s in r["samples"]] for r in out["requests"]]  # noqa: E731
-    from kvlayout.models.llama import ModelArgs
+    from kvlayout.models.architectures import read_args
     from kvlayout.models.presets import preset_config
 
     hf = json.loads((Path(a.model) / "config.json").read_text()) if a.model else preset_config("tiny")
-    args = ModelArgs.from_hf(hf)
+    args = read_args(hf)
     per_token = 2 * args.num_hidden_layers * args.hidden_size * 4  # float32 activations, two all_sums a layer
     print(f"model: {a.model or 'tiny preset'} ({args.num_hidden_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_key_value_heads} KV heads); {a.requests} requests x {a.tokens} tokens greedy")

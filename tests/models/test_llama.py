@@ -75,14 +75,14 @@ def test_sliding_window_becomes_ring_layers_in_the_cache_config(ring_loaded):
 
 
 def test_qwen2_slides_only_with_use_sliding_window():
-    from kvlayout.models.llama import ModelArgs
+    from kvlayout.models.architectures import read_args
     from kvlayout.models.presets import preset_config
 
     base = preset_config("tiny", model_type="qwen2", sliding_window=16, max_window_layers=1)
-    assert ModelArgs.from_hf(base).windows == (0, 0)
-    assert ModelArgs.from_hf({**base, "use_sliding_window": True}).windows == (0, 16)
+    assert read_args(base).windows == (0, 0)
+    assert read_args({**base, "use_sliding_window": True}).windows == (0, 16)
     mistral = preset_config("tiny", model_type="mistral", sliding_window=16)
-    assert ModelArgs.from_hf(mistral).windows == (16, 16)
+    assert read_args(mistral).windows == (16, 16)
 
 
 def test_the_model_dtype_is_the_compute_dtype_even_when_the_embedding_is_packed():

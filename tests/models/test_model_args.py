@@ -12,7 +12,7 @@ import json
 import pytest
 
 from kvlayout.errors import ConfigError
-from kvlayout.models.llama import ModelArgs
+from kvlayout.models.architectures import read_args
 from kvlayout.models.presets import preset_config
 from tests.helpers import refused_in_one_line
 
@@ -78,7 +78,7 @@ BAD = {
     "layer_types-string": ({**SLIDING, "layer_types": "sliding"}, "layer_types='sliding': expected a list of"),
     "layer_types-unknown-kind": (
         {**SLIDING, "layer_types": ["sliding_attention", "chunked_attention"]},
-        "layer_types=['sliding_attention', 'chunked",
+        "layer_types[1]='chunked_attention' is not a layer type kvlayout knows",
     ),
     "layer_types-too-short": ({**SLIDING, "layer_types": ["full_attention"]}, "layer_types has 1 entries"),
     "use_sliding_window-string": (
@@ -130,9 +130,9 @@ GOOD = {
 @pytest.mark.parametrize("case", GOOD)
 def test_values_hf_writes_are_read_as_hf_reads_them(case):
     changes, field, want = GOOD[case]
-    assert getattr(ModelArgs.from_hf(_config(changes)), field) == want
+    assert getattr(read_args(_config(changes)), field) == want
 
 
 def test_a_refused_config_names_the_source_given():
     with pytest.raises(ConfigError, match=r"^some/config\.json: hidden_size='abc'"):
-        ModelArgs.from_hf(_config({"hidden_size": "abc"}), source="some/config.json")
+        read_args(_config({"hidden_size": "abc"}), source="some/config.json")

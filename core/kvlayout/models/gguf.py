@@ -25,7 +25,7 @@ import numpy as np
 from kvlayout.errors import ConfigError
 from kvlayout.models.gguf_file import GGUFHeader, TensorInfo, meta_scalar, read_header
 from kvlayout.models.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
-from kvlayout.models.llama import ModelArgs
+from kvlayout.models.llama import read_args
 from kvlayout.models.loading import save_model, tensors_named
 
 # The GGML types MLX represents exactly, and their bits (None: a float tensor, kept as is).
@@ -93,7 +93,7 @@ def _f32(x) -> float:
 def hf_config(header: GGUFHeader, source: str) -> dict[str, Any]:
     """The HF `config.json` (without quantization) of the GGUF's llama model.
 
-    It is checked by `ModelArgs.from_hf` like any config.json (sizes, head
+    It is checked by `llama.read_args` like any config.json (sizes, head
     counts, rope scaling), so its errors name config.json's keys.
     """
     meta = header.metadata
@@ -140,7 +140,7 @@ def hf_config(header: GGUFHeader, source: str) -> dict[str, Any]:
         cfg["rope_scaling"] = rope_scaling
     generation = generation_config(meta, source)
     cfg |= {k: generation[k] for k in ("bos_token_id", "eos_token_id") if k in generation}
-    head_dim = ModelArgs.from_hf(cfg, source=f"{source}: its config.json").head_dim
+    head_dim = read_args(cfg, source=f"{source}: its config.json").head_dim
     cfg["head_dim"] = head_dim
     for key in ("llama.attention.value_length", "llama.rope.dimension_count"):
         value = meta_scalar(meta, key, source, int, head_dim)

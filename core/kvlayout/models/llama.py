@@ -5,109 +5,51 @@ rotary embeddings, grouped-query attention, SwiGLU MLP, tied or untied head,
 q/k/v biases for Qwen2. Parameter names match the HF checkpoint names
 (`model.layers.0.self_attn.q_proj.weight`), so a safetensors file loads as is.
 
-What differs from mlx-lm is the step: one forward carries a flat token axis
-(batch size 1) whose tokens may belong to different sequences at unrelated
-positions, so every token brings its own position, and attention goes through
-`cache.update_and_fetch(layer, positions, k, v)` and `kvlayout.mlx.attend`.
+What differs from mlx-lm is the step (one flat token axis, per-token
+positions, attention through the cache): `kvlayout.models.flat`. The Llama
+family keeps its own RoPE frequencies instead of mlx-lm's `initialize_rope`
+so that running it never imports mlx-lm (and transformers behind it).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import attrs
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kvlayout.config import LayerConfig, LayerPolicy
-from kvlayout.errors import ConfigError, ShapeError
-from kvlayout.mlx import attend
+from kvlayout.errors import ConfigError
 from kvlayout.models import config_values as values
+from kvlayout.models.args import ModelArgs, layer_types, read_shape, rope_type, windows_of
+from kvlayout.models.args import rope_scaling as read_rope_scaling
+from kvlayout.models.flat import DecoderModel, PreNormBlock, attend_through, heads
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-@attrs.frozen
-class ModelArgs:
-    """The fields of an HF `config.json` this decoder uses, with HF's defaults."""
-
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    # Per layer: 0 for full attention, else the sliding window (a ring layer).
-    windows: tuple[int, ...] = ()
-    eos_token_id: tuple[int, ...] = ()
-
-    @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any], source: str = "config.json") -> ModelArgs:
-        """Read an HF config dict; ConfigError names the file, the key and what is allowed on a bad value."""
-        model_type = cfg.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type={model_type!r} is not supported; expected one of "
-                f"{', '.join(MODEL_TYPES)}"
-            )
-        hidden = values.integer(cfg, "hidden_size", source)
-        n_layers = values.integer(cfg, "num_hidden_layers", source)
-        n_heads = values.integer(cfg, "num_attention_heads", source)
-        n_kv = values.integer(cfg, "num_key_value_heads", source, default=n_heads)
-        if n_heads % n_kv:
-            raise ConfigError(
-                f"{source}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
-            )
-        # Qwen2 has no head_dim key: it is always hidden / heads (as in mlx-lm).
-        head_dim = hidden // n_heads
-        if model_type != "qwen2":
-            head_dim = values.integer(cfg, "head_dim", source, default=head_dim)
-        if head_dim < 1:
-            raise ConfigError(
-                f"{source}: num_attention_heads={n_heads} is more than hidden_size={hidden}, "
-                "so a head has no dimension; set head_dim"
-            )
-        return cls(
-            model_type=model_type,
-            hidden_size=hidden,
-            num_hidden_layers=n_layers,
-            intermediate_size=values.integer(cfg, "intermediate_size", source),
-            num_attention_heads=n_heads,
-            num_key_value_heads=n_kv,
-            vocab_size=values.integer(cfg, "vocab_size", source),
-            head_dim=head_dim,
-            rms_norm_eps=values.number(cfg, "rms_norm_eps", source, 1e-6),
-            rope_theta=values.number(cfg, "rope_theta", source, 1000000.0 if model_type == "qwen2" else 10000.0),
-            rope_scaling=_rope_scaling(cfg.get("rope_scaling"), source),
-            tie_word_embeddings=values.boolean(cfg, "tie_word_embeddings", source, model_type == "qwen2"),
-            attention_bias=model_type == "qwen2" or values.boolean(cfg, "attention_bias", source, False),
-            mlp_bias=model_type != "qwen2" and values.boolean(cfg, "mlp_bias", source, False),
-            windows=_layer_windows(cfg, model_type, n_layers, source),
-            eos_token_id=values.token_ids(cfg.get("eos_token_id"), "eos_token_id", source),
+def read_args(cfg: Mapping[str, Any], source: str = "config.json") -> ModelArgs:
+    """Read a Llama-family HF config dict; ConfigError names the file, the key and what is allowed on a bad value."""
+    model_type = cfg.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(
+            f"{source}: model_type={model_type!r} is not supported; expected one of {', '.join(MODEL_TYPES)}"
         )
-
-    def layer_configs(self) -> tuple[LayerConfig, ...]:
-        """The cache's per-layer shapes: sliding-window layers become ring layers."""
-        return tuple(
-            LayerConfig(
-                self.num_key_value_heads,
-                self.head_dim,
-                LayerPolicy("ring", w) if w else LayerPolicy(),
-            )
-            for w in self.windows
-        )
+    # Qwen2 has no head_dim key: it is always hidden / heads (as in mlx-lm).
+    shape = read_shape(cfg, source, head_dim_key=model_type != "qwen2")
+    return ModelArgs(
+        model_type=model_type,
+        **shape,
+        rope_theta=values.number(cfg, "rope_theta", source, 1000000.0 if model_type == "qwen2" else 10000.0),
+        rope_scaling=_rope_scaling(cfg.get("rope_scaling"), source),
+        tie_word_embeddings=values.boolean(cfg, "tie_word_embeddings", source, model_type == "qwen2"),
+        attention_bias=model_type == "qwen2" or values.boolean(cfg, "attention_bias", source, False),
+        mlp_bias=model_type != "qwen2" and values.boolean(cfg, "mlp_bias", source, False),
+        windows=_layer_windows(cfg, model_type, shape["num_hidden_layers"], source),
+    )
 
 
 def _layer_windows(cfg: Mapping[str, Any], model_type: str, n_layers: int, source: str) -> tuple[int, ...]:
@@ -123,19 +65,9 @@ def _layer_windows(cfg: Mapping[str, Any], model_type: str, n_layers: int, sourc
     window = values.integer(cfg, "sliding_window", source, minimum=0, default=0)  # 0 or null: no window
     if not window:
         return (0,) * n_layers
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        kinds = ("sliding_attention", "full_attention")
-        if not isinstance(layer_types, list) or not all(t in kinds for t in layer_types):
-            raise ConfigError(
-                f"{source}: layer_types={layer_types!r}: expected a list of "
-                f"{' or '.join(map(repr, kinds))}, one per layer"
-            )
-        if len(layer_types) != n_layers:
-            raise ConfigError(
-                f"{source}: layer_types has {len(layer_types)} entries, num_hidden_layers={n_layers}"
-            )
-        return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    kinds = layer_types(cfg, n_layers, source)
+    if kinds is not None:
+        return windows_of(kinds, window)
     if model_type == "qwen2":
         first = values.integer(cfg, "max_window_layers", source, minimum=0, default=0)
         return tuple(window if i >= first else 0 for i in range(n_layers))
@@ -147,41 +79,29 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 def _rope_scaling(rope_scaling: Any, source: str) -> dict | None:
     """config.json's `rope_scaling`, checked for what rope_freqs reads: null, or an object of a type we apply."""
-    if rope_scaling is None:
+    checked = read_rope_scaling({"rope_scaling": rope_scaling}, source, ROPE_TYPES,
+                                needs={"linear": ("factor",), "llama3": ("factor",)})
+    if checked is None:
         return None
-    if not isinstance(rope_scaling, Mapping):
-        raise ConfigError(f"{source}: rope_scaling={rope_scaling!r}: expected null or an object with a rope_type")
-    rope_type = _rope_type(rope_scaling)
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(
-            f"{source}: rope_scaling type {rope_type!r} is not supported; expected {', '.join(ROPE_TYPES)}"
-        )
-    where = f"{source}: rope_scaling"
-    if rope_type != "default":
-        if "factor" not in rope_scaling:
-            raise ConfigError(f"{where}: missing key 'factor' (a {rope_type} rope_scaling needs it)")
-        values.positive_number(rope_scaling["factor"], "factor", where)
-    if rope_type == "llama3":
-        low = values.number(rope_scaling, "low_freq_factor", where, 1.0)
-        high = values.number(rope_scaling, "high_freq_factor", where, 4.0)
+    kind, where = rope_type(checked), f"{source}: rope_scaling"
+    if kind != "default":
+        values.positive_number(checked["factor"], "factor", where)
+    if kind == "llama3":
+        low = values.number(checked, "low_freq_factor", where, 1.0)
+        high = values.number(checked, "high_freq_factor", where, 4.0)
         if high <= low:
             raise ConfigError(f"{where}: high_freq_factor={high} must be more than low_freq_factor={low}")
-        values.integer(rope_scaling, "original_max_position_embeddings", where, default=8192)
-    return dict(rope_scaling)
-
-
-def _rope_type(rope_scaling: Mapping[str, Any]) -> str:
-    """HF spells it "type" in older configs, "rope_type" in newer ones."""
-    return rope_scaling.get("type") or rope_scaling.get("rope_type", "default")
+        values.integer(checked, "original_max_position_embeddings", where, default=8192)
+    return checked
 
 
 def rope_freqs(args: ModelArgs) -> tuple[float | None, float, mx.array | None]:
     """(base, scale, freqs) for mx.fast.rope, as mlx-lm's initialize_rope builds them."""
     cfg = args.rope_scaling
-    rope_type = "default" if cfg is None else _rope_type(cfg)
-    if rope_type == "default":
+    kind = "default" if cfg is None else rope_type(cfg)
+    if kind == "default":
         return args.rope_theta, 1.0, None
-    if rope_type == "linear":
+    if kind == "linear":
         return args.rope_theta, 1.0 / cfg["factor"], None
     # llama3: long wavelengths stretched by `factor`, a smooth ramp in between.
     dims, base = args.head_dim, args.rope_theta
@@ -227,8 +147,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.head_dim = args.head_dim
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.scale = 1.0 / math.sqrt(args.head_dim)
         dim, hd, bias = args.hidden_size, args.head_dim, args.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
@@ -238,15 +157,12 @@ class Attention(nn.Module):
         self.rope = RoPE(args)
 
     def __call__(self, x: mx.array, positions: mx.array, pos_host: np.ndarray, cache: Any) -> mx.array:
-        _, T, _ = x.shape
-        q = self.q_proj(x).reshape(1, T, self.n_heads, -1).transpose(0, 2, 1, 3)  # [1, Hq, T, D]
-        k = self.k_proj(x).reshape(1, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # [1, Hkv, T, D]
-        v = self.v_proj(x).reshape(1, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # [1, Hkv, T, D]
+        q = heads(self.q_proj(x), self.n_heads)  # [1, Hq, T, D]
+        k = heads(self.k_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
+        v = heads(self.v_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
         q, k = self.rope(q, positions), self.rope(k, positions)
         # The layout decides where K/V go and what this step may see.
-        spec = cache.update_and_fetch(self.layer, pos_host, k, v)
-        o = attend(q, spec, self.scale)  # [1, Hq, T, D]
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, T, -1))  # [1, T, hidden]
+        return self.o_proj(attend_through(cache, self.layer, pos_host, q, k, v, self.scale))  # [1, T, hidden]
 
 
 class MLP(nn.Module):
@@ -264,74 +180,16 @@ class MLP(nn.Module):
 @functools.partial(mx.compile, shapeless=True)
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x as one fused op, as mlx-lm's MLP computes it: one kernel instead of two,
-    and in a half-precision model the same rounding as mlx-lm's (no trip through memory between)."""
+    and in a half-precision model the same rounding as mlx-lm's (no trip through memory between).
+    (mlx-lm's own `activations.swiglu` is this; the Llama family does not import mlx-lm, which
+    costs ~1.7 s at startup through transformers.)"""
     return nn.silu(gate) * x
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        self.self_attn = Attention(args, layer)
-        self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x, positions, pos_host, cache):
-        h = x + self.self_attn(self.input_layernorm(x), positions, pos_host, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Backbone(nn.Module):
-    """HF's `model.` prefix: embeddings, layers, final norm."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Backbone(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        """The compute dtype. The final norm's: it is never quantized, while a
-        quantized embedding's weight is packed uint32."""
-        return self.model.norm.weight.dtype
-
-    def __call__(
-        self,
-        tokens: Sequence[int],
-        positions: Sequence[int],
-        cache: Any,
-        rows: Sequence[int] | None = None,
-    ) -> mx.array:
-        """Logits `[R, V]` of the step's tokens at `rows` (all tokens when None).
-
-        `tokens` and `positions` run over one flat token axis; `cache` is any
-        layout's op face and was told (declare_step) whose tokens these are.
-        Only the rows a sampler needs go through the LM head.
-        """
-        # One int64 array for every layer's cache: a list would be converted and checked again by
-        # the layout at each layer (~0.1 ms per layer at 512 tokens).
-        pos_host = np.asarray(positions, dtype=np.int64)  # [T]
-        if pos_host.shape != (len(tokens),):
-            raise ShapeError(f"{len(tokens)} token(s) but {pos_host.size} position(s): expected one position per token")
-        pos = mx.array(pos_host.astype(np.int32))  # [T]
-        h = self.model.embed_tokens(mx.array(tokens, dtype=mx.int32))[None]  # [1, T, hidden]
-        for layer in self.model.layers:
-            h = layer(h, pos, pos_host, cache)
-        h = h[0]  # [T, hidden]
-        if rows is not None and not (len(rows) == len(tokens) == 1):  # one token: its row is h
-            h = h[mx.array(rows, dtype=mx.int32)]  # [R, hidden]
-        h = self.model.norm(h)
-        if self.args.tie_word_embeddings:
-            # The embedding as the head: a plain matmul, or a quantized one when it is packed.
-            return self.model.embed_tokens.as_linear(h)  # [R, V]
-        return self.lm_head(h)  # [R, V]
+def build(args: ModelArgs) -> DecoderModel:
+    """The model `args` describes, with fresh (random) weights."""
+    layers = [
+        PreNormBlock(Attention(args, i), MLP(args), args.hidden_size, args.rms_norm_eps)
+        for i in range(args.num_hidden_layers)
+    ]
+    return DecoderModel(args, layers, nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps))

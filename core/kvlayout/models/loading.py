@@ -20,8 +20,8 @@ from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
+from kvlayout.models import architectures
 from kvlayout.models.files import read_json_object
-from kvlayout.models.llama import Model, ModelArgs
 from kvlayout.models.quantization import quantize, read_quantization
 from kvlayout.models.tokenizer import load_tokenizer
 
@@ -76,7 +76,7 @@ def _pickled(model_dir: Path) -> str:
     )
 
 
-def check_weights(model: Model, weights: Mapping[str, mx.array], source: str) -> dict[str, mx.array]:
+def check_weights(model, weights: Mapping[str, mx.array], source: str) -> dict[str, mx.array]:
     """The checkpoint's tensors, exactly the model's parameters, or a ConfigError naming one.
 
     A quantized model's parameters are its packed ones (uint32 `weight`, float
@@ -143,10 +143,10 @@ def load_model(model_dir: Path, dtype: str | None = None):
     """
     model_dir = Path(model_dir)
     cfg, source = read_config(model_dir), str(model_dir / "config.json")
-    args = ModelArgs.from_hf(cfg, source=source)
+    args = architectures.read_args(cfg, source=source)
     quant = read_quantization(cfg, source)
-    model = Model(args)
-    weights = read_weights(model_dir)
+    args, weights = architectures.sanitize(args, read_weights(model_dir), str(model_dir))
+    model = architectures.build_model(args)
     if quant is not None:
         quantize(model, quant, weights.keys(), source)
     weights = check_weights(model, weights, str(model_dir))

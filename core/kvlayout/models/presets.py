@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 
 from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
-from kvlayout.models.llama import Model, ModelArgs
+from kvlayout.models.llama import build, read_args
 from kvlayout.models.loading import check_weights, load_model, save_model
 from kvlayout.models.smollm2 import smollm2_dir
 from kvlayout.models.store import check_model_dir, write_model_dir
@@ -72,7 +72,7 @@ def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
 
 def random_weights(hf_config: dict[str, Any], seed: int = 0) -> dict[str, mx.array]:
     """Seeded float32 weights under HF names for the model `hf_config` describes."""
-    model = Model(ModelArgs.from_hf(hf_config, source="preset"))
+    model = build(read_args(hf_config, source="preset"))
     rng = np.random.default_rng(seed)
     weights = {}
     for name, p in sorted(tree_flatten(model.parameters())):
@@ -102,8 +102,8 @@ def build_preset(name: str, seed: int = 0, dtype: str | None = None, **overrides
             raise ConfigError(f"model preset {name!r} is a real model; it takes no overrides ({', '.join(overrides)})")
         return load_model(FETCHED[name](), dtype)
     cfg = preset_config(name, **overrides)
-    args = ModelArgs.from_hf(cfg, source=f"preset {name}")
-    model = Model(args)
+    args = read_args(cfg, source=f"preset {name}")
+    model = build(args)
     weights = check_weights(model, random_weights(cfg, seed), f"preset {name}")
     model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:

@@ -1,0 +1,141 @@
+"""The parts every architecture shares on kvlayout's flat step.
+
+A step is one forward over a flat token axis (batch size 1) whose tokens may
+belong to different sequences at unrelated positions: every token brings its
+own position, and attention goes through the cache's
+`update_and_fetch(layer, positions, k, v)` and `kvlayout.mlx.attend`. That is
+all that differs from mlx-lm's model files, so it lives here once:
+`RopeAt` applies any RoPE module at per-token positions, `attend_through`
+runs one layer's attention through the cache, `PreNormBlock` is the residual
+block most families share, and `DecoderModel` is the embed / layers / norm /
+head loop. A family module (`llama`, `qwen3`, ...) supplies only its
+attention and MLP and what it does differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kvlayout.errors import ShapeError
+from kvlayout.mlx import attend
+
+
+class RopeAt(nn.Module):
+    """A RoPE module (`nn.RoPE`, or one of mlx-lm's scaled variants: anything called as
+    `rope(x, offset=...)` that rotates with mx.fast.rope) applied at explicit per-token positions.
+
+    mx.fast.rope takes one offset per batch entry: the step's tokens go on the batch axis
+    (`[T, H, 1, D]`) with their positions as the offsets, the kernel mlx-lm runs, so each
+    token's rotation is bit-identical to mlx-lm's at that position.
+    """
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.rope = rope
+        self.freeze()  # precomputed frequencies, never weights of the checkpoint
+
+    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
+        if x.shape[2] == 1:  # one token: [1, H, 1, D] already has it on the batch axis
+            return self.rope(x, offset=positions)
+        xt = x.transpose(2, 1, 0, 3)  # [1, H, T, D] -> [T, H, 1, D]
+        return self.rope(xt, offset=positions).transpose(2, 1, 0, 3)  # [1, H, T, D]
+
+
+def heads(x: mx.array, n_heads: int) -> mx.array:
+    """`[1, T, n * D]` projections as `[1, n, T, D]` heads."""
+    _, t, _ = x.shape
+    return x.reshape(1, t, n_heads, -1).transpose(0, 2, 1, 3)
+
+
+def attend_through(cache: Any, layer: int, pos_host: np.ndarray, q: mx.array, k: mx.array, v: mx.array,
+                   scale: float, sinks: mx.array | None = None) -> mx.array:
+    """One layer's attention through the cache: K/V `[1, H_kv, T, D]` stored where the layout says,
+    `q` `[1, H_q, T, D]` attending what the step may see; the heads' outputs as `[1, T, H_q * D]`."""
+    spec = cache.update_and_fetch(layer, pos_host, k, v)
+    o = attend(q, spec, scale) if sinks is None else attend(q, spec, scale, sinks=sinks)  # [1, H_q, T, D]
+    _, _, t, _ = o.shape
+    return o.transpose(0, 2, 1, 3).reshape(1, t, -1)
+
+
+class PreNormBlock(nn.Module):
+    """x + attn(norm(x)), then h + mlp(norm(h)): the block of Llama, Qwen, Phi-3 and gpt-oss, under
+    HF's names (`self_attn`, `mlp`, `input_layernorm`, `post_attention_layernorm`)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden: int, eps: float):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = nn.RMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(hidden, eps=eps)
+
+    def __call__(self, x, positions, pos_host, cache):
+        h = x + self.self_attn(self.input_layernorm(x), positions, pos_host, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, vocab: int, hidden: int, layers: list, norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = layers
+        self.norm = norm
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the layers over one flat step, the final norm and the head (tied to the embedding
+    or `lm_head`). `embed_scale`, when given, scales the embeddings as that family does (Gemma)."""
+
+    def __init__(self, args: Any, layers: list, norm: nn.Module,
+                 embed_scale: Callable[[mx.array], mx.array] | None = None):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args.vocab_size, args.hidden_size, layers, norm)
+        self.embed_scale = embed_scale
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The compute dtype. The final norm's: it is never quantized, while a
+        quantized embedding's weight is packed uint32."""
+        return self.model.norm.weight.dtype
+
+    def __call__(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        cache: Any,
+        rows: Sequence[int] | None = None,
+    ) -> mx.array:
+        """Logits `[R, V]` of the step's tokens at `rows` (all tokens when None).
+
+        `tokens` and `positions` run over one flat token axis; `cache` is any
+        layout's op face and was told (declare_step) whose tokens these are.
+        Only the rows a sampler needs go through the LM head.
+        """
+        # One int64 array for every layer's cache: a list would be converted and checked again by
+        # the layout at each layer (~0.1 ms per layer at 512 tokens).
+        pos_host = np.asarray(positions, dtype=np.int64)  # [T]
+        if pos_host.shape != (len(tokens),):
+            raise ShapeError(f"{len(tokens)} token(s) but {pos_host.size} position(s): expected one position per token")
+        pos = mx.array(pos_host.astype(np.int32))  # [T]
+        h = self.model.embed_tokens(mx.array(tokens, dtype=mx.int32))[None]  # [1, T, hidden]
+        if self.embed_scale is not None:
+            h = self.embed_scale(h)
+        for layer in self.model.layers:
+            h = layer(h, pos, pos_host, cache)
+        h = h[0]  # [T, hidden]
+        if rows is not None and not (len(rows) == len(tokens) == 1):  # one token: its row is h
+            h = h[mx.array(rows, dtype=mx.int32)]  # [R, hidden]
+        h = self.model.norm(h)
+        if self.args.tie_word_embeddings:
+            # The embedding as the head: a plain matmul, or a quantized one when it is packed.
+            return self.model.embed_tokens.as_linear(h)  # [R, V]
+        return self.lm_head(h)  # [R, V]
