@@ -59,7 +59,9 @@ def test_the_bits_and_group_sizes_accepted_are_the_ones_mlx_packs():
             r"config\.json: quantization\.group_size=16: MLX packs groups of 32, 64 or 128 inputs",
         ),
         ({"group_size": 32}, r"config\.json: missing required key 'quantization\.bits'"),
-        ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, r"quantization\.mode='mxfp4' is not supported; .* affine"),
+        ({"group_size": 32, "bits": 4, "mode": "nvfp4"}, r"quantization\.mode='nvfp4' is not supported; .* affine"),
+        ({"group_size": 64, "bits": 4, "mode": "mxfp4"}, r"quantization\.group_size=64: mode 'mxfp4' packs with"),
+        ({"group_size": 32, "bits": 8, "mode": "mxfp4"}, r"quantization\.bits=8: mode 'mxfp4' packs with bits=4"),
         ({"group_size": 32, "bits": 4, "fancy": 1}, r'quantization\["fancy"\]=1: expected a module path mapped'),
         (
             {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 9}},
@@ -163,3 +165,18 @@ def test_the_gguf_imports_section_is_read_as_written(quantized_dir):
     packed = packings(model)
     assert packed["model.embed_tokens"] == (8, 32)
     assert {v for k, v in packed.items() if k != "model.embed_tokens"} == {(4, 32)}
+
+
+def test_mxfp4_is_accepted_with_the_one_packing_mlx_gives_it():
+    """MLX is the oracle: mx.quantize's mxfp4 takes groups of 32 and 4 bits, nothing else."""
+    from kvlayout.models.quantization import MXFP4
+
+    def packs(group_size, bits):
+        try:
+            mx.eval(mx.quantize(mx.zeros((1, 128)), group_size, bits, mode="mxfp4"))
+            return True
+        except ValueError:
+            return False
+
+    accepted = [(g, b) for g in (16, 32, 64, 128) for b in (2, 4, 8) if packs(g, b)]
+    assert accepted == [(MXFP4["group_size"], MXFP4["bits"])]

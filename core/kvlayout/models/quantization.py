@@ -23,6 +23,17 @@ packing is taken at its word and the tensors are then checked against it
 (`loading.check_weights`), so a checkpoint that disagrees with its config is
 refused naming the tensor, never read another way.
 
+Mixture-of-experts layers are mlx-lm's `SwitchLinear` (every expert's weight stacked
+`[experts, out, in]`), packed into its `QuantizedSwitchLinear` as mlx-lm packs them
+(words `[experts, out, in * bits / 32]`). Those classes are looked up only when
+mlx-lm's `switch_layers` is already imported: a model that holds one was built by a
+family that imported it, and a Llama run never pays for importing mlx-lm.
+
+Two modes: "affine" (a float scale and bias per group) and "mxfp4" (gpt-oss's
+mlx-community packing: 4-bit floats in groups of 32, one uint8 power-of-two scale
+per group, no biases). A per-module entry without a mode is affine, as mlx-lm
+reads it (`to_quantized`'s default).
+
 `dequantize_model` undoes the packing in memory, as `mlx_lm.convert --dequantize`
 does on disk: MLX's CPU backend multiplies packed weights about linearly in
 the tokens of a step, while float32 ones go through BLAS (the run decides
@@ -32,6 +43,7 @@ when: `runner.job.dequantize_as_configured`).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -47,6 +59,9 @@ from kvlayout.errors import ConfigError
 # asks MLX itself, so a change in MLX fails there rather than refusing good directories.
 AFFINE_BITS = (1, 2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+# The other mode mlx-lm writes that kvlayout loads: mx.quantize takes mxfp4 with groups of 32 and 4 bits only.
+MXFP4 = {"group_size": 32, "bits": 4}
+MODES = ("affine", "mxfp4")
 KEYS = ("group_size", "bits", "mode")
 
 
@@ -111,12 +126,20 @@ def _entry(key: str, path: str) -> str:
 def _packing(data: Mapping[str, Any], where: str, source: str) -> Packing:
     reject_unknown(data, KEYS, source, prefix=where, required=("group_size", "bits"))
     mode = data.get("mode", "affine")
-    if mode != "affine":
-        raise ConfigError(f"{source}: {where}.mode={mode!r} is not supported; kvlayout loads affine quantization only")
+    if mode not in MODES:
+        raise ConfigError(
+            f"{source}: {where}.mode={mode!r} is not supported; kvlayout loads {' or '.join(MODES)} quantization"
+        )
     bits = int_scalar(f"{source}: {where}.bits", data["bits"], ConfigError, numpy=False)
+    group_size = int_scalar(f"{source}: {where}.group_size", data["group_size"], ConfigError, numpy=False)
+    if mode == "mxfp4":
+        for key, want in MXFP4.items():
+            got = {"bits": bits, "group_size": group_size}[key]
+            if got != want:
+                raise ConfigError(f"{source}: {where}.{key}={got}: mode 'mxfp4' packs with {key}={want} only")
+        return Packing(group_size, bits, mode)
     if bits not in AFFINE_BITS:
         raise ConfigError(f"{source}: {where}.bits={bits}: MLX packs {_either(AFFINE_BITS)} bits")
-    group_size = int_scalar(f"{source}: {where}.group_size", data["group_size"], ConfigError, numpy=False)
     if group_size not in GROUP_SIZES:
         raise ConfigError(
             f"{source}: {where}.group_size={group_size}: MLX packs groups of {_either(GROUP_SIZES)} inputs"
@@ -128,13 +151,25 @@ def _either(values: tuple[int, ...]) -> str:
     return ", ".join(map(str, values[:-1])) + f" or {values[-1]}"
 
 
+def switch_classes() -> tuple[type, type] | tuple[()]:
+    """mlx-lm's (SwitchLinear, QuantizedSwitchLinear) when its switch_layers is imported, else ().
+
+    A model can hold one only if the module was imported to build it, so
+    looking in sys.modules never imports mlx-lm (~1.7 s) for a model without experts.
+    """
+    switch = sys.modules.get("mlx_lm.models.switch_layers")
+    return () if switch is None else (switch.SwitchLinear, switch.QuantizedSwitchLinear)
+
+
 def quantize(model: nn.Module, quant: Quantization, names: Collection[str], source: str) -> None:
-    """Swap `model`'s Linear and Embedding layers for their quantized forms, in place.
+    """Swap `model`'s Linear, Embedding and expert (mlx-lm's SwitchLinear) layers for their quantized
+    forms, in place.
 
     `names` are the checkpoint's tensor names (a module with `scales` there is
     packed by the default). Every refusal comes before the model is touched.
     """
-    packable = {p: m for p, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    kinds = (nn.Linear, nn.Embedding, *switch_classes()[:1])
+    packable = {p: m for p, m in model.named_modules() if isinstance(m, kinds)}
     for path in quant.modules:
         if path not in packable:
             raise ConfigError(f"{source}: {_entry(quant.key, path)} names no Linear or Embedding of this model")
@@ -144,7 +179,8 @@ def quantize(model: nn.Module, quant: Quantization, names: Collection[str], sour
         packing = quant.modules[path] if named else quant.default if f"{path}.scales" in names else None
         if packing is None:
             continue
-        in_dims = module.weight.shape[-1]  # Linear [out, in], Embedding [vocab, dims]: groups run along the last axis
+        # Linear [out, in], Embedding [vocab, dims], experts [E, out, in]: groups run along the last axis
+        in_dims = module.weight.shape[-1]
         if in_dims % packing.group_size:
             where = _entry(quant.key, path) if named else quant.key
             raise ConfigError(
@@ -159,8 +195,9 @@ PACKED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
 def packed_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's quantized Linear and Embedding layers by path ({} when it holds none)."""
-    return {path: m for path, m in model.named_modules() if isinstance(m, PACKED)}
+    """The model's quantized Linear, Embedding and expert layers by path ({} when it holds none)."""
+    kinds = PACKED + switch_classes()[1:]
+    return {path: m for path, m in model.named_modules() if isinstance(m, kinds)}
 
 
 def packed_bits(model: nn.Module) -> str:
@@ -178,7 +215,7 @@ def dequantized_nbytes(model: nn.Module, dtype: mx.Dtype) -> int:
         owner, _, leaf = name.rpartition(".")
         if owner in packed and leaf in ("scales", "biases"):
             continue
-        if owner in packed and leaf == "weight":  # [out, in * bits / 32] words -> [out, in] floats
+        if owner in packed and leaf == "weight":  # [.., out, in * bits / 32] words -> [.., out, in] floats
             total += p.size * 32 // packed[owner].bits * dtype.size
         elif mx.issubdtype(p.dtype, mx.floating):
             total += p.size * dtype.size
@@ -188,7 +225,8 @@ def dequantized_nbytes(model: nn.Module, dtype: mx.Dtype) -> int:
 
 
 def dequantize_model(model: nn.Module, dtype: mx.Dtype) -> None:
-    """Unpack every quantized layer of `model` into a float Linear or Embedding of `dtype`, in place.
+    """Unpack every quantized layer of `model` into a float Linear, Embedding or SwitchLinear (mlx-lm's
+    experts, their bias kept) of `dtype`, in place.
 
     Bit for bit what `mlx_lm.convert --dequantize --dtype D` writes: every
     float parameter (scales and biases included) is cast to `dtype` first,
@@ -196,17 +234,27 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype) -> None:
     tied head keeps working (an Embedding's `as_linear`). The new weights are
     evaluated before returning, so the packed ones can be freed.
     """
-    model.set_dtype(dtype)  # floats only: the packed uint32 words stay as they are
+    model.set_dtype(dtype)  # floats only: the packed uint32 words (and mxfp4's uint8 scales) stay as they are
     unpacked = []
     for path, m in packed_modules(model).items():
-        weight = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits, m.mode)  # [out, in]
-        if isinstance(m, nn.QuantizedLinear):
-            layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
-            if "bias" in m:
-                layer.bias = m.bias
-        else:
-            layer = nn.Embedding(weight.shape[0], weight.shape[1])
+        # `dtype` given: mxfp4's uint8 scales would otherwise unpack into bfloat16 (affine's are `dtype` already).
+        weight = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, m.mode,
+                               dtype=dtype)  # [.., out, in]
+        layer = _float_layer(m, weight)
         layer.weight = weight  # the layer's own random init is lazy, never computed
+        if "bias" in m:
+            layer.bias = m.bias
         unpacked.append((path, layer))
     model.update_modules(tree_unflatten(unpacked))
     mx.eval(model.parameters())
+
+
+def _float_layer(m: nn.Module, weight: mx.array) -> nn.Module:
+    """The float layer a packed one came from, shaped as its unpacked `weight` (bias when it has one)."""
+    if isinstance(m, nn.QuantizedLinear):
+        return nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+    if isinstance(m, nn.QuantizedEmbedding):
+        return nn.Embedding(weight.shape[0], weight.shape[1])
+    switch_linear = switch_classes()[0]  # the module is imported: `m` is one of its layers
+    experts, out_dims, in_dims = weight.shape  # [E, out, in]
+    return switch_linear(in_dims, out_dims, experts, bias="bias" in m)
