@@ -32,6 +32,7 @@ class Checkpoint:
     predicate: Callable[[str, nn.Module], bool | dict] | None = None  # quantize_model's quant_predicate
     drop: tuple[str, ...] = ()  # top-level modules removed before saving (a tied head: "lm_head")
     window: int = 0  # the smallest sliding window, 0 for none: the prompts are longer
+    tweak: Callable[[nn.Module], None] | None = None  # changes mlx-lm's initial weights before saving
 
 
 def mlx_lm_model(config: dict[str, Any], seed: int = 0) -> nn.Module:
@@ -47,6 +48,9 @@ def write_checkpoint(out: Path, ckpt: Checkpoint, seed: int = 0) -> Path:
     """The directory mlx-lm writes for `ckpt`: config.json and model.safetensors."""
     config = dict(ckpt.config)
     model = mlx_lm_model(config, seed)
+    if ckpt.tweak is not None:
+        ckpt.tweak(model)
+        mx.eval(model.parameters())
     for name in ckpt.drop:
         model.pop(name)
     if ckpt.bits is not None:
@@ -84,3 +88,16 @@ CHECKPOINTS: dict[str, Checkpoint] = {
                                                     "original_max_position_embeddings": 32}}),
     "qwen3_q4_mixed": Checkpoint(QWEN3, bits=4, predicate=mixed_bits),
 }
+
+
+def _all_rows() -> dict[str, Checkpoint]:
+    """Every family's rows (each family keeps its own in tests/models/rows_<family>.py)."""
+    from tests.models import rows_gemma3, rows_gpt_oss, rows_phi3, rows_qwen3_moe
+
+    rows = dict(CHECKPOINTS)
+    for module in (rows_gemma3, rows_phi3, rows_qwen3_moe, rows_gpt_oss):
+        rows.update(module.ROWS)
+    return rows
+
+
+ALL = _all_rows()
