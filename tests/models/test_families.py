@@ -9,17 +9,21 @@ it alone.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm.utils as mlx_lm_utils  # the independent oracle; a test extra, never skipped
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import QuantizedKVCache
 
 import kvlayout
 from kvlayout.models.loading import load_model
 from kvlayout.runner import job
-from tests.models.families import CHECKPOINTS, write_checkpoint
+from tests.models.families import ALL as CHECKPOINTS
+from tests.models.families import write_checkpoint
 from tests.models.quantized import mlx_lm_greedy
 from tests.runner.conftest import NoCache, make_config
 
@@ -83,3 +87,80 @@ def test_a_ragged_batch_sharing_a_prefix_equals_each_alone(checkpoint, name):
     got, result = greedy(model_dir, "mlx:cell", prompts, 5, chunk=8)  # chunks of 8: prefills beside decodes
     for prompt, ids in zip(prompts, got):
         assert ids == mlx_lm_greedy(model_dir, prompt, 5, eos=[])
+
+
+def quantized_kv_greedy(model, args, layout: str, prompt: list[int], steps: int = 6, chunk: int = 4) -> list[int]:
+    """Greedy tokens through a q8 (groups of 32) cache of `layout` with the model's own layers (windows
+    included): the prompt in steps of `chunk` tokens (a ring layer takes at most its window a step),
+    then one token a step."""
+    config = kvlayout.CacheConfig(capacity=128, n_layers=args.num_hidden_layers, layers=args.layer_configs(),
+                                  kv_dtype="q8", kv_group_size=32)
+    cache = kvlayout.build(*layout.split(":"), config)
+    seq = cache.as_batch_control().seq_new() if layout == "mlx:cell" else None
+    tokens, start, out = list(prompt), 0, []
+    while len(out) < steps:
+        new = tokens[start : start + chunk]
+        if seq is not None:
+            assert cache.as_batch_control().declare_step([seq] * len(new))
+        logits = model(new, range(start, start + len(new)), cache, rows=[len(new) - 1])  # [1, V]
+        start += len(new)
+        if start == len(tokens):  # the last of the tokens so far: its logits give the next one
+            out.append(int(mx.argmax(logits[0]).item()))
+            tokens.append(out[-1])
+    return out
+
+
+def mlx_lm_quantized_kv_greedy(model_dir: Path, prompt: list[int], steps: int = 6) -> list[int]:
+    """mlx-lm's generate_step in float16 over a QuantizedKVCache (8 bits, groups of 32) from the prefill on."""
+    theirs, _ = mlx_lm_utils.load_model(model_dir)
+    theirs.set_dtype(mx.float16)
+    cache = [QuantizedKVCache(group_size=32, bits=8) for _ in theirs.layers]
+    out = generate_step(mx.array(prompt), theirs, max_tokens=steps, prompt_cache=cache,
+                        sampler=lambda x: mx.argmax(x, -1))
+    return [int(t) for t, _ in out]
+
+
+def float_experts(c) -> bool:
+    """Float MoE experts: MLX's gather_mm multiplies them in float32 only on the CPU, so not in float16."""
+    return c.bits is None and c.config["model_type"] in ("qwen3_moe", "gpt_oss")
+
+
+# mlx-lm's quantized cache has neither a window (RotatingKVCache does not quantize) nor sinks (its
+# quantized SDPA refuses them), and its float16 model cannot run float experts here: rows with any of
+# these are checked layout against layout below.
+PLAIN = [n for n, c in CHECKPOINTS.items() if not c.window and "sliding_window" not in c.config
+         and c.config["model_type"] != "gpt_oss" and not float_experts(c)]
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_quantized_kv_equals_mlx_lm_quantized_kv_cache(checkpoint, name):
+    """kvlayout quantizes K/V from float16 (its scales are float16); so does mlx-lm on a float16 model."""
+    model, args, _ = load_model(checkpoint(name), "float16")
+    want = mlx_lm_quantized_kv_greedy(checkpoint(name), PROMPT)
+    for layout in ("mlx:seq", "mlx:cell"):
+        assert quantized_kv_greedy(model, args, layout, PROMPT) == want, layout
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_quantized_kv_gives_each_layout_the_same_tokens(checkpoint, name):
+    """Windows and sinks over quantized K/V: the cell layout's grouped/masked paths against the seq
+    layout's own ring and dense ones, past the window."""
+    model, args, _ = load_model(checkpoint(name), "float32" if float_experts(CHECKPOINTS[name]) else "float16")
+    seq = quantized_kv_greedy(model, args, "mlx:seq", PROMPT + PREFIX, steps=8)
+    assert quantized_kv_greedy(model, args, "mlx:cell", PROMPT + PREFIX, steps=8) == seq
+
+
+def test_half_precision_float_experts_on_the_cpu_are_refused_in_one_line(checkpoint, capsys, tmp_path):
+    """MLX's gather_mm multiplies float experts in float32 only on the CPU: a float16 run would fail at
+    its first step with MLX's own error; it is refused at load naming the layer and the setting."""
+    from tests.helpers import refused_in_one_line
+
+    assert mx.default_device() == mx.cpu
+    model_dir = checkpoint("qwen3_moe")
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\npath = "{model_dir}"\ndtype = "float16"\n[[requests]]\nprompt = "hi"\n')
+    line = refused_in_one_line(capsys, "run", str(config))
+    layer = r"model\.layers\.\d\.mlp\.switch_mlp\.\w+_proj"
+    assert re.search(rf"{re.escape(str(model_dir))}: {layer} holds float experts in float16", line), line
+    assert 'set [model] dtype = "float32"' in line
+    load_model(checkpoint("qwen3_moe_q4_mixed"), "float16")  # packed experts run in any dtype

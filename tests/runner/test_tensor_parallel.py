@@ -282,3 +282,40 @@ def test_a_launch_whose_hostfile_is_no_host_list_is_refused_in_one_line(tmp_path
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"kvlayout: error: cannot join the other ranks (MLX_RANK=0, "
                                                    f"MLX_HOSTFILE={hosts}): ")
+
+
+# Every family whose projections split (Phi-3's fused qkv_proj / gate_up_proj do not: refused below):
+# MoE experts split in place with their block summing over the ranks, gpt-oss's sinks split by head.
+@pytest.mark.parametrize("name", ["qwen3_q4_mixed", "gemma3_text", "qwen3_moe", "gpt_oss"])
+def test_two_ranks_of_each_family_give_the_single_process_tokens(tmp_path, name):
+    from tests.models.families import ALL, write_checkpoint
+
+    model_dir = write_checkpoint(tmp_path / name, ALL[name])
+    prompts = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((21, 9, 14))]  # past the windows
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'[layout]\nbackend = "mlx"\nkind = "cell"\n[cache]\ncapacity = 256\nkv_dtype = "float32"\n'
+        f'[model]\npath = "{model_dir}"\ndequantize = false\n[sampling]\ntemperature = 0.0\n'
+        f'[engine]\nprefill_chunk = 8\n'
+        + "".join(f"[[requests]]\nprompt_ids = {p}\nmax_tokens = 6\n" for p in prompts)
+    )
+    alone = one_process("run", str(config))
+    done = launched(2, "run", str(config), "--json", env=cli_env(KVLAYOUT_CHECK_RANKS="1"))
+    assert "exited with code" not in done.stderr, done.stderr
+    both = json.loads(done.stdout)
+    assert token_ids(both) == token_ids(alone)
+    assert all(len(ids) == 6 for r in token_ids(alone) for ids in r)
+    assert [r["kv_bytes_per_cell"] for r in both["ranks"]] == [alone["kv_bytes"]["per_cell"] // 2] * 2
+
+
+def test_a_model_with_fused_projections_is_refused_on_two_ranks_in_one_line(tmp_path):
+    from tests.models.families import ALL, write_checkpoint
+
+    model_dir = write_checkpoint(tmp_path / "phi3", ALL["phi3"])
+    procs = ranks(2, tmp_path, "run", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "2")
+    outs = [p.communicate(timeout=BOUND_S) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2]
+    for out, err in outs:
+        lines = err.strip().splitlines()
+        assert out == "" and len(lines) == 1
+        assert "layer 0 has a fused qkv_proj, which kvlayout does not split over ranks" in lines[0]

@@ -26,6 +26,11 @@ FAMILIES = {
     "mistral": "kvlayout.models.llama",
     "qwen2": "kvlayout.models.llama",
     "qwen3": "kvlayout.models.qwen3",
+    "qwen3_moe": "kvlayout.models.qwen3_moe",
+    "gemma3_text": "kvlayout.models.gemma3",
+    "gemma3": "kvlayout.models.gemma3",
+    "phi3": "kvlayout.models.phi3",
+    "gpt_oss": "kvlayout.models.gpt_oss",
 }
 MODEL_TYPES = tuple(FAMILIES)
 

@@ -22,7 +22,7 @@ from kvlayout.errors import ConfigError
 from kvlayout.mlx.pool import DTYPES
 from kvlayout.models import architectures
 from kvlayout.models.files import read_json_object
-from kvlayout.models.quantization import quantize, read_quantization
+from kvlayout.models.quantization import quantize, read_quantization, switch_classes
 from kvlayout.models.tokenizer import load_tokenizer
 
 
@@ -154,8 +154,24 @@ def load_model(model_dir: Path, dtype: str | None = None):
         # Only floats take the dtype: a packed (quantized) weight's uint32 words must stay as they are.
         weights = {k: v.astype(DTYPES[dtype]) if _is_float(v) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
+    check_experts_dtype(model, str(model_dir))
     mx.eval(model.parameters())
     return model, args, load_tokenizer(model_dir, args.eos_token_id, args.vocab_size)
+
+
+def check_experts_dtype(model, source: str) -> None:
+    """ConfigError when float experts (a mixture of experts' SwitchLinear) are in half precision on the CPU:
+    MLX's gather_mm, which multiplies them, runs float32 only there ("Currently only supports float32"),
+    so the first step would fail with MLX's own error. Quantized experts (gather_qmm) run in any dtype."""
+    switch = switch_classes()[:1]
+    if not switch or mx.default_device() != mx.cpu:
+        return
+    for path, m in model.named_modules():
+        if isinstance(m, switch) and m.weight.dtype != mx.float32:
+            raise ConfigError(
+                f"{source}: {path} holds float experts in {_name(m.weight.dtype)}, which MLX multiplies on the "
+                'CPU in float32 only; set [model] dtype = "float32" (or use a quantized checkpoint)'
+            )
 
 
 def save_model(model_dir: Path, hf_config: Mapping[str, Any], weights: Mapping[str, mx.array]) -> None:

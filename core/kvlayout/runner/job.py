@@ -117,6 +117,7 @@ def dequantize_as_configured(section: ModelSection, loaded):
     size alone is named in a notice, with the key that lets it through.
     """
     from kvlayout.mlx.pool import DTYPES
+    from kvlayout.models.loading import check_experts_dtype
     from kvlayout.models.quantization import dequantize_model, dequantized_nbytes, packed_bits
 
     model, args, tok, name = loaded
@@ -135,6 +136,7 @@ def dequantize_as_configured(section: ModelSection, loaded):
                 "on the CPU (MLX multiplies packed weights far slower there)"
             ]
     dequantize_model(model, dtype)
+    check_experts_dtype(model, name)  # unpacked experts in a half dtype cannot run on the CPU
     return (model, args, tok, f"{name} ({bits} dequantized to {str(dtype).removeprefix('mlx.core.')})"), []
 
 
