@@ -48,8 +48,9 @@ BAD = {
                                          "missing key 'original_max_position_embeddings'"),
     "longrope-traditional": (_config({"rope_traditional": True}, {}), "rope_traditional=True"),
     "linear-without-factor": (_config({"rope_scaling": {"type": "linear"}}), "rope_scaling: missing key 'factor'"),
+    # transformers 5's spelling is read as rope_scaling (args.lift_rope_parameters), and checked as that.
     "rope-parameters-only": (_config({"rope_parameters": {"rope_type": "longrope", "long_factor": [1.0] * 16}}),
-                             "rope_parameters rope_type 'longrope' is not read"),
+                             "rope_scaling: missing key"),
     "attention-bias": (_config({"attention_bias": True}), "attention_bias=True is not supported"),
     "mlp-bias": (_config({"mlp_bias": True}), "mlp_bias=True is not supported"),
     "hidden-act": (_config({"hidden_act": "gelu"}), "hidden_act='gelu' is not supported"),

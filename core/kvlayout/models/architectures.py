@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from kvlayout.errors import ConfigError
+from kvlayout.models.args import lift_rope_parameters
 
 FAMILIES = {
     "llama": "kvlayout.models.llama",
@@ -46,8 +47,10 @@ def family(model_type: Any, source: str = "config.json") -> ModuleType:
 
 
 def read_args(cfg: Mapping[str, Any], source: str = "config.json"):
-    """The config dict's ModelArgs, read by its family's module."""
-    return family(cfg.get("model_type"), source).read_args(cfg, source)
+    """The config dict's ModelArgs, read by its family's module (transformers 5's `rope_parameters`
+    read where the older keys are: `args.lift_rope_parameters`)."""
+    module = family(cfg.get("model_type"), source)
+    return module.read_args(lift_rope_parameters(cfg, source), source)
 
 
 def build_model(args):

@@ -116,6 +116,34 @@ def windows_of(kinds: Sequence[str], window: int) -> tuple[int, ...]:
     return tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
 
 
+def lift_rope_parameters(cfg: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    """`cfg` with transformers 5's `rope_parameters` read where the families read RoPE settings.
+
+    transformers 5 nests `rope_theta` and the scaling under `rope_parameters` (mlx-lm reads them
+    there too), and Gemma 3's per layer type (`full_attention`, `sliding_attention`). A key given at
+    the top level wins; a scaling of type "default" is no scaling. Without `rope_parameters`, `cfg`
+    as it is.
+    """
+    params = cfg.get("rope_parameters")
+    if params is None:
+        return cfg
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{source}: rope_parameters={params!r}: expected an object (rope_type, rope_theta, ...)")
+    out = dict(cfg)
+    if "full_attention" in params or "sliding_attention" in params:  # Gemma 3: one per layer type
+        local = params.get("sliding_attention") or {}
+        if out.get("rope_local_base_freq") is None and isinstance(local, Mapping) and "rope_theta" in local:
+            out["rope_local_base_freq"] = local["rope_theta"]
+        params = params.get("full_attention") or {}
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"{source}: rope_parameters.full_attention={params!r}: expected an object")
+    if out.get("rope_theta") is None and "rope_theta" in params:
+        out["rope_theta"] = params["rope_theta"]
+    if out.get("rope_scaling") is None and rope_type(params) != "default":
+        out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    return out
+
+
 def rope_type(rope_scaling: Mapping[str, Any]) -> str:
     """HF spells it "type" in older configs, "rope_type" in newer ones."""
     return rope_scaling.get("type") or rope_scaling.get("rope_type", "default")

@@ -47,7 +47,16 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from kvlayout.errors import ConfigError
 from kvlayout.models import config_values as values
-from kvlayout.models.args import ModelArgs, layer_types, read_shape, refuse_set, rope_scaling, rope_type, windows_of
+from kvlayout.models.args import (
+    ModelArgs,
+    layer_types,
+    lift_rope_parameters,
+    read_shape,
+    refuse_set,
+    rope_scaling,
+    rope_type,
+    windows_of,
+)
 from kvlayout.models.flat import DecoderModel, RopeAt, attend_through, heads
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
@@ -83,7 +92,9 @@ def read_args(cfg: Mapping[str, Any], source: str = "config.json") -> ModelArgs:
     """Read a Gemma 3 config (`gemma3_text`, or `gemma3`'s text half); one ConfigError naming the key."""
     model_type = cfg.get("model_type")
     if model_type == "gemma3":
-        return attrs.evolve(read_text(text_config(cfg, source), f"{source}: text_config"), model_type="gemma3")
+        where = f"{source}: text_config"
+        text = lift_rope_parameters(text_config(cfg, source), where)  # transformers 5 nests RoPE there too
+        return attrs.evolve(read_text(text, where), model_type="gemma3")
     if model_type != "gemma3_text":
         raise ConfigError(
             f"{source}: model_type={model_type!r} is not supported; expected one of {', '.join(MODEL_TYPES)}"

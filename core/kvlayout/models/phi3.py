@@ -22,9 +22,9 @@ it. kvlayout honours it as HF does, a window on every layer (as Mistral: a query
 So kvlayout agrees with mlx-lm only while a sequence stays within the window.
 
 Refused rather than ignored: `attention_bias` / `mlp_bias` true (neither HF's nor mlx-lm's Phi-3
-has biases), `hidden_act` other than "silu", a LongRoPE `attention_factor` (HF applies it,
-mlx-lm does not), and a scaled RoPE said only in transformers 5's `rope_parameters` (mlx-lm reads
-`rope_scaling` alone). Tensor parallelism is not this module's (`kvlayout.models.shard`).
+has biases), `hidden_act` other than "silu", and a LongRoPE `attention_factor` (HF applies it,
+mlx-lm does not). A scaled RoPE said only in transformers 5's `rope_parameters` is read as
+`rope_scaling` (`args.lift_rope_parameters`). Tensor parallelism is not this module's (`kvlayout.models.shard`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ def read_args(cfg: Mapping[str, Any], source: str = "config.json") -> ModelArgs:
     _check_head_dim(cfg, shape, source)
     # HF's Phi3Config default (mlx-lm has none: its configs always carry the key).
     shape["rms_norm_eps"] = values.number(cfg, "rms_norm_eps", source, 1e-5)
-    _refuse_rope_parameters(cfg, source)
     scaling = rope_scaling(cfg, source, ROPE_TYPES, ROPE_NEEDS)
     rotary = read_rotary(cfg, shape, scaling, source)
     window = values.integer(cfg, "sliding_window", source, minimum=0, default=0)  # 0 or null: no window
@@ -83,17 +82,6 @@ def read_args(cfg: Mapping[str, Any], source: str = "config.json") -> ModelArgs:
         windows=(window,) * shape["num_hidden_layers"],
         extra=rotary,
     )
-
-
-def _refuse_rope_parameters(cfg: Mapping[str, Any], source: str) -> None:
-    """transformers 5 writes `rope_parameters` where older configs have `rope_scaling`; mlx-lm reads
-    only the latter, so a scaled RoPE said there alone would be silently dropped: refused."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, Mapping) and rope_type(params) != "default" and cfg.get("rope_scaling") is None:
-        raise ConfigError(
-            f"{source}: rope_parameters rope_type {rope_type(params)!r} is not read by kvlayout's phi3 "
-            "(nor mlx-lm's); say it as rope_scaling"
-        )
 
 
 def _check_head_dim(cfg: Mapping[str, Any], shape: dict, source: str) -> None:
