@@ -35,6 +35,11 @@ VOCAB = 49152  # SmolLM2's tokenizer
 COMMON = {"vocab_size": VOCAB, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False}
 # model_type -> (what it is shaped like, its config): a real model's layer shapes, fewer layers.
 SHAPES = {
+    # The control: Qwen3-0.6B's shape as a Llama (no q/k norms), kvlayout's oldest family, so a gap both
+    # show is the engine's (host cost per step), not the architecture's.
+    "llama": ("Qwen3-0.6B layers as Llama, 8 of 28", {
+        "model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 3072,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000.0}),
     "qwen3": ("Qwen3-0.6B layers, 8 of 28", {
         "model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 3072,
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000.0}),
@@ -55,6 +60,10 @@ SHAPES = {
         "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 4, "intermediate_size": 2880,
         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
         "num_local_experts": 8, "num_experts_per_tok": 4, "rope_theta": 150000.0,
+        # gpt-oss's YaRN, but truncate true: mlx-lm always rounds the correction range, HF (and kvlayout)
+        # only then, so both sides compute the same RoPE and the ids can be compared.
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 4096, "truncate": True},
         "layer_types": ["sliding_attention", "full_attention"] * 2}),
 }
 CONTEXT = 4096  # tokens, for K/V bytes held per token
@@ -101,7 +110,7 @@ def bench(model_dir: Path, out: Path, quick: bool) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", default=",".join(SHAPES))
+    parser.add_argument("--families", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
     parser.add_argument("--out", type=Path, default=None, help="keep the checkpoints and bench.json files here")
     parser.add_argument("--quick", action="store_true", help="kvlayout bench --quick (a smoke test)")
     opts = parser.parse_args()

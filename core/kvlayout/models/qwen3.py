@@ -77,8 +77,8 @@ class Attention(nn.Module):
         self.rope = make_rope(args)
 
     def __call__(self, x: mx.array, positions: mx.array, pos_host: np.ndarray, cache: Any) -> mx.array:
-        q = self.q_norm(heads(self.q_proj(x), self.n_heads))  # [1, Hq, T, D], each head normed
-        k = self.k_norm(heads(self.k_proj(x), self.n_kv_heads))  # [1, Hkv, T, D]
+        q = heads(self.q_proj(x), self.n_heads, self.q_norm)  # [1, Hq, T, D], each head normed
+        k = heads(self.k_proj(x), self.n_kv_heads, self.k_norm)  # [1, Hkv, T, D]
         v = heads(self.v_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
         q, k = self.rope(q, positions), self.rope(k, positions)
         return self.o_proj(attend_through(cache, self.layer, pos_host, q, k, v, self.scale))  # [1, T, hidden]
