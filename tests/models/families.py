@@ -101,3 +101,23 @@ def _all_rows() -> dict[str, Checkpoint]:
 
 
 ALL = _all_rows()
+
+
+def with_changes(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` (a row's config) with `changes` applied; a change to None removes the key."""
+    out = {**base, **changes}
+    return {k: v for k, v in out.items() if changes.get(k, 0) is not None}
+
+
+def refusal(cfg: dict[str, Any], source: str) -> str:
+    """The one-line ConfigError `architectures.read_args` raises for `cfg` (it must raise one)."""
+    import pytest
+
+    from kvlayout.errors import ConfigError
+    from kvlayout.models.architectures import read_args
+
+    with pytest.raises(ConfigError) as refused:
+        read_args(cfg, source)
+    message = str(refused.value)
+    assert "\n" not in message, message
+    return message
