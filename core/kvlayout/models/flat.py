@@ -68,6 +68,45 @@ def attend_through(cache: Any, layer: int, pos_host: np.ndarray, q: mx.array, k:
     return o.transpose(0, 2, 1, 3).reshape(1, t, -1)
 
 
+class Attention(nn.Module):
+    """Separate q/k/v/o projections (HF's names), optional per-head q/k norms, RoPE at per-token
+    positions, attention through the cache: Llama's, Qwen3's, Gemma 3's and gpt-oss's layer, which
+    differ only in what the arguments say.
+
+    `rope`: a RopeAt (or anything called as rope(x, positions)); `scale`: the softmax scale;
+    `bias`: q/k/v biases, `o_bias`: o_proj's (default: as `bias`); `norm`: a norm class made per
+    head (`norm(head_dim, eps=...)`) for q_norm / k_norm, None for none; `sinks`: a learned sink
+    logit per query head (gpt-oss), a checkpoint tensor.
+    """
+
+    def __init__(self, args: Any, layer: int, rope: Any, scale: float, bias: bool = False,
+                 o_bias: bool | None = None, norm: Callable[..., nn.Module] | None = None, sinks: bool = False):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = scale
+        dim, hd = args.hidden_size, args.head_dim
+        if sinks:
+            self.sinks = mx.zeros((self.n_heads,))  # [H_q]
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=bias if o_bias is None else o_bias)
+        if norm is not None:
+            self.q_norm = norm(hd, eps=args.rms_norm_eps)
+            self.k_norm = norm(hd, eps=args.rms_norm_eps)
+        self.rope = rope
+
+    def __call__(self, x: mx.array, positions: mx.array, pos_host: np.ndarray, cache: Any) -> mx.array:
+        q = heads(self.q_proj(x), self.n_heads, self.get("q_norm"))  # [1, Hq, T, D], each head normed if so
+        k = heads(self.k_proj(x), self.n_kv_heads, self.get("k_norm"))  # [1, Hkv, T, D]
+        v = heads(self.v_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        # The layout decides where K/V go and what this step may see.
+        o = attend_through(cache, self.layer, pos_host, q, k, v, self.scale, self.get("sinks"))  # [1, T, Hq * D]
+        return self.o_proj(o)  # [1, T, hidden]
+
+
 class PreNormBlock(nn.Module):
     """x + attn(norm(x)), then h + mlp(norm(h)): the block of Llama, Qwen, Phi-3 and gpt-oss, under
     HF's names (`self_attn`, `mlp`, `input_layernorm`, `post_attention_layernorm`)."""

@@ -41,7 +41,6 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models import gemma3_text as mlx_lm_gemma3
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -57,7 +56,7 @@ from kvlayout.models.args import (
     rope_type,
     windows_of,
 )
-from kvlayout.models.flat import DecoderModel, RopeAt, attend_through, heads
+from kvlayout.models.flat import Attention, DecoderModel, RopeAt
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 
@@ -215,30 +214,11 @@ def make_rope(args: ModelArgs, layer: int) -> RopeAt:
     return RopeAt(rope)
 
 
-class Attention(nn.Module):
-    """mlx-lm's Gemma 3 attention on the flat step: heads normed, rotated at per-token positions,
-    attention through the cache (the layer's window is the cache's)."""
-
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.scale = args.extra.query_pre_attn_scalar**-0.5
-        dim, hd = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
-        self.q_norm = mlx_lm_gemma3.RMSNorm(hd, eps=args.rms_norm_eps)
-        self.k_norm = mlx_lm_gemma3.RMSNorm(hd, eps=args.rms_norm_eps)
-        self.rope = make_rope(args, layer)
-
-    def __call__(self, x: mx.array, positions: mx.array, pos_host: np.ndarray, cache: Any) -> mx.array:
-        q = heads(self.q_proj(x), self.n_heads, self.q_norm)  # [1, Hq, T, D], each head normed
-        k = heads(self.k_proj(x), self.n_kv_heads, self.k_norm)  # [1, Hkv, T, D]
-        v = heads(self.v_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        return self.o_proj(attend_through(cache, self.layer, pos_host, q, k, v, self.scale))  # [1, T, hidden]
+def attention(args: ModelArgs, layer: int) -> Attention:
+    """mlx-lm's Gemma 3 attention on the flat step: heads normed by Gemma's `1 + weight` RMSNorm, the
+    layer's own RoPE, scale query_pre_attn_scalar**-0.5 (the layer's window is the cache's)."""
+    scale = args.extra.query_pre_attn_scalar**-0.5
+    return Attention(args, layer, make_rope(args, layer), scale, norm=mlx_lm_gemma3.RMSNorm)
 
 
 class GemmaBlock(nn.Module):
@@ -269,7 +249,7 @@ def scale_embeddings(hidden: int, h: mx.array) -> mx.array:
 def build_text(args: ModelArgs) -> DecoderModel:
     """The language model (names as in a gemma3_text checkpoint), with fresh weights."""
     layers = [
-        GemmaBlock(Attention(args, i), mlx_lm_gemma3.MLP(args.hidden_size, args.intermediate_size),
+        GemmaBlock(attention(args, i), mlx_lm_gemma3.MLP(args.hidden_size, args.intermediate_size),
                    args.hidden_size, args.rms_norm_eps)
         for i in range(args.num_hidden_layers)
     ]

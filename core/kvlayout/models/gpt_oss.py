@@ -41,14 +41,13 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models import gpt_oss as mlx_lm_gpt_oss
 from mlx_lm.models.rope_utils import initialize_rope
 
 from kvlayout.errors import ConfigError
 from kvlayout.models import config_values as values
 from kvlayout.models.args import ModelArgs, layer_types, read_shape, refuse_set, rope_scaling, rope_type, windows_of
-from kvlayout.models.flat import DecoderModel, PreNormBlock, RopeAt, attend_through, heads
+from kvlayout.models.flat import Attention, DecoderModel, PreNormBlock, RopeAt
 
 MODEL_TYPES = ("gpt_oss",)
 
@@ -229,34 +228,16 @@ def make_rope(args: ModelArgs) -> RopeAt:
     return RopeAt(rope)
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.scale = 1.0 / math.sqrt(args.head_dim)
-        dim, hd = args.hidden_size, args.head_dim
-        self.sinks = mx.zeros((self.n_heads,))  # a checkpoint tensor: one sink logit per query head
-        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=True)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=True)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=True)
-        self.rope = make_rope(args)
-
-    def __call__(self, x: mx.array, positions: mx.array, pos_host: np.ndarray, cache: Any) -> mx.array:
-        q = heads(self.q_proj(x), self.n_heads)  # [1, Hq, T, D]
-        k = heads(self.k_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
-        v = heads(self.v_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        o = attend_through(cache, self.layer, pos_host, q, k, v, self.scale, sinks=self.sinks)  # [1, T, Hq * D]
-        return self.o_proj(o)  # [1, T, hidden]
+def attention(args: ModelArgs, layer: int) -> Attention:
+    """Biased projections and a learned sink logit per query head (`self_attn.sinks`)."""
+    return Attention(args, layer, make_rope(args), 1.0 / math.sqrt(args.head_dim), bias=True, sinks=True)
 
 
 def build(args: ModelArgs) -> DecoderModel:
     """The model `args` describes, with fresh (random) weights."""
     theirs = mlx_lm_args(args)
     layers = [
-        PreNormBlock(Attention(args, i), mlx_lm_gpt_oss.MLPBlock(theirs), args.hidden_size, args.rms_norm_eps)
+        PreNormBlock(attention(args, i), mlx_lm_gpt_oss.MLPBlock(theirs), args.hidden_size, args.rms_norm_eps)
         for i in range(args.num_hidden_layers)
     ]
     return DecoderModel(args, layers, nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps))

@@ -20,13 +20,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from kvlayout.errors import ConfigError
 from kvlayout.models import config_values as values
 from kvlayout.models.args import ModelArgs, layer_types, read_shape, rope_type, windows_of
 from kvlayout.models.args import rope_scaling as read_rope_scaling
-from kvlayout.models.flat import DecoderModel, PreNormBlock, attend_through, heads
+from kvlayout.models.flat import Attention, DecoderModel, PreNormBlock
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -142,27 +141,10 @@ class RoPE:
         )
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.scale = 1.0 / math.sqrt(args.head_dim)
-        dim, hd, bias = args.hidden_size, args.head_dim, args.attention_bias
-        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
-        # Qwen2 biases q/k/v only; Llama's attention_bias covers o_proj too.
-        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=bias and args.model_type != "qwen2")
-        self.rope = RoPE(args)
-
-    def __call__(self, x: mx.array, positions: mx.array, pos_host: np.ndarray, cache: Any) -> mx.array:
-        q = heads(self.q_proj(x), self.n_heads)  # [1, Hq, T, D]
-        k = heads(self.k_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
-        v = heads(self.v_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        # The layout decides where K/V go and what this step may see.
-        return self.o_proj(attend_through(cache, self.layer, pos_host, q, k, v, self.scale))  # [1, T, hidden]
+def attention(args: ModelArgs, layer: int) -> Attention:
+    # Qwen2 biases q/k/v only; Llama's attention_bias covers o_proj too.
+    o_bias = args.attention_bias and args.model_type != "qwen2"
+    return Attention(args, layer, RoPE(args), 1.0 / math.sqrt(args.head_dim), args.attention_bias, o_bias)
 
 
 class MLP(nn.Module):
@@ -189,7 +171,7 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 def build(args: ModelArgs) -> DecoderModel:
     """The model `args` describes, with fresh (random) weights."""
     layers = [
-        PreNormBlock(Attention(args, i), MLP(args), args.hidden_size, args.rms_norm_eps)
+        PreNormBlock(attention(args, i), MLP(args), args.hidden_size, args.rms_norm_eps)
         for i in range(args.num_hidden_layers)
     ]
     return DecoderModel(args, layers, nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps))

@@ -11,14 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
 from kvlayout.models import config_values as values
 from kvlayout.models.args import ModelArgs, read_shape, refuse_set, rope_scaling
-from kvlayout.models.flat import DecoderModel, PreNormBlock, RopeAt, attend_through, heads
+from kvlayout.models.flat import Attention, DecoderModel, PreNormBlock, RopeAt
 from kvlayout.models.llama import MLP
 
 MODEL_TYPES = ("qwen3",)
@@ -61,32 +59,14 @@ def make_rope(args: ModelArgs, base: float | None = None, scaling: dict | None =
     return RopeAt(rope)
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.scale = args.head_dim**-0.5
-        dim, hd = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
-        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
-        self.rope = make_rope(args)
-
-    def __call__(self, x: mx.array, positions: mx.array, pos_host: np.ndarray, cache: Any) -> mx.array:
-        q = heads(self.q_proj(x), self.n_heads, self.q_norm)  # [1, Hq, T, D], each head normed
-        k = heads(self.k_proj(x), self.n_kv_heads, self.k_norm)  # [1, Hkv, T, D]
-        v = heads(self.v_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        return self.o_proj(attend_through(cache, self.layer, pos_host, q, k, v, self.scale))  # [1, T, hidden]
+def attention(args: ModelArgs, layer: int) -> Attention:
+    """Llama's attention with each query and key head RMS-normed before RoPE, no biases."""
+    return Attention(args, layer, make_rope(args), args.head_dim**-0.5, norm=nn.RMSNorm)
 
 
 def build(args: ModelArgs) -> DecoderModel:
     layers = [
-        PreNormBlock(Attention(args, i), MLP(args), args.hidden_size, args.rms_norm_eps)
+        PreNormBlock(attention(args, i), MLP(args), args.hidden_size, args.rms_norm_eps)
         for i in range(args.num_hidden_layers)
     ]
     return DecoderModel(args, layers, nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps))

@@ -1,6 +1,6 @@
 """Qwen3-MoE: Qwen3's attention, and on most layers mlx-lm's sparse mixture-of-experts MLP.
 
-The attention is Qwen3's (`kvlayout.models.qwen3.Attention`). mlx-lm's Qwen3-MoE
+The attention is Qwen3's (`kvlayout.models.qwen3.attention`). mlx-lm's Qwen3-MoE
 rotates with a plain `nn.RoPE(head_dim, base=rope_theta)` and ignores
 `rope_scaling`, so a scaled RoPE is refused rather than applied where the
 oracle would not apply it. A layer is sparse when it is not in
@@ -29,7 +29,7 @@ from kvlayout.models import config_values as values
 from kvlayout.models.args import ModelArgs, read_shape, refuse_set, rope_scaling
 from kvlayout.models.flat import DecoderModel, PreNormBlock
 from kvlayout.models.llama import MLP
-from kvlayout.models.qwen3 import UNSUPPORTED, Attention
+from kvlayout.models.qwen3 import UNSUPPORTED, attention
 
 MODEL_TYPES = ("qwen3_moe",)
 
@@ -134,7 +134,7 @@ def build(args: ModelArgs) -> DecoderModel:
         return mlx_lm_qwen3_moe.Qwen3MoeSparseMoeBlock(theirs) if args.extra.sparse(i) else MLP(args)
 
     layers = [
-        PreNormBlock(Attention(args, i), mlp(i), args.hidden_size, args.rms_norm_eps)
+        PreNormBlock(attention(args, i), mlp(i), args.hidden_size, args.rms_norm_eps)
         for i in range(args.num_hidden_layers)
     ]
     return DecoderModel(args, layers, nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps))
