@@ -160,6 +160,25 @@ class BatchControl(CacheControl, Protocol):
         included (see the class); SequenceError for an id out of range."""
         ...
 
+    def seq_floor(self, seq_id: int) -> int:
+        """The least position but 0 at which live `seq_id` can be cut and continued: a
+        `seq_clone(seq_id, upto)` or a `seq_rm(seq_id, p0)` taking its end off below it is refused
+        (SequenceError), since a sliding-window layer no longer holds the window before it. 0 when
+        any position will do (a layout or model without windows)."""
+        ...
+
+    def seq_pin(self, seq_id: int, pinned: bool = True) -> None:
+        """Keep (True) or stop keeping (False) every position live `seq_id` holds, sliding-window
+        layers included, which otherwise keep only what its next query can read: a prompt a prefix
+        cache will keep, so later sequences can be cloned from it at any position. A clone of a
+        pinned sequence holds all of it below `upto`. A no-op for a layout without windows."""
+        ...
+
+    def cells_by_window(self) -> dict[int, int]:
+        """Cells in use per layer group, by window (0: the flat layers; one entry for a layout
+        holding every layer's K/V in the same cells): what each group's layers hold now."""
+        ...
+
 
 @runtime_checkable
 class CellStepper(Protocol):

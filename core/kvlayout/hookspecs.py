@@ -52,7 +52,7 @@ def kvlayout_builders() -> list[Builder]:
 
 @hookspec(firstresult=True)
 def kvlayout_choose_cells(
-    free: np.ndarray, count: int, seq_ids: np.ndarray, positions: np.ndarray, prev_cells: np.ndarray
+    free: np.ndarray, count: int, seq_ids: np.ndarray, positions: np.ndarray, prev_cells: np.ndarray, window: int
 ) -> np.ndarray | None:
     """Called by a cell layout when the first layer of a step places its tokens
     (and when `load_seq` places a restored sequence's).
@@ -73,13 +73,21 @@ def kvlayout_choose_cells(
     step) may carry the same previous cell. `load_seq` places a sequence
     under the id it is about to get, with every `prev_cells` -1.
 
+    `window`: whose cells these are. A cell layout keeps a table of cells per
+    layer group (kvlayout_cell.layer_groups): 0 for the flat layers', whose
+    cells stay until a sequence drops them; w > 0 for the layers of sliding
+    window w, whose cells are retired as soon as no sequence's window reaches
+    them, and reused.
+
     pluggy lets an implementation take any subset of these arguments: one
     written for `(free, count)` is called with just those and still wins.
 
     The cell plugin's own answer is `trylast`, so any installed policy
     overrides it. It keeps each sequence in aligned pages of
-    `kvlayout_cell.groups.PLACEMENT_PAGE` (128) cells of its own, so the
-    paged attention path reads them in place, in three passes:
+    `kvlayout_cell.groups.PLACEMENT_PAGE` (128) cells of its own (in a
+    window's table, of the least power of two covering the window when that
+    is smaller: `kvlayout_cell.plugin.page_for`), so the paged attention path
+    reads them in place, in three passes:
 
     1. continue: a sequence whose previous cell is followed, within that
        cell's page, by free cells takes them for its first tokens (forks
@@ -87,7 +95,9 @@ def kvlayout_choose_cells(
     2. fresh pages: each sequence's other tokens, sequences in the order of
        their first token, fill pages all of whose cells are free, each from
        its first cell: the page right after the one its last cell is in
-       when that page is, else the lowest;
+       when that page is (flat layers only: a window's retired pages are
+       reused, so its tables stay as small as the windows they hold), else
+       the lowest;
     3. fallback: tokens still without a cell (no such page left) take the
        lowest free cells left, in token order.
 

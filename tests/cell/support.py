@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvlayout.faces import BatchControl, face_of
 from kvlayout.registry import make_plugin_manager
 from kvlayout_cell.plugin import OwnPages
-from kvlayout_cell.stepper import Stepper, batch_control
+from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
 
 
@@ -44,9 +45,32 @@ def step(table, tokens):
     return steps[0]
 
 
+class OneTable:
+    """What a bare stepper's BatchControl face takes beside it: one table for every layer, nothing
+    retired (a cache's LayerGroups answers these for its tables)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def seq_floor(self, seq_id):
+        self.table.live_id("seq_id", seq_id)
+        return 0
+
+    def cells_by_window(self):
+        return {0: self.table.capacity - self.table.free_cells}
+
+    def seq_pin(self, seq_id, pinned=True):
+        self.table.live_id("seq_id", seq_id)
+
+
+def bare_control(st: Stepper):
+    """The BatchControl face over a bare stepper, as a cache of one layer group hands out over its own."""
+    return face_of(BatchControl, st, st.table, OneTable(st.table))
+
+
 def control(table):
     """The BatchControl face of a cell cache, or of a bare stepper (the one a cache hands out over its own)."""
-    return table.as_batch_control() if hasattr(table, "as_batch_control") else batch_control(table)
+    return table.as_batch_control() if hasattr(table, "as_batch_control") else bare_control(table)
 
 
 def snapshot(table) -> tuple:
@@ -56,9 +80,12 @@ def snapshot(table) -> tuple:
     return bc.free_cells, bc.used_end, per_id
 
 
-def naive_placement(free, tokens, page: int) -> list[int]:
+def naive_placement(free, tokens, page: int, run_on: bool = True) -> list[int]:
     """The default placement's rule as the `kvlayout_choose_cells` hookspec states it, the slow and
     obvious way (sets and loops, no code shared with the plugin).
+
+    `run_on`: a flat layers' table (window 0), where a sequence's fresh page is the one right after
+    its last cell's when that one is fresh; a window's table (False) always takes the lowest.
 
     `free`: the free cells; `tokens`: `[(seq, prev_cell), ...]` in token order, prev_cell the cell
     of the sequence's newest position before the step (-1: none). A cell per token.
@@ -88,7 +115,7 @@ def naive_placement(free, tokens, page: int) -> list[int]:
     for s in order:
         left = [i for i in mine[s] if cells[i] is None]
         while left:
-            if last[s] >= 0 and fresh(last[s] // page + 1):
+            if run_on and last[s] >= 0 and fresh(last[s] // page + 1):
                 p = last[s] // page + 1
             else:
                 p = next((q for q in sorted({c // page for c in free}) if fresh(q)), None)

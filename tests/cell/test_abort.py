@@ -233,7 +233,7 @@ def test_a_verb_between_layers_leaves_no_half_written_step_for_the_next_step_to_
         bc.seq_new()
     with pytest.raises(StepError, match=r"save during a forward: layer\(s\) \[1\]"):
         cache.save(tmp_path / "cache.kv")
-    assert cache.stepper.unserved_layers() == [1]  # still open: abort_step() would take it back
+    assert cache.groups.unserved_layers() == [1]  # still open: abort_step() would take it back
     cache.update_and_fetch(1, [0], k[1], k[1])  # the forward goes on
     assert bc.seq_new() == 1
     cache.save(tmp_path / "cache.kv")

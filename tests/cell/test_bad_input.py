@@ -88,7 +88,7 @@ def finish(c: CellCache, phase: str) -> None:
         return
     for layer in range(1 if phase == "placed" else 0, c.n_layers):
         spec = c.update_and_fetch(layer, NEXT, kv(2, 5), kv(2, 6))
-        assert spec.keys.shape[2] == bc.used_end
+        assert spec.keys.shape[2] == c.groups.stepper_of(layer).table.used_end  # its layer group's cells
     assert [bc.next_pos(0), bc.next_pos(1)] == [5, 5]
 
 
@@ -203,7 +203,7 @@ VERBS = {
 PLACED = {  # refusals once layer 0 has placed the step
     "place_step": [
         ("layer served twice", (0, NEXT), StepError, "layer 0 was already served"),
-        ("positions differ from the placed ones", (1, [5, 5]), StepError, r"positions \[5, 5\]"),
+        ("positions differ from the placed ones", (2, [5, 5]), StepError, r"positions \[5, 5\]"),
         ("positions floats", (1, [4.0, 4.0]), StepError, "positions"),
     ],
 }
@@ -219,6 +219,11 @@ ROWS = [
     for phase, table in (("declared", VERBS), ("placed", PLACED), ("none", NONE))
     for verb, rows in table.items()
     for name, args, error, message in rows
+] + [
+    pytest.param(  # layer 1 is the ring's layer group, which places the step itself on its first layer
+        "placed", "place_step", (1, [5, 5]), StepError, r"positions \[5, 5\]",
+        id="place_step: positions differ from the placed ones, in another layer group (placed)",
+    ),
 ]
 
 
@@ -251,9 +256,9 @@ MID_FORWARD = {
     "declare_step with a bad id": lambda c, d: c.as_batch_control().declare_step([3]),
     "seq_rm of a sequence sharing the step's cells": lambda c, d: c.as_batch_control().seq_rm(1),
     "load_seq": lambda c, d: c.load_seq(d / "one.kv"),
-    "the stepper's place_sequence (what load_seq does)": lambda c, d: c.stepper.place_sequence([0, 1]),
-    "the stepper's restore (what kvlayout.load does)": lambda c, d: c.stepper.restore(
-        *c.stepper.table.occupied(), c.stepper.table.live_ids(), StateError),
+    "the stepper's place_sequence (what load_seq does)": lambda c, d: c.groups.place_sequence([[0, 1]], [0]),
+    "the stepper's restore (what kvlayout.load does)": lambda c, d: c.groups.primary.restore(
+        *c.groups.primary.table.occupied(), c.groups.primary.table.live_ids(), StateError),
     "save": lambda c, d: c.save(d / "all.kv"),
     "save_seq": lambda c, d: c.save_seq(0, d / "seq.kv"),
 }
@@ -264,11 +269,30 @@ def test_a_verb_in_the_middle_of_a_forward_is_refused_and_changes_nothing(tmp_pa
     make("none").save_seq(0, tmp_path / "one.kv")
     c = make("placed")
     before = state(c)
-    with pytest.raises(StepError, match=r"during a forward: layer\(s\) \[1, 2\]"):
+    with pytest.raises(StepError, match=r"during a forward: layer\(s\) \[[12, ]+\]"):  # exact list: below
         call(c, tmp_path)
     assert_same(state(c), before)
     assert [p.name for p in tmp_path.iterdir()] == ["one.kv"]  # nothing written
     finish(c, "placed")
+
+
+CACHE_VERBS = {k: v for k, v in MID_FORWARD.items() if "stepper's restore" not in k}  # a Stepper numbers its own
+
+
+@pytest.mark.parametrize("call", CACHE_VERBS.values(), ids=CACHE_VERBS.keys())
+def test_a_mid_forward_refusal_names_every_layer_not_served(tmp_path, call):
+    make("none").save_seq(0, tmp_path / "one.kv")
+    with pytest.raises(StepError, match=r"during a forward: layer\(s\) \[1, 2\]"):
+        call(make("placed"), tmp_path)
+
+
+def test_a_forward_is_not_done_until_every_layer_group_served_it():
+    c = make("placed")
+    c.update_and_fetch(2, NEXT, kv(2, 5), kv(2, 6))  # the flat group's other layer; the ring's not yet
+    before = state(c)
+    with pytest.raises(StepError, match=r"during a forward: layer\(s\) \[1\]"):
+        c.as_batch_control().seq_new()
+    assert_same(state(c), before)
 
 
 class Seen:
@@ -302,7 +326,7 @@ def test_clear_in_the_middle_of_a_forward_aborts_the_step_then_clears(phase):
     }
     # Only a half-served step is taken back, and its observers hear it; a complete one is not.
     assert seen.aborted == (placed[-1:] if phase == "placed" else [])
-    assert c.abort_step() is False and c.stepper.unserved_layers() == []
+    assert c.abort_step() is False and c.groups.unserved_layers() == []
     s = bc.seq_new()
     assert bc.declare_step([s])
     for layer in range(c.n_layers):
@@ -314,7 +338,7 @@ def test_clear_in_the_middle_of_a_forward_aborts_the_step_then_clears(phase):
 
 
 def served(c):
-    return c.stepper.served_step(0)  # layer 0's CellStep: the "placed" phase served layer 0 only
+    return c.groups.served_step(0)  # layer 0's CellStep: the "placed" phase served layer 0 only
 
 
 STEP_VIEWS = {  # (call on a "placed" cache, what the message names)
@@ -380,7 +404,7 @@ def test_a_plugin_manager_that_is_not_one_is_refused_at_build_naming_pm(pm):
 @pytest.mark.parametrize("layer", [None, "0", -1, 3, HUGE, 1.0])
 def test_the_stepper_s_window_of_a_bad_layer_is_refused_by_name(layer):
     with pytest.raises(StepError, match=f"layer={re.escape(repr(layer))}"):
-        make("none").stepper.window(layer)
+        make("none").groups.window(layer)
 
 
 K, V = kv(2, 5), kv(2, 6)

@@ -47,8 +47,9 @@ def test_the_cache_shows_the_batch_and_stepper_faces_only():
     assert bc is c.as_batch_control() and cs is c.as_cell_stepper()  # one face object each, per cache
     assert isinstance(bc, BatchControl) and isinstance(cs, CellStepper)
     public = lambda face: sorted(n for n in dir(face) if not n.startswith("_"))  # noqa: E731
-    assert public(bc) == ["can_extend", "capacity", "clear", "declare_step", "free_cells", "max_seqs", "next_pos",
-                          "seq_clone", "seq_len", "seq_new", "seq_rm", "used_end"]  # no occupy, restore, release
+    assert public(bc) == ["can_extend", "capacity", "cells_by_window", "clear", "declare_step", "free_cells",
+                          "max_seqs", "next_pos", "seq_clone", "seq_floor", "seq_len", "seq_new", "seq_pin", "seq_rm",
+                          "used_end"]  # no occupy, restore, release, retire
     assert public(cs) == ["place_step"]
     view = c.as_cell_view()
     assert isinstance(view, CellView) and public(view) == ["capacity", "cell_owners", "max_seqs"]
@@ -77,7 +78,7 @@ def test_the_cache_is_composed_of_its_stepper_and_table_not_derived_from_them():
 
     c = cache()
     assert not issubclass(type(c), (Stepper, CellTable)) and not issubclass(Stepper, CellTable)
-    assert isinstance(c.stepper, Stepper) and isinstance(c.stepper.table, CellTable)
+    assert isinstance(c.groups.primary, Stepper) and isinstance(c.groups.primary.table, CellTable)
 
 
 def test_the_faces_drive_the_cache_they_came_from():
@@ -86,7 +87,7 @@ def test_the_faces_drive_the_cache_they_came_from():
     s = bc.seq_new()
     assert bc.declare_step([s, s])
     assert cs.place_step(0, [0, 1]).cells.tolist() == [0, 1]
-    table = c.stepper.table  # the cache's own cells
+    table = c.groups.primary.table  # the cache's own cells
     assert (table.seq_len(s), bc.free_cells, bc.used_end) == (2, 14, 2)
     cs.place_step(1, [0, 1])  # the forward's last layer: a verb may follow
     bc.seq_rm(s)

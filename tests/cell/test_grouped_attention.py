@@ -277,7 +277,8 @@ def test_plan_cells_agrees_with_plan_groups_on_what_each_token_sees():
             mask = np.array(step.mask)[0, 0]  # [T, read_len]
             for plan in (
                 plan_groups(ids, mask, "grouped"),
-                plan_cells(ids, pos, window, mask.shape[1], c.stepper.table.seq_keys, "grouped"),
+                # each layer plans over its own layer group's table (a ring's: its window's cells only)
+                plan_cells(ids, pos, window, mask.shape[1], c.groups.stepper_of(layer).table.seq_keys, "grouped"),
             ):
                 batches = [(b.tokens, b.cells, b.mask) for b in plan.batches()]
                 seen = np.zeros_like(mask)
@@ -307,7 +308,7 @@ def test_a_grouped_step_builds_its_dense_mask_only_when_read_even_after_the_tabl
         for layer in range(1, len(LAYERS)):  # the forward's other layers (layer 0's spec is the one read below)
             c.as_cell_stepper().place_step(layer, [2, 1])
     built = []
-    table = caches["grouped"].stepper.table
+    table = caches["grouped"].groups.primary.table
     visible = table.visible
     # Records the positions of every dense mask built from the table: this step's are [2, 1].
     table.visible = lambda seq_ids, positions, *a: built.append(positions.tolist()) or visible(seq_ids, positions, *a)

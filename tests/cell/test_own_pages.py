@@ -66,22 +66,27 @@ def tables_and_steps(draw, pages=PAGES):
     return page, free, tokens
 
 
-def answer(free, tokens, page):
+def answer(free, tokens, page, run_on=True):
     seq_ids = np.array([s for s, _ in tokens], dtype=np.int64)
     prev = np.array([c for _, c in tokens], dtype=np.int64)
-    return own_pages(free, seq_ids, prev, page).tolist()
+    return own_pages(free, seq_ids, prev, page, run_on=run_on).tolist()
 
 
-@given(tables_and_steps())
-def test_the_default_placement_follows_its_rule_on_any_table(case):
+@given(tables_and_steps(), st.booleans())
+def test_the_default_placement_follows_its_rule_on_any_table(case, run_on):
     page, free, tokens = case
-    got = answer(free, tokens, page)
-    assert got == naive_placement(free.tolist(), tokens, page)
+    got = answer(free, tokens, page, run_on)  # run_on False: a window's table, fresh pages from the lowest
+    assert got == naive_placement(free.tolist(), tokens, page, run_on)
     assert len(set(got)) == len(tokens) and set(got) <= set(free.tolist())  # what the registry checks
 
 
-@given(tables_and_steps(pages=st.just(B)))
-def test_the_plugins_hook_answers_the_rule_over_its_own_pages(case):
+# The page a table's sequences take cells in, as the hookspec states it: B for the flat layers', the
+# least power of two covering a window for a window's (at most B).
+PAGE_OF_WINDOW = {0: B, 3: 4, 8: 8, 100: 128, 512: B}
+
+
+@given(tables_and_steps(pages=st.just(B)), st.sampled_from(sorted(PAGE_OF_WINDOW)))
+def test_the_plugins_hook_answers_the_rule_over_its_own_pages(case, window):
     _, free, tokens = case
     free.flags.writeable = False  # as the stepper hands it over
     got = default_manager().hook.kvlayout_choose_cells(
@@ -90,8 +95,10 @@ def test_the_plugins_hook_answers_the_rule_over_its_own_pages(case):
         seq_ids=np.array([s for s, _ in tokens], dtype=np.int64),
         positions=np.arange(len(tokens)),
         prev_cells=np.array([c for _, c in tokens], dtype=np.int64),
+        window=window,
     )
-    assert np.asarray(got).tolist() == naive_placement(free.tolist(), tokens, B)
+    want = naive_placement(free.tolist(), tokens, PAGE_OF_WINDOW[window], run_on=window == 0)
+    assert np.asarray(got).tolist() == want
 
 
 def test_a_sequence_continues_in_its_page_then_takes_the_next_one():
@@ -240,9 +247,9 @@ def test_outputs_equal_each_sequences_solo_run_with_forks_and_frees(path):
         for (s, x, _), out in zip(parts, run_step(cache, parts)):
             history[s] = mx.concatenate([history[s], x], axis=1)
             close(out, STACK.forward_reference(history[s], WINDOWS)[:, i:])
-    cells, _ = cache.stepper.table.seq_cells(ids[2])
+    cells, _ = cache.groups.primary.table.seq_cells(ids[2])
     assert np.unique(cells // B).size == 1  # fewer tokens than a page: one, nobody else's decodes in it
-    pages = [b.page for b in cache.step_groups(0, cache.stepper.served_step(0)).batches()]
+    pages = [b.page for b in cache.step_groups(0, cache.groups.served_step(0)).batches()]
     assert any(pages) == (path == "paged")  # "auto" gathers rows this narrow (16 elements)
 
 
@@ -281,10 +288,10 @@ def test_load_seq_places_through_the_hook_into_a_fresh_page(tmp_path):
     a = dst_bc.seq_new()
     run_step(dst, [(a, STACK.tokens(3, seed=51), 0)])  # page 0, partly
     loaded = dst.load_seq(path)
-    cells, pos = dst.stepper.table.seq_cells(loaded)
+    cells, pos = dst.groups.primary.table.seq_cells(loaded)
     assert heard.calls[-1] == (10, [loaded] * 10, list(range(10)), [-1] * 10)  # the id it was about to get
     assert cells.tolist() == list(range(B, B + 10)) and pos.tolist() == list(range(10))  # a page of its own
-    assert dst.stepper.table.newest_cells(np.array([loaded])).tolist() == [B + 9]  # where it continues
+    assert dst.groups.primary.table.newest_cells(np.array([loaded])).tolist() == [B + 9]  # where it continues
 
 
 def test_a_restored_cache_continues_each_sequence_where_it_left_off(tmp_path):
@@ -297,5 +304,6 @@ def test_a_restored_cache_continues_each_sequence_where_it_left_off(tmp_path):
     fork = bc.seq_clone(a, upto=4)
     restored = kvlayout.load(cache.save(tmp_path / "cache.safetensors"))
     ids = np.array([a, b, fork])
-    assert restored.stepper.table.newest_cells(ids).tolist() == cache.stepper.table.newest_cells(ids).tolist()
-    assert restored.stepper.table.newest_cells(ids).tolist() == [4, B + 2, 3]
+    for got, want in zip(restored.groups.steppers, cache.groups.steppers, strict=True):  # in every layer group
+        assert got.table.newest_cells(ids).tolist() == want.table.newest_cells(ids).tolist()
+    assert restored.groups.primary.table.newest_cells(ids).tolist() == [4, B + 2, 3]

@@ -33,26 +33,26 @@ def config(kv_dtype="float32", capacity=64, max_seqs=8, windows=WINDOWS, head_di
 
 
 def table_state(cache) -> tuple:
-    cells, pos, owners = cache.stepper.table.occupied()
-    table = cache.stepper.table
-    return (
-        snapshot(cache),
-        cells.tolist(),
-        pos.tolist(),
-        owners.tolist(),
-        table.live_ids().tolist(),
-        table.free_list().tolist(),
-    )
+    """The counts, and each layer group's table (cells, positions, owners, live ids, free list, cuts)."""
+    bc = cache.as_batch_control()
+    groups = []
+    for st in cache.groups.steppers:
+        cells, pos, owners = st.table.occupied()
+        cuts = None if st.keeper is None else st.keeper.cut.tolist()
+        groups.append((cells.tolist(), pos.tolist(), owners.tolist(), st.table.live_ids().tolist(),
+                       st.table.free_list().tolist(), cuts))
+    floors = [bc.seq_floor(s) for s in cache.groups.primary.table.live_ids().tolist()]
+    return snapshot(cache), groups, floors
 
 
 def kv_bits(cache) -> list[np.ndarray]:
-    """Every layer's K and V at the occupied cells, as raw bits."""
-    bc = cache.as_batch_control()
-    cells, _, _ = cache.stepper.table.occupied()
+    """Every layer's K and V at its layer group's occupied cells, as raw bits."""
     out = []
     for pools in (cache.key_pools, cache.value_pools):
-        for pool in pools:
-            raw = to_raw(pool.read(0, bc.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
+        for layer, pool in enumerate(pools):
+            table = cache.groups.stepper_of(layer).table
+            cells, _, _ = table.occupied()
+            raw = to_raw(pool.read(0, table.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
             out.append(np.frombuffer(bytes(raw.data), dtype=np.uint8))
     return out
 
@@ -104,11 +104,13 @@ def test_a_saved_cache_loads_back_bit_for_bit(tmp_path, kv_dtype):
 
 def test_the_file_keeps_only_the_occupied_cells(tmp_path):
     cache = busy_cache()
-    bc = cache.as_batch_control()
     f = persist.read_state(cache.save(tmp_path / "cell.safetensors"))
-    n = bc.capacity - bc.free_cells
-    assert f.tensors["k.1"].shape == (1, 2, n, 8)
-    assert f.tensors["cells"].shape == (n,)
+    used = cache.as_batch_control().cells_by_window()  # window -> cells its layer group holds
+    assert used[3] < used[0]  # the ring's group retired what its window no longer reads
+    for layer, window in enumerate(WINDOWS):  # each layer keeps its own group's occupied cells
+        assert f.tensors[f"k.{layer}"].shape == (1, 2, used[window], 8)
+    assert f.tensors["cells"].shape == (used[0],)
+    assert f.tensors["cells.g1"].shape == (used[3],)
 
 
 def test_the_cell_cache_has_the_persistent_face():
@@ -119,7 +121,7 @@ def test_the_cell_cache_has_the_persistent_face():
 def test_a_restored_cache_generates_exactly_as_the_original_goes_on(tmp_path, kv_dtype):
     cache = busy_cache(kv_dtype)
     back = kvlayout.load(cache.save(tmp_path / "cell.safetensors"))
-    live = cache.stepper.table.live_ids().tolist()
+    live = cache.groups.primary.table.live_ids().tolist()
     for i in range(4):
         tokens = [(s, 100 + 10 * i + s) for s in live]
         np.testing.assert_array_equal(Run(back).step(tokens), Run(cache).step(tokens))
@@ -132,7 +134,7 @@ def test_an_empty_cache_round_trips(tmp_path):
     s = bc.seq_new()  # live, owning nothing
     back = kvlayout.load(cache.save(tmp_path / "e.safetensors"))
     assert table_state(back) == table_state(cache)
-    assert back.stepper.table.live_ids().tolist() == [s]
+    assert back.groups.primary.table.live_ids().tolist() == [s]
 
 
 def test_saving_in_the_middle_of_a_forward_is_refused(tmp_path):
@@ -142,10 +144,21 @@ def test_saving_in_the_middle_of_a_forward_is_refused(tmp_path):
     assert bc.declare_step([s])
     k = mx.zeros((1, 2, 1, 8))
     cache.update_and_fetch(0, [0], k, k)
-    with pytest.raises(StepError, match=r"layer\(s\) \[1, 2\] of the placed step were not served"):
+    with pytest.raises(StepError, match=r"save during a forward: layer\(s\) \[[12, ]+\] of the placed step were not"):
         cache.save(tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
     assert cache.abort_step()
     cache.save(tmp_path / "x.safetensors")  # fine once aborted
+
+
+def test_saving_in_the_middle_of_a_forward_names_every_layer_not_served(tmp_path):
+    cache = CellCache(config(), pm=make_plugin_manager())
+    s = cache.as_batch_control().seq_new()
+    assert cache.as_batch_control().declare_step([s])
+    k = mx.zeros((1, 2, 1, 8))
+    cache.update_and_fetch(0, [0], k, k)
+    with pytest.raises(StepError, match=r"layer\(s\) \[1, 2\] of the placed step were not served"):
+        cache.save(tmp_path / "x.safetensors")
 
 
 def save_bad(tmp_path, cache, state: dict, tensors: dict) -> None:
@@ -201,13 +214,16 @@ def test_a_sequence_moves_to_another_cache_with_fresh_cells_and_a_fresh_id(tmp_p
     assert sid == 2
     assert (dst_bc.seq_len(sid), dst_bc.next_pos(sid)) == (src_bc.seq_len(2), src_bc.next_pos(2))
     assert dst_bc.free_cells == before_free - src_bc.seq_len(2)
-    cells, pos = dst.stepper.table.seq_cells(sid)
-    src_cells, src_pos = src.stepper.table.seq_cells(2)
-    assert pos.tolist() == src_pos.tolist()
-    for pools_dst, pools_src in ((dst.key_pools, src.key_pools), (dst.value_pools, src.value_pools)):
-        for p_dst, p_src in zip(pools_dst, pools_src):
-            got = np.array(p_dst.read(0, dst_bc.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
-            want = np.array(p_src.read(0, src_bc.used_end)[:, :, mx.array(src_cells.astype(np.int32)), :])
+    assert dst_bc.seq_floor(sid) == src_bc.seq_floor(2)  # where its window layers cut it, kept
+    for layer in range(len(WINDOWS)):  # each layer's K/V at its own layer group's cells
+        dst_table, src_table = dst.groups.stepper_of(layer).table, src.groups.stepper_of(layer).table
+        cells, pos = dst_table.seq_cells(sid)
+        src_cells, src_pos = src_table.seq_cells(2)
+        assert pos.tolist() == src_pos.tolist()
+        for p_dst, p_src in ((dst.key_pools[layer], src.key_pools[layer]),
+                             (dst.value_pools[layer], src.value_pools[layer])):
+            got = np.array(p_dst.read(0, dst_table.used_end)[:, :, mx.array(cells.astype(np.int32)), :])
+            want = np.array(p_src.read(0, src_table.used_end)[:, :, mx.array(src_cells.astype(np.int32)), :])
             np.testing.assert_array_equal(got, want)
     # It goes on as it would have in the source cache (other sequences only add masked columns).
     for i in range(3):
@@ -238,11 +254,14 @@ def test_a_loaded_sequence_goes_through_placement_and_its_observers_hear_of_it(t
     pm.register(policy)
     dst = CellCache(config(capacity=16), pm=pm)
     sid = dst.load_seq(path)
-    cells, pos = dst.stepper.table.seq_cells(sid)
+    cells, pos = dst.groups.primary.table.seq_cells(sid)
     assert cells.tolist() == list(range(15, 8, -1)) and pos.tolist() == list(range(7))  # the policy's cells
-    assert policy.placed == [(0, cells.tolist()), (3, cells.tolist())]  # once per window (0 and 3)
+    # The ring's group held only 3..6 (retired to its last 3 at the 2nd declaration, then 6 placed).
+    ring_cells, ring_pos = dst.groups.stepper_of(1).table.seq_cells(sid)
+    assert ring_cells.tolist() == list(range(15, 11, -1)) and ring_pos.tolist() == [3, 4, 5, 6]
+    assert policy.placed == [(0, cells.tolist()), (3, ring_cells.tolist())]  # once per window (0 and 3)
     assert not dst.abort_step()  # the placement is closed: nothing to abort
-    assert dst.stepper.unserved_layers() == []  # and no layer left to serve: the cache saves at once
+    assert dst.groups.unserved_layers() == []  # and no layer left to serve: the cache saves at once
     dst.save(tmp_path / "whole.safetensors")
 
 
@@ -288,7 +307,7 @@ def test_load_seq_refuses_a_cache_with_other_layers_or_dtype(tmp_path):
         cache = CellCache(other, pm=make_plugin_manager())
         with pytest.raises(StateError, match="cannot take"):
             cache.load_seq(path)
-        assert cache.stepper.table.live_ids().size == 0
+        assert cache.groups.primary.table.live_ids().size == 0
 
 
 def test_load_seq_refuses_a_whole_cache_file_and_load_refuses_a_sequence_file(tmp_path):
@@ -322,7 +341,7 @@ def test_an_empty_sequence_round_trips(tmp_path):
     other = CellCache(attrs.evolve(config(), capacity=8), pm=make_plugin_manager())
     other_bc = other.as_batch_control()
     sid = other.load_seq(path)
-    assert sid == 0 and other_bc.seq_len(sid) == 0 and other.stepper.table.live_ids().tolist() == [0]
+    assert sid == 0 and other_bc.seq_len(sid) == 0 and other.groups.primary.table.live_ids().tolist() == [0]
 
 
 def test_load_seq_ends_an_open_step(tmp_path):

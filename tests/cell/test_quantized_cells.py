@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlayout
-from kvlayout import CacheConfig, LayerConfig, LayerPolicy, StateError, persist
+from kvlayout import CacheConfig, LayerConfig, LayerPolicy, SequenceError, StateError, persist
 from kvlayout.mlx import attend
 from kvlayout.registry import make_plugin_manager
 from kvlayout.spec import QuantizedKV
@@ -97,12 +97,21 @@ class History:
 
 
 def assert_holds(cache: CellCache, history: History) -> None:
-    """Every live sequence's cells hold its history's rows, bit for bit, at every layer."""
-    assert sorted(cache.stepper.table.live_ids().tolist()) == sorted(history.seqs)
+    """Every live sequence's cells hold its history's rows, bit for bit, at every layer: a flat
+    layer's group every position, a ring's (window w) some of them, at least each position the
+    sequence's next query (at newest + 1) sees, newest - w + 2 .. newest."""
+    for grp in cache.groups.steppers:  # one id space in every layer group
+        assert sorted(grp.table.live_ids().tolist()) == sorted(history.seqs)
     for s, layers in history.seqs.items():
-        cells, pos = cache.stepper.table.seq_cells(s)
-        assert pos.tolist() == sorted(layers[0])
+        newest = max(layers[0], default=-1)
         for layer, held in enumerate(layers):
+            cells, pos = cache.groups.stepper_of(layer).table.seq_cells(s)
+            window = cache.groups.window(layer)
+            assert set(pos.tolist()) <= set(held)
+            if window:
+                assert {p for p in held if p >= newest - window + 2} <= set(pos.tolist()), (layer, s)
+            else:
+                assert pos.tolist() == sorted(held)
             for pools, which in ((cache.key_pools, 0), (cache.value_pools, 1)):
                 got = bits_of(pools[layer].take(cells))  # [1, H, n, .] each
                 for part, bits in enumerate(got):
@@ -139,14 +148,33 @@ class Trio:
         self.history.new(s)
         return s
 
-    def clone(self, src: int, upto: int | None = None) -> int:
+    def clone(self, src: int, upto: int | None = None) -> int | None:
+        """The fork's id; None when a ring layer group no longer holds the window the fork continues
+        from (refused in every cache, nothing changed)."""
+        if upto is not None and upto < self.history.next_pos(src) and self.below_floor(src, upto):
+            return self.refused("seq_clone", src, upto)
         s = self.all("seq_clone", src, upto)
         self.history.clone(src, s, upto)
         return s
 
-    def rm(self, s: int, p0: int = 0, p1: int | None = None) -> None:
+    def rm(self, s: int, p0: int = 0, p1: int | None = None) -> bool:
+        """False when cutting s's end off at p0 would continue it below a ring's floor (refused in
+        every cache, nothing changed)."""
+        if (p1 is None or p1 >= self.history.next_pos(s)) and self.below_floor(s, p0):
+            return self.refused("seq_rm", s, p0, p1) is not None
         self.all("seq_rm", s, p0, p1)
         self.history.rm(s, p0, p1)
+        return True
+
+    def below_floor(self, s: int, at: int) -> bool:
+        return 0 < at < self.all("seq_floor", s)
+
+    def refused(self, verb: str, *args) -> None:
+        for c in self.caches.values():
+            before = everything(c)
+            with pytest.raises(SequenceError, match=rf"continued at position {args[1]} .* window-\d+ layers"):
+                getattr(c.as_batch_control(), verb)(*args)
+            assert_same(everything(c), before)
 
     def step(self, tokens: list[tuple[int, int]]) -> np.ndarray:
         """One forward of `(seq, input seed)` tokens at each sequence's next positions; per layer,
@@ -193,7 +221,10 @@ def test_every_path_attends_the_dequantized_triples_of_several_sequences(kv_dtyp
     trio.step([(a, i) for i in range(7)] + [(b, 10 + i) for i in range(2)] + [(c, 20 + i) for i in range(4)])
     trio.step([(b, 30 + i) for i in range(3)] + [(a, 40)])  # b's second chunk before a's decode
     f = trio.clone(a)
-    g = trio.clone(a, upto=4)
+    # a's ring layers retired its first positions at the 2nd declaration (window 3 holds 4.. on, 5 holds
+    # 2.. on): a fork continuing at 4 would need 2..3 in the window-3 layers; one at 6 has its windows
+    assert trio.all("seq_floor", a) == 6 and trio.clone(a, upto=4) is None
+    g = trio.clone(a, upto=6)
     trio.step([(a, 50), (f, 51), (g, 52), (g, 53), (c, 54)])
     trio.rm(b)  # frees b's cells, below the others
     d = trio.new()
@@ -232,12 +263,12 @@ def test_random_steps_forks_and_frees_agree_on_every_path(data, kv_dtype):
         elif verb == "clone" and len(live) < 6:
             src = data.draw(st.sampled_from(live))
             upto = data.draw(st.none() | st.integers(1, trio.history.next_pos(src)))
-            trio.clone(src, upto)
+            trio.clone(src, upto)  # None, nothing changed, below a ring's floor
         elif verb == "rm" and len(live) > 1:
             s = data.draw(st.sampled_from(live))
             end = trio.history.next_pos(s)
             p0 = data.draw(st.integers(0, end), label="p0")
-            trio.rm(s, p0, data.draw(st.none() | st.integers(p0, end), label="p1"))  # may free it whole
+            trio.rm(s, p0, data.draw(st.none() | st.integers(p0, end), label="p1"))  # may free it whole, or be refused
         live = list(trio.history.seqs)
         if live:
             chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True), label="decode")
@@ -248,8 +279,22 @@ def test_random_steps_forks_and_frees_agree_on_every_path(data, kv_dtype):
 # -- forks share the quantized cells -------------------------------------------------------
 
 
-def pool_bits(cache: CellCache, cells: np.ndarray) -> list[tuple]:
-    return [bits_of(p.take(cells)) for p in cache.key_pools + cache.value_pools]
+def pool_bits(cache: CellCache, cells: list[np.ndarray]) -> list[tuple]:
+    """Every layer's K then V pool at `cells[g]` of its layer group g."""
+    pools = cache.key_pools + cache.value_pools
+    n = len(cache.key_pools)
+    return [bits_of(p.take(cells[cache.groups.group_of(i % n)])) for i, p in enumerate(pools)]
+
+
+def layer_bits(cache: CellCache, s: int) -> list[dict]:
+    """Per layer, position -> (cell, K bits, V bits) of what s holds in that layer's group."""
+    out = []
+    for layer in range(len(cache.key_pools)):
+        cells, pos = cache.groups.stepper_of(layer).table.seq_cells(s)
+        k, v = bits_of(cache.key_pools[layer].take(cells)), bits_of(cache.value_pools[layer].take(cells))
+        out.append({p: (np.array(c), *(part[:, :, i] for part in k), *(part[:, :, i] for part in v))
+                    for i, (c, p) in enumerate(zip(cells.tolist(), pos.tolist()))})
+    return out
 
 
 def test_a_fork_attends_its_trunks_packed_bytes_unchanged():
@@ -258,8 +303,8 @@ def test_a_fork_attends_its_trunks_packed_bytes_unchanged():
     bc = cache.as_batch_control()
     trunk = trio.new()
     prefill(trio, trunk, 6, seed=0)
-    cells, _ = cache.stepper.table.seq_cells(trunk)
-    before = {path: pool_bits(c, cells) for path, c in trio.caches.items()}
+    cells, _ = cache.groups.primary.table.seq_cells(trunk)
+    before = {path: layer_bits(c, trunk) for path, c in trio.caches.items()}
     free = bc.free_cells
     fork = trio.clone(trunk)
     part = trio.clone(trunk, upto=3)
@@ -271,15 +316,18 @@ def test_a_fork_attends_its_trunks_packed_bytes_unchanged():
         trio.step([(fork, 110 + i), (part, 120 + i), (trunk, 130 + i)])
     assert bc.free_cells == free - 3 * 4
     for c in trio.caches.values():
-        fork_cells, fork_pos = c.stepper.table.seq_cells(fork)
-        part_cells, _ = c.stepper.table.seq_cells(part)
+        fork_cells, fork_pos = c.groups.primary.table.seq_cells(fork)
+        part_cells, _ = c.groups.primary.table.seq_cells(part)
         np.testing.assert_array_equal(fork_cells[:6], cells)
         np.testing.assert_array_equal(part_cells[:3], cells[:3])
         assert fork_pos.tolist() == list(range(10))
     for path, c in trio.caches.items():  # no cell re-quantized: every bit of the prefix as it was
-        for got, want in zip(pool_bits(c, cells), before[path], strict=True):
-            for a, b in zip(got, want, strict=True):
-                np.testing.assert_array_equal(a, b)
+        for layer, was in enumerate(before[path]):  # in each layer group, where the trunk still holds it
+            now = layer_bits(c, trunk)[layer]
+            assert set(now) - set(range(6, 10)) <= set(was)
+            for p in set(now) & set(was):
+                for a, b in zip(now[p], was[p], strict=True):
+                    np.testing.assert_array_equal(a, b)
 
 
 # -- persistence ---------------------------------------------------------------------------
@@ -297,14 +345,18 @@ def busy(kv_dtype: str, group: int = 32, head_dim: int = 64) -> Trio:
 
 
 def table_state(cache: CellCache) -> tuple:
-    cells, pos, owners = cache.stepper.table.occupied()
-    t = cache.stepper.table
-    return snapshot(cache), cells.tolist(), pos.tolist(), owners.tolist(), t.live_ids().tolist(), t.free_list().tolist()
+    """The counts, and each layer group's table and cuts."""
+    out = [snapshot(cache)]
+    for grp in cache.groups.steppers:
+        cells, pos, owners = grp.table.occupied()
+        cuts = None if grp.keeper is None else grp.keeper.cut.tolist()
+        out.append((cells.tolist(), pos.tolist(), owners.tolist(), grp.table.live_ids().tolist(),
+                    grp.table.free_list().tolist(), cuts))
+    return tuple(out)
 
 
 def occupied_bits(cache: CellCache) -> list[tuple]:
-    cells, _, _ = cache.stepper.table.occupied()
-    return pool_bits(cache, cells)
+    return pool_bits(cache, [grp.table.occupied()[0] for grp in cache.groups.steppers])
 
 
 def assert_same_bits(a: list, b: list) -> None:
@@ -331,7 +383,7 @@ def test_a_saved_quantized_cache_loads_back_bit_for_bit(tmp_path, kv_dtype, grou
     packed = f.tensors["k.0.packed"]
     assert packed.dtype == "U32" and packed.shape == (1, 2, n, 64 * BITS[kv_dtype] // 32)
     assert f.tensors["v.2.scales"].dtype == f.tensors["v.2.biases"].dtype == "F16"
-    assert f.tensors["v.2.scales"].shape == (1, 2, n, 64 // group)
+    assert f.tensors["v.2.scales"].shape == (1, 2, bc.cells_by_window()[5], 64 // group)  # the ring's group's cells
     back = kvlayout.load(path)
     assert isinstance(back, CellCache) and back.config == cache.config
     assert (back.config.kv_dtype, back.config.kv_group_size) == (kv_dtype, group)
@@ -339,7 +391,7 @@ def test_a_saved_quantized_cache_loads_back_bit_for_bit(tmp_path, kv_dtype, grou
     assert_same_bits(occupied_bits(back), occupied_bits(cache))
     assert_holds(back, trio.history)  # against the independent record, not only the original
     # and it goes on as the original does, and as the oracle says
-    live = cache.stepper.table.live_ids().tolist()
+    live = cache.groups.primary.table.live_ids().tolist()
     trio.caches["loaded"] = back  # attention_path "auto"
     trio.step([(s, 200 + s) for s in live])
 
@@ -358,11 +410,14 @@ def test_a_saved_quantized_sequence_loads_into_another_cache_bit_for_bit(tmp_pat
     stack.forward_cached(dst, x, [0])
     sid = dst.load_seq(path)
     assert sid is not None and sid != other
-    cells, pos = dst.stepper.table.seq_cells(sid)
-    src_cells, src_pos = src.stepper.table.seq_cells(2)
-    assert pos.tolist() == src_pos.tolist()
-    assert_same_bits(pool_bits(dst, cells), pool_bits(src, src_cells))
+    got, want = layer_bits(dst, sid), layer_bits(src, 2)  # per layer, in its own layer group
+    for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert sorted(g) == sorted(w), layer
+        for p in g:
+            assert_same_bits([g[p][1:]], [w[p][1:]])
+    assert dst.as_batch_control().seq_floor(sid) == src.as_batch_control().seq_floor(2)
     for layer, held in enumerate(trio.history.seqs[2]):  # against the independent record too
+        cells, pos = dst.groups.stepper_of(layer).table.seq_cells(sid)
         packed = np.array(dst.key_pools[layer].take(cells).packed)[0]
         np.testing.assert_array_equal(packed, np.stack([held[p][0][0] for p in pos.tolist()], axis=1))
 

@@ -34,9 +34,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvlayout.errors import SequenceError, StepError
 from kvlayout_cell.groups import PLACEMENT_PAGE
-from kvlayout_cell.stepper import Stepper, batch_control
+from kvlayout_cell.stepper import Stepper
 from kvlayout_cell.table import CellTable
-from tests.cell.support import naive_placement, placement_manager
+from tests.cell.support import bare_control, naive_placement, placement_manager
 
 
 @functools.cache
@@ -140,7 +140,7 @@ class CellTableMachine(RuleBasedStateMachine):
     @initialize(capacity=st.integers(4, 32), max_seqs=MAX_SEQS, windows=WINDOWS, page=PAGES)
     def setup(self, capacity, max_seqs, windows, page):
         self.t = Stepper(CellTable(capacity, max_seqs), windows, plugin_manager(page))
-        self.bc = batch_control(self.t)  # the face a cache hands out over its stepper
+        self.bc = bare_control(self.t)  # the face a cache hands out over its stepper
         self.m = NaiveCells(capacity, max_seqs, page)
         self.windows = windows
 

@@ -438,7 +438,7 @@ def test_a_load_from_something_that_is_no_file_path_is_refused_naming_it(tmp_pat
     with pytest.raises(StateError, match=message):
         call(at(tmp_path, path))
     control = cell.as_batch_control()
-    assert (control.free_cells, control.used_end, cell.stepper.table.live_ids().tolist()) == (8, 0, [])
+    assert (control.free_cells, control.used_end, cell.groups.primary.table.live_ids().tolist()) == (8, 0, [])
 
 
 def test_a_write_the_os_refuses_is_a_state_error_naming_the_path_and_keeps_the_previous_file(tmp_path, monkeypatch):

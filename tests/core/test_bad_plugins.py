@@ -513,7 +513,7 @@ def cell_cache(pm, ring=False):
 
 def table_state(cache, ids) -> tuple:
     """What a caller can see of the cell table, read straight from it."""
-    t = cache.stepper.table
+    t = cache.groups.primary.table
     cells, pos, owners = t.occupied()
     per_id = tuple((t.seq_len(s), t.next_pos(s)) for s in ids)
     return (

@@ -97,6 +97,15 @@ class ToyBatchCache(Verbs, FacesBase):
     def next_pos(self, seq_id):
         return 0
 
+    def seq_floor(self, seq_id):
+        return 0
+
+    def seq_pin(self, seq_id, pinned=True):
+        pass
+
+    def cells_by_window(self):
+        return {0: 0}
+
     def place_step(self, layer, positions):
         raise NotImplementedError
 
@@ -130,8 +139,8 @@ def public(obj) -> list[str]:
 
 CONTROL = ["can_extend", "capacity", "clear"]
 SEQUENCE = sorted(CONTROL + ["length", "max_step", "rewind"])
-BATCH = sorted(CONTROL + ["declare_step", "free_cells", "max_seqs", "next_pos", "seq_clone", "seq_len",
-                          "seq_new", "seq_rm", "used_end"])
+BATCH = sorted(CONTROL + ["cells_by_window", "declare_step", "free_cells", "max_seqs", "next_pos", "seq_clone",
+                          "seq_floor", "seq_len", "seq_new", "seq_pin", "seq_rm", "used_end"])
 
 
 def test_each_contract_names_the_members_the_design_lists():
@@ -178,6 +187,15 @@ class Counts:
 
     def next_pos(self, seq_id):
         return 2
+
+    def seq_floor(self, seq_id):
+        return 0
+
+    def seq_pin(self, seq_id, pinned=True):
+        pass
+
+    def cells_by_window(self):
+        return {0: 2}
 
     def seq_new(self):  # the table's own primitive: the face takes the verbs' part's instead
         return 99

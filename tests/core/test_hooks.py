@@ -56,14 +56,16 @@ def pm():
 FREE = np.array([2, 3, 7, 9, 12])
 
 
-def choose(pm, count, free=FREE, seq_ids=None, positions=None, prev_cells=None):
-    """The hook called as a cell layout calls it: every argument, by name (one new sequence by default)."""
+def choose(pm, count, free=FREE, seq_ids=None, positions=None, prev_cells=None, window=0):
+    """The hook called as a cell layout calls it: every argument, by name (one new sequence of the flat
+    layers' table by default)."""
     return pm.hook.kvlayout_choose_cells(
         free=free,
         count=count,
         seq_ids=np.zeros(count, np.int64) if seq_ids is None else seq_ids,
         positions=np.arange(count) if positions is None else positions,
         prev_cells=np.full(count, -1) if prev_cells is None else prev_cells,
+        window=window,
     )
 
 

@@ -29,6 +29,7 @@ NEUTRAL = [
     "kvlayout.builder", "kvlayout.checks", "kvlayout.config", "kvlayout.errors", "kvlayout.faces",
     "kvlayout.hookspecs", "kvlayout.persist", "kvlayout.pool", "kvlayout.registry", "kvlayout.spec",
     "kvlayout_seq.bookkeeping", "kvlayout_cell.table", "kvlayout_cell.stepper", "kvlayout_cell.groups",
+    "kvlayout_cell.window", "kvlayout_cell.layer_groups",
 ]
 LAYOUTS = ("kvlayout_seq", "kvlayout_cell")
 # (importer prefix, forbidden prefixes): each part imports downward only.

@@ -24,6 +24,9 @@ class FakeControl:
     def seq_rm(self, seq_id: int) -> None:
         self.removed.append(seq_id)
 
+    def seq_floor(self, seq_id: int) -> int:
+        return 0  # no sliding-window layers: every entry lends any prefix of it
+
 
 def brute_lcp(a, b, limit):
     n = 0
@@ -211,10 +214,11 @@ def test_cancel_ends_a_request_frees_what_it_generated_and_leaves_the_others_alo
     ]
     engine.run()
     assert reqs[1].samples[0].generated == oracle_greedy(model, tok.encode(TURNS[1]), 6, frozenset(tok.eos_ids))[0]
-    # Held now: the kept prefixes only (request 0's prompt, request 1's whole sequence).
+    # Held now: the kept prefixes only (request 0's prompt, request 1's prompt and whole sequence:
+    # tiny's sliding layer keeps only the last window of the sequence, which cannot lend its prompt).
     assert_only_entries_hold(engine, bc, kept)
     assert sorted(len(e.tokens) for e in kept.entries.values()) == sorted(
-        [len(tok.encode(TURNS[0])), len(tok.encode(TURNS[1])) + 6 - 1])
+        [len(tok.encode(TURNS[0])), len(tok.encode(TURNS[1])), len(tok.encode(TURNS[1])) + 6 - 1])
     engine.cancel(reqs[0])  # nothing unfinished: nothing changes
     assert [s.finish_reason for s in reqs[0].samples] == ["cancelled", "cancelled"]
 

@@ -77,6 +77,15 @@ class FakeTable:
     def next_pos(self, seq_id: int) -> int:
         return len(self.cells.get(seq_id, []))
 
+    def seq_floor(self, seq_id: int) -> int:
+        return 0  # no sliding-window layers: any position will do
+
+    def seq_pin(self, seq_id: int, pinned: bool = True) -> None:
+        self.calls.append(("seq_pin", seq_id, pinned))
+
+    def cells_by_window(self) -> dict[int, int]:
+        return {0: self.capacity - self.free_cells}
+
     def write(self, seq_id: int, k: int) -> None:
         """The declared step's forward: `k` more positions of `seq_id` in free cells."""
         for _ in range(k):

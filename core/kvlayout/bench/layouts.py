@@ -40,5 +40,5 @@ def cell_table(cache: Any) -> Any:
 
     Every access the bench makes to the table goes through here.
     """
-    return cache.stepper.table
+    return cache.groups.primary.table
 

@@ -240,7 +240,8 @@ class CellEngine:
 
     def _note_held(self, batch: int) -> None:
         held = self.bc.capacity - self.bc.free_cells
-        self.stats.note_held(held, sum(s.cached for s in self.scheduler.running), batch)
+        windows = max((n for w, n in self.bc.cells_by_window().items() if w), default=0)
+        self.stats.note_held(held, sum(s.cached for s in self.scheduler.running), batch, windows)
 
 
 @attrs.define

@@ -106,24 +106,36 @@ class PrefixCache:
 
     def find(self, tokens: Sequence[int], limit: int, isolation: str = "") -> Hit | None:
         """The longest reuse for `tokens` among `isolation`'s entries, at most `limit` of them (a
-        sequence must feed at least one token to get logits); None when no entry shares a whole first block."""
-        best = None
+        sequence must feed at least one token to get logits); None when no entry shares a whole first
+        block. An entry is reused only as far as the cache can continue it (`usable`)."""
+        depths = self._holders(tokens, limit, isolation)
+        for holders in reversed(depths):  # the deepest first: its holders share the most whole blocks
+            # The longest usable exact match among them (the most recently used on a tie); none usable
+            # (a hash collision, or windows gone): the holders of a shallower key.
+            found = [(length, self.entries[i].used, i) for i in holders
+                     if self.usable(i, length := self.shared(self.entries[i], tokens, limit, isolation))]
+            if found:
+                length, _, seq_id = max(found)
+                entry = self.entries[seq_id]
+                entry.used = next(self.clock)
+                return Hit(seq_id, length, entry.source)
+        return None
+
+    def usable(self, seq_id: int, length: int) -> bool:
+        """Whether entry `seq_id` can lend its first `length` tokens (> 0): a sliding-window layer
+        keeps only an entry's last window, so it is continued only from its floor on."""
+        return length > 0 and length >= self.bc.seq_floor(seq_id)
+
+    def _holders(self, tokens: Sequence[int], limit: int, isolation: str) -> list[set[int]]:
+        """The entries holding each whole block's key of `tokens` (at most `limit` tokens), shallow
+        to deep, as far as any entry does."""
+        depths = []
         for key in self.chain(tokens, limit // self.block, isolation):
             holders = self.index.get(key)
             if not holders:
                 break
-            best = holders
-        if best is None:
-            return None
-        # The holders of the deepest key hold every entry sharing the most whole blocks; the
-        # longest exact match among them is the longest of all (the most recently used on a tie).
-        length, _, seq_id = max((self.shared(self.entries[i], tokens, limit, isolation), self.entries[i].used, i)
-                                for i in best)
-        if length == 0:  # a hash collision
-            return None
-        entry = self.entries[seq_id]
-        entry.used = next(self.clock)
-        return Hit(seq_id, length, entry.source)
+            depths.append(holders)
+        return depths
 
     def note_admitted(self, hit: Hit | None) -> None:
         """A sequence was admitted, on `hit` or with nothing reused: what /health and the bench report."""
@@ -139,7 +151,7 @@ class PrefixCache:
         keys = self.chain(tokens, n // self.block, isolation) if keys is None else keys
         for seq_id in self.index.get(keys[-1], ()) if keys else ():
             entry = self.entries[seq_id]
-            if len(entry.tokens) >= n and self.shared(entry, tokens, n, isolation) == n:
+            if len(entry.tokens) >= n and self.shared(entry, tokens, n, isolation) == n and self.usable(seq_id, n):
                 entry.used = next(self.clock)
                 return True
         return False
@@ -151,7 +163,8 @@ class PrefixCache:
         """Take `seq_id` (which holds exactly `tokens`, positions 0..) as an entry of `isolation`:
         True. False, having released the id, when it is shorter than a block or an entry already
         covers it. Entries of `isolation` that are prefixes of it are dropped: it owns their cells
-        too. `keys`: the tokens' chain (for `isolation`), when the caller has it already."""
+        too (where it can be continued from their end: not past a sliding window's reach).
+        `keys`: the tokens' chain (for `isolation`), when the caller has it already."""
         tokens = tuple(tokens)
         keys = self.chain(tokens, len(tokens) // self.block, isolation) if keys is None else keys
         if len(tokens) < self.block or self.covers(tokens, keys, isolation):
@@ -160,7 +173,8 @@ class PrefixCache:
         candidates = set().union(*(self.index.get(k, ()) for k in keys))
         for other in candidates:
             e = self.entries[other]
-            if len(e.tokens) <= len(tokens) and self.shared(e, tokens, len(e.tokens), isolation) == len(e.tokens):
+            n = len(e.tokens)
+            if n <= len(tokens) and self.shared(e, tokens, n, isolation) == n and self.usable(seq_id, n):
                 self.drop(other)
         self.entries[seq_id] = Entry(tokens, keys, next(self.clock), source, isolation)
         for k in keys:

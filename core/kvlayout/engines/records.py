@@ -96,6 +96,9 @@ class Stats:
     decode_s: float = 0.0
     wall_s: float = 0.0
     peak_cells: int = 0  # cells the cache held at once
+    # Cells the cache's sliding-window layers held at once, where they keep tables of their own
+    # (BatchControl.cells_by_window; the largest window table's): 0 for none.
+    peak_window_cells: int = 0
     # Tokens the live sequences held at once, each counting its whole history
     # (shared prefix included): what private copies would need.
     peak_tokens: int = 0
@@ -131,9 +134,11 @@ class Stats:
             self.prefill_s += seconds * prefill / fed
             self.decode_s += seconds * decode / fed
 
-    def note_held(self, cells: int, tokens: int, batch: int) -> None:
-        """After a step: cells the cache holds, tokens the live sequences hold, sequences it carried."""
+    def note_held(self, cells: int, tokens: int, batch: int, window_cells: int = 0) -> None:
+        """After a step: cells the cache holds (its sliding-window layers' tables: `window_cells`),
+        tokens the live sequences hold, sequences it carried."""
         self.peak_cells = max(self.peak_cells, cells)
+        self.peak_window_cells = max(self.peak_window_cells, window_cells)
         self.peak_tokens = max(self.peak_tokens, tokens)
         self.max_batch = max(self.max_batch, batch)
 

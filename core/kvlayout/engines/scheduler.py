@@ -114,6 +114,10 @@ class Scheduler:
         self.queue: collections.deque[Waiting] = collections.deque()
         self.admissions = 0
         self._stale = False  # a verb ran since the last accepted declaration: declare again
+        # Layer groups with sliding windows (BatchControl.cells_by_window) keep a sequence's last window
+        # only, unless it is pinned: a prompt is, until the prefix cache has kept it (so later requests
+        # can part from it anywhere, as on a model without windows).
+        self.pins = prefixes is not None and any(w > 0 for w in control.cells_by_window())
 
     @property
     def has_work(self) -> bool:
@@ -208,6 +212,8 @@ class Scheduler:
             return None
         cached = reused(hit)
         s = Running(sid, w.request, w.samples, list(w.tokens), self.admissions, cached)
+        if self.pins:
+            self.bc.seq_pin(sid)  # its prompt stays whole in the window layers until it is kept
         self.running.append(s)
         if not self._step_takes(s):
             self.running.pop()
@@ -339,7 +345,11 @@ class Scheduler:
                 best, most = s, common
         if best is None:
             return hit
-        return WAIT if best.cached < most else Hit(best.seq_id, most, best.request.index)
+        if best.cached < most:
+            return WAIT
+        if most < self.bc.seq_floor(best.seq_id):
+            return hit  # not pinned (no prefix cache): its sliding layers no longer hold the window there
+        return Hit(best.seq_id, most, best.request.index)
 
     def evict(self, spare: Hit | None = None) -> bool:
         """Drop the least recently used kept prefix (not `spare`'s): whether there was one."""
@@ -360,7 +370,9 @@ class Scheduler:
 
     def remember(self, s: Running) -> None:
         """Offer `s`'s tokens in the cache (its prompt, just prefilled) to the prefix cache, under
-        an id cloned from it, when an id is to be had by evicting kept prefixes at most. Once."""
+        an id cloned from it, when no entry covers them and an id is to be had by evicting kept
+        prefixes at most. Once. On a windowed cache `s` stays pinned (whole) until an entry holds
+        its prompt, and the entry kept is pinned."""
         if s.remembered:
             return
         s.remembered = True
@@ -370,8 +382,11 @@ class Scheduler:
             return
         isolation = s.request.isolation
         keys = p.chain(tokens, len(tokens) // p.block, isolation)  # once, for both questions below
-        if p.covers(tokens, keys, isolation) or not self.room_for_ids(1, None):
-            return
-        sid = self.bc.seq_clone(s.seq_id, s.cached)
-        if sid is not None:
-            p.keep(sid, tokens, s.request.index, keys, isolation)
+        if not p.covers(tokens, keys, isolation):
+            sid = self.bc.seq_clone(s.seq_id, s.cached) if self.room_for_ids(1, None) else None
+            if sid is None or not p.keep(sid, tokens, s.request.index, keys, isolation):
+                return  # no entry holds it: it stays whole (pinned) while it runs
+            if self.pins:
+                self.bc.seq_pin(sid)  # kept whole: a later prompt may part from it anywhere
+        if self.pins:
+            self.bc.seq_pin(s.seq_id, False)  # it goes on decoding: its window layers keep its last window

@@ -70,11 +70,14 @@ def config_pool_bytes(slots: int, n_heads: int, head_dim: int, config: Any) -> i
     return pool_bytes(slots, n_heads, head_dim, config.kv_dtype, config.kv_group_size)
 
 
-def cell_bytes(config: Any, kv_dtype: str | None = None) -> int:
+def cell_bytes(config: Any, kv_dtype: str | None = None, windowed: bool | None = None) -> int:
     """Bytes one token's K and V take across every layer of `config` (a CacheConfig), in its
-    kv_dtype or in `kv_dtype` (what the same cells would take as float16, say)."""
+    kv_dtype or in `kv_dtype` (what the same cells would take as float16, say); `windowed` True:
+    across its sliding-window layers only, False: its flat layers only."""
     dtype = config.kv_dtype if kv_dtype is None else kv_dtype
     layers = (config.layer(i) for i in range(config.n_layers))
+    if windowed is not None:
+        layers = (lc for lc in layers if (lc.policy.window > 0) == windowed)
     return sum(2 * pool_bytes(1, lc.n_kv_heads, lc.head_dim, dtype, config.kv_group_size) for lc in layers)
 
 

@@ -316,12 +316,17 @@ class Job:
         ]
         prompts = [p.text for p in self.built] or [tok.decode(p) for p in self.prompts]
         messages = [p.messages for p in self.built]
-        return RunResult(requests, outputs, stats, prompts, complete, messages, failed, self.kv_bytes(stats.peak_cells),
-                         blas.in_use())
+        return RunResult(requests, outputs, stats, prompts, complete, messages, failed,
+                         self.kv_bytes(stats.peak_cells, stats.peak_window_cells), blas.in_use())
 
-    def kv_bytes(self, cells: int) -> KVBytes:
-        """What `cells` cells of this job's cache hold in K/V, beside float16's figure for them."""
-        return KVBytes.of(cache_config(self.cfg, self.args, self.kv_dtype), cells)
+    def kv_bytes(self, cells: int, window_cells: int = 0) -> KVBytes:
+        """What `cells` cells of this job's cache hold in K/V, beside float16's figure for them;
+        `window_cells`: what its sliding-window layers' tables hold, where the layout keeps them
+        apart (the cell layout: BatchControl.cells_by_window)."""
+        config = cache_config(self.cfg, self.args, self.kv_dtype)
+        apart = self.cache.as_batch_control() is not None and any(
+            config.layer(i).policy.window for i in range(config.n_layers))
+        return KVBytes.of(config, cells, window_cells if apart else None)
 
     def _save(self, directory, requests, engine, stats, complete: bool):
         """Save the run's state (`resume.save_run`); None, or the SaveFailed saying why it was not."""

@@ -57,27 +57,45 @@ class SampleResult:
 @attrs.frozen
 class KVBytes:
     """What `cells` cells of a cache hold in K/V (every layer's K and V), in its kv_dtype and as
-    float16 would hold the same cells. A run reports its peak; a server, the cells used now."""
+    float16 would hold the same cells. A run reports its peak; a server, the cells used now.
+
+    `window_cells`: a cell layout keeping its sliding-window layers' cells in tables of their own
+    (kvlayout_cell.layer_groups): how many those hold, `cells` being the flat layers'; None: every
+    layer holds `cells`. With windows of more than one size, the largest window table's count
+    stands for all of them (an upper bound)."""
 
     kv_dtype: str
     per_cell: int
     float16_per_cell: int
     cells: int
+    window_cells: int | None = None
+    window_per_cell: int = 0  # of per_cell, what the sliding-window layers take
+    window_float16_per_cell: int = 0
 
     @classmethod
-    def of(cls, config: Any, cells: int) -> KVBytes:
-        return cls(config.kv_dtype, cell_bytes(config), cell_bytes(config, "float16"), cells)
+    def of(cls, config: Any, cells: int, window_cells: int | None = None) -> KVBytes:
+        split = {} if window_cells is None else {
+            "window_cells": window_cells,
+            "window_per_cell": cell_bytes(config, windowed=True),
+            "window_float16_per_cell": cell_bytes(config, "float16", windowed=True),
+        }
+        return cls(config.kv_dtype, cell_bytes(config), cell_bytes(config, "float16"), cells, **split)
 
     @property
     def held(self) -> int:
-        return self.per_cell * self.cells
+        return self._bytes(self.per_cell, self.window_per_cell)
 
     @property
     def float16_held(self) -> int:
-        return self.float16_per_cell * self.cells
+        return self._bytes(self.float16_per_cell, self.window_float16_per_cell)
+
+    def _bytes(self, per_cell: int, window_per_cell: int) -> int:
+        if self.window_cells is None:
+            return per_cell * self.cells
+        return (per_cell - window_per_cell) * self.cells + window_per_cell * self.window_cells
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "kv_dtype": self.kv_dtype,
             "cells": self.cells,
             "per_cell": self.per_cell,
@@ -85,6 +103,9 @@ class KVBytes:
             "float16_per_cell": self.float16_per_cell,
             "float16_held": self.float16_held,
         }
+        if self.window_cells is not None:
+            out.update(window_cells=self.window_cells, window_per_cell=self.window_per_cell)
+        return out
 
 
 @attrs.frozen

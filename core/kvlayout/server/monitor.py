@@ -34,7 +34,7 @@ def stats(worker, service) -> dict:
         "model": service.model_id,
         "layout": service.cfg.layout.key,
         "cells": cells,
-        "kv_bytes": service.job.kv_bytes(cells["used"]).to_json(),  # what the used cells hold now
+        "kv_bytes": service.job.kv_bytes(cells["used"], cells.get("window_used", 0)).to_json(),  # held now
         "steps": snap["steps"],
         "tokens_per_s": worker.rates_now["tokens_per_s"],
         "prefill_tokens_per_s": worker.rates_now["prefill_tokens_per_s"],

@@ -15,6 +15,7 @@ the main thread and HTTP on a thread of its own (`serve`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import signal
@@ -89,6 +90,19 @@ def model_id_of(cfg: ServeConfig) -> str:
     return cfg.model_dir().name
 
 
+def cells_held(batch: Any, control: Any) -> dict[str, int]:
+    """The cells held now, of how many (a BatchControl's, else a SequenceControl's); a cell layout's
+    sliding-window layers' own (the largest window table's, BatchControl.cells_by_window) as
+    `window_used`."""
+    if batch is None:
+        return {"capacity": control.capacity, "used": control.length, "free": control.capacity - control.length}
+    used, windows = batch.capacity - batch.free_cells, batch.cells_by_window()
+    out = {"capacity": batch.capacity, "used": used, "free": batch.free_cells}
+    if any(windows):
+        out["window_used"] = max(n for w, n in windows.items() if w)
+    return out
+
+
 def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -> Service:
     """Load and build everything (ConfigError and friends, one line each, before any port is bound).
 
@@ -109,11 +123,6 @@ def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -
     s = cfg.server
     prefixes = PrefixCache(batch) if batch is not None and s.prefix_cache else None
 
-    def cells() -> tuple[int, int]:
-        if batch is not None:
-            return batch.capacity - batch.free_cells, batch.capacity
-        return control.length, control.capacity
-
     def clear() -> None:  # after a step that raised: the cache emptied, the kept prefixes with it
         control.clear()
         if prefixes is not None:
@@ -131,7 +140,8 @@ def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -
         return engine
 
     worker = Worker(
-        make_engine, cells, s.max_sequences, s.queue, clear, prefixes, view, observer,
+        make_engine, functools.partial(cells_held, batch, control), s.max_sequences, s.queue, clear, prefixes,
+        view, observer,
         idle=lambda: made[-1].idle() if world.distributed else None,  # only rank 0's worker runs
         stopped=lambda: made[-1].finish() if world.distributed else None,
     )

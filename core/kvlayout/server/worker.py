@@ -117,7 +117,7 @@ def new_ticket(order: Order, request: Request, decode: Callable, loop: asyncio.A
 class Worker:
     """Owns the engine and runs it on its own thread; see the module docstring."""
 
-    def __init__(self, make_engine: Callable[[Stats, Callable], Any], cells: Callable[[], tuple[int, int]],
+    def __init__(self, make_engine: Callable[[Stats, Callable], Any], cells: Callable[[], dict[str, int]],
                  max_sequences: int, queue_limit: int, clear: Callable[[], None], prefixes: PrefixCache | None = None,
                  view: Any = None, observer: CellObserver | None = None,
                  idle: Callable[[], None] = lambda: None, stopped: Callable[[], None] = lambda: None):
@@ -378,14 +378,14 @@ class Worker:
         self.draw(now)
         generated_s, prefilled_s = self.rate(now)
         s = self.stats
-        held, capacity = self.cells()
+        cells = self.cells()
         with self.lock:
             self.count()  # the engine started what it admitted this step
             waiting, running = self.waiting, len(self.tickets) - self.waiting
         self.snapshot = {
             "status": "ok" if not self.stopping.is_set() else "stopping",
             "requests": {"running": running, "waiting": waiting},
-            "cells": {"capacity": capacity, "used": held, "free": capacity - held},
+            "cells": cells,
             "steps": s.steps,
             "generated_tokens": s.generated_tokens,
             "prefill_tokens": s.prefill_tokens,

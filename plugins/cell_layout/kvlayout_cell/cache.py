@@ -50,7 +50,8 @@ from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout_cell import persist
 from kvlayout_cell.groups import PAGE_SIZES, PATHS, plan_cells
-from kvlayout_cell.stepper import Stepper, batch_control, checked_layer
+from kvlayout_cell.layer_groups import LayerGroups, batch_control
+from kvlayout_cell.stepper import checked_layer
 from kvlayout_cell.table import CellTable
 
 
@@ -76,16 +77,19 @@ class CellCache(FacesBase):
         # Pools hold whole pages of PAGE_TILE slots (past the last cell: never written, masked when
         # read), so every size they grow through is one that pages of up to PAGE_TILE cells tile.
         max_slots, initial = _check_sizes(config, layers)  # before anything is allocated
-        self.stepper = Stepper(
-            CellTable(config.capacity, config.max_seqs),
+        # A table of cells per window (kvlayout_cell.layer_groups): a window's layers keep only the
+        # cells some sequence can still see in them.
+        self.groups = LayerGroups(
             [lc.policy.window for lc in layers],  # 0 for flat layers
+            config.capacity,
+            config.max_seqs,
             plugin_manager() if pm is None else pm,
         )
-        # The faces are the cache's only public verbs, each implemented once: the stepper's where a
-        # verb changes the table (it ends the open step first), the table's own counts and reads.
-        self._batch_control = batch_control(self.stepper)
-        self._cell_stepper = face_of(CellStepper, self.stepper)
-        self._cell_view = face_of(CellView, self.stepper.table)
+        # The faces are the cache's only public verbs, each implemented once: the groups' where a
+        # verb changes the tables (it ends the open step first), the primary table's own counts and reads.
+        self._batch_control = batch_control(self.groups)
+        self._cell_stepper = face_of(CellStepper, self.groups)
+        self._cell_view = face_of(CellView, self.groups.primary.table)
 
         def pool(lc):  # an MLXPool, or a QuantizedPool for kv_dtype "q8"/"q4"
             return kv_pool(initial, max_slots, lc.n_kv_heads, lc.head_dim, config)
@@ -100,7 +104,7 @@ class CellCache(FacesBase):
 
     @property
     def n_layers(self) -> int:
-        return self.stepper.n_layers
+        return self.groups.n_layers
 
     @property
     def attention_path(self) -> str:
@@ -128,7 +132,7 @@ class CellCache(FacesBase):
 
     def abort_step(self) -> bool:
         """Undo the open step of a forward that failed part way (see `Stepper.abort_step`)."""
-        return self.stepper.abort_step()
+        return self.groups.abort_step()
 
     # Save and restore (kvlayout_cell.persist has the format).
 
@@ -152,7 +156,7 @@ class CellCache(FacesBase):
         pos = int_array("positions", positions, StepError)
         T = check_kv(layer, k, v, lc.n_kv_heads, lc.head_dim, pos.size)  # before placing: a refusal claims no cell
 
-        step = self.stepper.place_step(layer, pos)
+        step = self.groups.place_step(layer, pos)
         start = _run_start(step.cells)
         if start is not None:  # one ascending run (lowest-free placement, usually): a slice write, no scatter
             self.key_pools[layer].write(start, k)
@@ -193,7 +197,7 @@ class CellCache(FacesBase):
         return self._step_mask(layer, self._check_step(layer, step))
 
     def _check_step(self, layer: Any, step: Any) -> Any:
-        served = self.stepper.served_step(layer)  # StepError for a bad layer
+        served = self.groups.served_step(layer)  # StepError for a bad layer
         if step is None or step is not served:
             what = "no step is open or it has not served this layer" if served is None else "another step"
             raise StepError(
@@ -212,7 +216,7 @@ class CellCache(FacesBase):
 
     def _step_cells(self, layer: int, step) -> Cells:
         """The step's cells checked and on the device once per window, for every pool of its layers."""
-        return self._once(self._mx_cells, self.stepper.window(layer), step, lambda: Cells(step.cells))
+        return self._once(self._mx_cells, self.groups.window(layer), step, lambda: Cells(step.cells))
 
     def _whole_sequence(self, layer: int, step) -> tuple[MaskKind, mx.array | None] | None:
         """(mask kind, mask) when every token of the step is one sequence's, on a flat layer, and it
@@ -223,10 +227,11 @@ class CellCache(FacesBase):
         ending at its own is CAUSAL (MLX's lower-right alignment); else the mask is built on the
         device from the cells' positions (O(read_len) to it, not O(T * read_len) on the host),
         once per step."""
-        if self.stepper.window(layer) != 0 or self.attention_path != "auto":
+        stepper = self.groups.stepper_of(layer)
+        if self.groups.window(layer) != 0 or self.attention_path != "auto":
             return None
-        seq_ids, positions = self.stepper.step_tokens()
-        if int(self.stepper.table.held(seq_ids[:1])[0]) != step.read_len:
+        seq_ids, positions = stepper.step_tokens()
+        if int(stepper.table.held(seq_ids[:1])[0]) != step.read_len:
             return None
         if step.length == 1:
             return MaskKind.NONE, None
@@ -234,7 +239,7 @@ class CellCache(FacesBase):
             return None
 
         def mask() -> mx.array | None:  # [1, 1, T, S], or None: causal
-            cell_pos = self.stepper.table.snapshot(copy=False)[0][: step.read_len]  # [S]: each cell's position
+            cell_pos = stepper.table.snapshot(copy=False)[0][: step.read_len]  # [S]: each cell's position
             first = step.read_len - step.length
             if (positions == np.arange(first, step.read_len)).all() and (cell_pos == np.arange(step.read_len)).all():
                 return None
@@ -246,17 +251,17 @@ class CellCache(FacesBase):
         return (MaskKind.CAUSAL, None) if m is None else (MaskKind.EXPLICIT, m)
 
     def _step_groups(self, layer: int, step) -> AttendGroups | None:
-        window, path = self.stepper.window(layer), self.attention_path
+        window, path, stepper = self.groups.window(layer), self.attention_path, self.groups.stepper_of(layer)
 
         def plan() -> AttendGroups | None:
-            seq_ids, positions = self.stepper.step_tokens()  # the step place_step just served
+            seq_ids, positions = stepper.step_tokens()  # the step place_step just served
             lc = self.config.layer(layer)
             # Every layer's pool holds as many slots (they take the same cells); the row is this
             # layer's, for every layer of this window (models give them one shape).
             pool = (self.key_pools[layer].slots, lc.n_kv_heads * lc.head_dim)
             if path == "auto" and (self.config.kv_bits or not pages_in_place(self.key_pools[layer].dtype)):
                 pool = None  # attend() would gather the pages' cells (always, when quantized): plan gathered batches
-            table = self.stepper.table
+            table = stepper.table
             groups = plan_cells(seq_ids, positions, window, step.read_len, table.seq_keys, path, table.held, pool)
             return None if groups is None else _as_mx(groups)
 
@@ -264,7 +269,7 @@ class CellCache(FacesBase):
 
     def _step_mask(self, layer: int, step) -> mx.array:
         """A lazy spec's mask may be read after the step ended: the step's own (`CellStep.mask`)."""
-        return self._once(self._mx_mask, self.stepper.window(layer), step, lambda: mx.array(step.mask)[None, None])
+        return self._once(self._mx_mask, self.groups.window(layer), step, lambda: mx.array(step.mask)[None, None])
 
 
 def load_cache(f: StateFile) -> CellCache:
@@ -301,7 +306,9 @@ def _check_sizes(config: CacheConfig, layers: list) -> tuple[int, int]:
 
     what = f"an mlx:cell cache of capacity={capacity} and max_seqs={max_seqs}"
     check_layer_dims(config)
-    table = CellTable.footprint(capacity, max_seqs)
+    groups = len({lc.policy.window for lc in layers})  # a table per window (kvlayout_cell.layer_groups)
+    table = {f"{k} x {groups} layer groups" if groups > 1 else k: v * groups
+             for k, v in CellTable.footprint(capacity, max_seqs).items()}
     check_up_front(what, {**table, f"K/V pools of {initial} slots": pools(initial)}, "lower capacity or max_seqs")
     if max_slots > MAX_SLOTS:
         raise ConfigError(

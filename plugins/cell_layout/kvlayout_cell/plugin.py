@@ -39,9 +39,16 @@ def kvlayout_builders():
 
 
 @hookimpl(trylast=True)
-def kvlayout_choose_cells(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray) -> np.ndarray:
+def kvlayout_choose_cells(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, window: int) -> np.ndarray:
     """Each sequence in pages of its own, so paged attention reads them in place; any other policy wins."""
-    return own_pages(free, seq_ids, prev_cells)
+    return own_pages(free, seq_ids, prev_cells, page_for(window), run_on=window == 0)
+
+
+def page_for(window: int, page: int = PLACEMENT_PAGE) -> int:
+    """The page a table's sequences take cells in: `page` for the flat layers', and for a window's
+    the least power of two covering the window, at most `page` (a sequence then holds its last
+    window in two pages or three, not two of `page` whatever its window)."""
+    return page if window <= 0 else min(page, 1 << (window - 1).bit_length())
 
 
 class LowestFree:
@@ -62,14 +69,17 @@ class OwnPages:
         self.page = page
 
     @hookimpl
-    def kvlayout_choose_cells(self, free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray) -> np.ndarray:
-        return own_pages(free, seq_ids, prev_cells, self.page)
+    def kvlayout_choose_cells(self, free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray,
+                              window: int) -> np.ndarray:
+        return own_pages(free, seq_ids, prev_cells, self.page, run_on=window == 0)
 
 
-def own_pages(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, page: int = PLACEMENT_PAGE) -> np.ndarray:
+def own_pages(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, page: int = PLACEMENT_PAGE,
+              run_on: bool = True) -> np.ndarray:
     """A distinct cell of `free` (ascending) for each token, in token order: each sequence
     continues after its previous cell within that cell's page, then fills fresh pages of `page`
-    cells, then (none left) takes the lowest free cells (the three passes of the hookspec).
+    cells (`run_on`: the page after its last one's first, when fresh), then (none left) takes the
+    lowest free cells (the three passes of the hookspec).
 
     `seq_ids`, `prev_cells` int `[T]` as the hook hears them (every token of a sequence carries
     its cell from before the step). O(T log + the free cells scanned for fresh pages).
@@ -85,7 +95,7 @@ def own_pages(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, pag
     order, starts, counts = _by_sequence(np.asarray(seq_ids, dtype=np.int64))
     prev = prev_cells[order[starts]]  # [N]: each sequence's cell from before the step
     last = _continue(free, taken, cells, order, starts, counts, prev, page)
-    _fill_fresh_pages(_FreshPages(free, taken, page), cells, order, starts, counts, last)
+    _fill_fresh_pages(_FreshPages(free, taken, page), cells, order, starts, counts, last if run_on else None)
     _lowest_left(free, taken, cells)
     return cells
 
@@ -184,7 +194,7 @@ def _fill_fresh_pages(pages: _FreshPages, cells, order, starts, counts, last) ->
     for k in np.flatnonzero(cells[order[starts + counts - 1]] < 0):  # a sequence whose last token has no cell
         tokens = order[starts[k] : starts[k] + counts[k]]
         tokens = tokens[cells[tokens] < 0]
-        after = int(last[k])
+        after = -1 if last is None else int(last[k])  # -1: the lowest fresh page
         for lo in range(0, tokens.size, page):
             x = pages.take(after)
             if x is None:
@@ -192,7 +202,7 @@ def _fill_fresh_pages(pages: _FreshPages, cells, order, starts, counts, last) ->
             n = min(page, tokens.size - lo)
             cells[tokens[lo : lo + n]] = free[x : x + n]
             taken[x : x + n] = True
-            after = int(free[x + n - 1])
+            after = -1 if last is None else int(free[x + n - 1])
 
 
 def _lowest_left(free, taken, cells) -> None:

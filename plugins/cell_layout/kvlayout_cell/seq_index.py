@@ -67,11 +67,13 @@ class SeqIndex:
         for s, k in zip(ids.tolist(), counts.tolist()):
             self._len[s] -= k
 
-    def copy_before(self, src: int, dst: int, upto: int | None) -> None:
-        """`dst` (owning nothing) gets `src`'s entries with position < upto (all when None)."""
+    def copy_between(self, src: int, dst: int, since: int, upto: int | None) -> None:
+        """`dst` (owning nothing) gets `src`'s entries with since <= position < upto (upto None: to the end)."""
         cells, pos = self.get(src)
+        lo = int(np.searchsorted(pos, since, side="left")) if since else 0
         n = pos.size if upto is None else int(np.searchsorted(pos, upto, side="left"))
-        self._set(dst, pos[:n].copy(), cells[:n].copy())
+        lo = min(lo, n)
+        self._set(dst, pos[lo:n].copy(), cells[lo:n].copy())
 
     def cut(self, s: int, p0: int, p1: int | None) -> np.ndarray:
         """Drop `s`'s entries with p0 <= position < p1 (p1 None: to the end); the cells they named."""

@@ -42,8 +42,9 @@ import numpy as np
 
 from kvlayout.checks import int_array, int_scalar
 from kvlayout.errors import ConfigError, SequenceError, StepError
-from kvlayout.faces import BatchControl, CellStep, face_of
+from kvlayout.faces import CellStep
 from kvlayout_cell.table import CellTable
+from kvlayout_cell.window import WindowKeeper
 
 HOOKS = ("kvlayout_choose_cells", "kvlayout_step_placed", "kvlayout_step_aborted")  # what the stepper calls
 
@@ -80,10 +81,15 @@ class _Declared:
 
 
 class Stepper:
-    """Places steps for `len(windows)` layers (window 0 = flat) over `table`, which it alone changes."""
+    """Places steps for `len(windows)` layers (window 0 = flat) over `table`, which it alone changes.
 
-    def __init__(self, table: CellTable, windows: Sequence[int], pm: Any):
+    `keeper`: the table is one sliding window's (`kvlayout_cell.window`): each declaration first
+    retires what the sequences that moved on no longer read, and a clone or rewind that would need
+    retired keys is refused."""
+
+    def __init__(self, table: CellTable, windows: Sequence[int], pm: Any, keeper: WindowKeeper | None = None):
         self.table = table  # read it freely; change it only through the stepper's verbs
+        self.keeper = keeper
         self._windows = tuple(int_scalar("window", w, ConfigError, minimum=0) for w in windows)
         hook = getattr(pm, "hook", None)  # checked now: a bad one would fail at the first step
         missing = [name for name in HOOKS if not hasattr(hook, name)]
@@ -123,6 +129,8 @@ class Stepper:
             self.abort_step()
         self._keep_masks()
         self.table.clear()
+        if self.keeper is not None:
+            self.keeper.clear()
 
     def seq_new(self) -> int | None:
         """The lowest id not live, now live and empty; None when all are in use."""
@@ -134,22 +142,63 @@ class Stepper:
 
         Refused (SequenceError) when src is not live; None when no id is left.
         """
+        since = self.check_clone(src, upto)
+        self._keep_masks()
+        dst = self.table.seq_clone(src, upto, since)
+        if dst is not None and self.keeper is not None:
+            self.keeper.cut[dst] = since if self.table.seq_len(dst) else 0  # nothing held: nothing cut
+            if src in self.keeper.pinned:
+                self.keeper.moved.add(dst)  # it holds src's whole history: retired unless pinned in turn
+        return dst
+
+    def check_clone(self, src: int, upto: int | None) -> int:
+        """Refuse (nothing changed) what `seq_clone(src, upto)` would refuse; else where the clone
+        starts in this table (0 but for a window's: its last window)."""
         self._refuse_mid_forward("seq_clone")
-        self._keep_masks()
-        return self.table.seq_clone(src, upto)
+        newest = self.table.next_pos(self.table.live_id("src", src)) - 1
+        if upto is not None:
+            upto = int_scalar("upto", upto, SequenceError, minimum=0)
+        if self.keeper is None:
+            return 0
+        if upto is not None and upto <= newest:
+            self.keeper.check_continue(f"seq_clone(src={src}, upto={upto})", src, upto)
+        return self.keeper.clone_since(src, upto, newest)
 
-    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
-        """Drop seq_id's claim on positions [p0, p1) (see `CellTable.seq_rm`)."""
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None, keep_live: bool = False) -> None:
+        """Drop seq_id's claim on positions [p0, p1) (see `CellTable.seq_rm`; `keep_live`: the id stays
+        live owning nothing, as a window's table keeps a sequence its other layers hold)."""
+        self.check_rm(seq_id, p0, p1)
+        self._keep_masks()
+        self.table.seq_rm(seq_id, p0, p1, keep_live)
+        if self.keeper is not None and not self.table.seq_len(seq_id) and not keep_live:
+            self.keeper.released(int(seq_id))
+
+    def check_rm(self, seq_id: int, p0: int, p1: int | None) -> None:
+        """Refuse (nothing changed) what `seq_rm(seq_id, p0, p1)` would refuse: a range cutting a
+        sequence's end off where the window it would continue from was retired."""
         self._refuse_mid_forward("seq_rm")
-        self._keep_masks()
-        self.table.seq_rm(seq_id, p0, p1)
+        s = self.table.live_id("seq_id", seq_id)
+        p0 = int_scalar("p0", p0, SequenceError, minimum=0)
+        if p1 is not None:
+            p1 = int_scalar("p1", p1, SequenceError, minimum=p0)
+        if self.keeper is not None and (p1 is None or p1 >= self.table.next_pos(s)):  # its end goes: continued at p0
+            self.keeper.check_continue(f"seq_rm(seq_id={s}, p0={p0})", s, p0)
 
-    def restore(self, cells: np.ndarray, pos: np.ndarray, owners: np.ndarray, live: np.ndarray, error: type) -> None:
-        """Become the table `occupied()` and `live_ids()` described (see `CellTable.restore`);
-        `error`, nothing changed, for a description that breaks an invariant."""
+    def restore(self, cells: np.ndarray, pos: np.ndarray, owners: np.ndarray, live: np.ndarray, error: type,
+                cuts: np.ndarray | None = None) -> None:
+        """Become the table `occupied()` and `live_ids()` described (see `CellTable.restore`), a
+        window's with its `cuts` per id (None: nothing retired); `error`, nothing changed, for a
+        description that breaks an invariant."""
         self._refuse_mid_forward("restore")
+        if cuts is not None and (cuts.shape != (self.table.max_seqs,) or (cuts < 0).any()):
+            raise error(f"cuts {cuts.shape}: expected [{self.table.max_seqs}] positions >= 0")
         self._keep_masks()
         self.table.restore(cells, pos, owners, live, error)
+        if self.keeper is not None:
+            self.keeper.clear()
+            if cuts is not None:
+                self.keeper.cut[:] = cuts
+            self.keeper.moved.update(self.table.live_ids().tolist())
 
     # -- the step protocol ---------------------------------------------------
 
@@ -162,17 +211,46 @@ class Stepper:
         (StepError) while the previous step is half served: finish that
         forward or abort it first. On True the previous step ends.
         """
+        ids = self.declarable(seq_ids)
+        due = self._due()
+        if not self._fits(ids.size, due):
+            return False
+        self._keep_masks()
+        if due[0].size:  # what moved past its window goes before the new tokens come
+            self.table.retire(*due)
+            self.keeper.cut[due[0]] = due[1]
+        if self.keeper is not None:
+            self.keeper.moved.clear()
+        self._declared = _Declared(ids.copy(), self.table.epoch)
+        self._placed = None
+        return True
+
+    def declarable(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """`seq_ids` as declare_step checks them (refusing as it does), as an array."""
         self._refuse_mid_forward("declare_step")
         ids = int_array("seq_ids", seq_ids, SequenceError)
         if ids.size == 0:
             raise StepError("declare_step: seq_ids is empty: expected at least one token's sequence id")
         self.table.check_live_ids(ids)
-        if ids.size > self.table.free_cells:
-            return False
-        self._keep_masks()
-        self._declared = _Declared(ids.copy(), self.table.epoch)
-        self._placed = None
-        return True
+        return ids
+
+    def room_for(self, ids: np.ndarray) -> bool:
+        """Whether declare_step(ids) (checked by `declarable`) would find the cells, counting those
+        its retire would free; nothing changed."""
+        return self._fits(ids.size, self._due())
+
+    def _fits(self, count: int, due: tuple[np.ndarray, np.ndarray]) -> bool:
+        """Whether `count` cells are free once `due` is retired (counted only when the free ones are too few)."""
+        free = self.table.free_cells
+        return count <= free or count <= free + self.table.retire(*due, apply=False)
+
+    def _due(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, cuts) a window's table retires at the next declaration (none for a flat one)."""
+        if self.keeper is None or not self.keeper.moved:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        ids = np.array(sorted(self.keeper.moved), dtype=np.int64)
+        ids = ids[self.table.live_mask(ids)]
+        return self.keeper.due(self.table.newest_positions(ids), ids)
 
     def place_step(self, layer: int, positions: Sequence[int]) -> CellStep:
         """The step for `layer`: placed by the first layer served, reused by the others.
@@ -216,6 +294,8 @@ class Stepper:
         self.table.check_tokens(declared.seq_ids, pos)  # refuses before anything changes
         cells = self._choose(declared.seq_ids, pos)
         placed = self._placed = _Placed.claim(self.table, declared.seq_ids, pos, cells, {layer})
+        if self.keeper is not None:
+            self.keeper.moved.update(np.unique(declared.seq_ids).tolist())
         try:
             step = self._step(placed, self._windows[layer])
         except BaseException:  # an observer refused the placement: undone, the declaration stands
@@ -263,7 +343,7 @@ class Stepper:
             raise failed[0]
         return True
 
-    def place_sequence(self, positions: Sequence[int]) -> tuple[int, np.ndarray] | None:
+    def place_sequence(self, positions: Sequence[int], cut: int = 0) -> tuple[int, np.ndarray] | None:
         """A new sequence holding `positions` (ascending, distinct, >= 0): `(seq_id, cells)`.
 
         What restoring a saved sequence takes: its tokens are placed as one
@@ -273,7 +353,8 @@ class Stepper:
         nothing changed, when the free cells or ids are too few; StepError,
         nothing changed, for bad positions, a bad hook answer, an observer that
         raises or a step half served. The caller writes the K/V into `cells`
-        (token i's into cells[i]).
+        (token i's into cells[i]). `cut`: in a window's table, where the sequence was cut (it holds
+        nothing of its positions below).
         """
         self._refuse_mid_forward("place_sequence")
         pos = int_array("positions", positions, StepError)
@@ -297,8 +378,16 @@ class Stepper:
                 self.table.seq_rm(seq_id)
                 raise
             self._keep_masks()  # closed: a late reader of an announced mask gets it as placed
+        if self.keeper is not None:
+            self.keeper.cut[seq_id] = cut
+            self.keeper.moved.add(seq_id)
         self._placed = self._declared = None
         return seq_id, cells
+
+    @property
+    def placing(self) -> bool:
+        """Whether a step is open (placed, no verb or declaration since: see `abort_step`)."""
+        return self._open_step() is not None
 
     def unserved_layers(self) -> list[int]:
         """The layers the open step has not served yet (none open: [])."""
@@ -354,6 +443,7 @@ class Stepper:
             seq_ids=_read_only(seq_ids),
             positions=_read_only(positions),
             prev_cells=_read_only(self.table.newest_cells(seq_ids)),  # ids checked in range; not live: -1
+            window=0 if self.keeper is None else self.keeper.window,
         )
         if answer is None:
             raise StepError(
@@ -385,12 +475,6 @@ class Stepper:
                     self._pm.hook.kvlayout_step_aborted(step=step, window=window)
                 raise
         return step
-
-
-def batch_control(stepper: Stepper) -> BatchControl:
-    """The BatchControl face over `stepper`: its verbs that change the table (each ends the open
-    step first) and the table's own counts, read straight; every verb implemented once."""
-    return face_of(BatchControl, stepper, stepper.table)
 
 
 def checked_layer(n_layers: int, layer: Any) -> int:

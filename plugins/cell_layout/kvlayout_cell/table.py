@@ -124,6 +124,18 @@ class CellTable:
             raise SequenceError(f"{name}={s}: expected a live sequence, got an id not in use")
         return s
 
+    def live_id(self, name: str, seq_id: Any) -> int:
+        """`seq_id` as an int when it is a live id; SequenceError naming `name` otherwise."""
+        return self._check_live(name, seq_id)
+
+    def live_mask(self, ids: np.ndarray) -> np.ndarray:
+        """bool, like `ids` (in range): which are live."""
+        return self._live[ids]
+
+    def newest_positions(self, ids: np.ndarray) -> np.ndarray:
+        """The newest position each of `ids` (in range) holds, -1 for none."""
+        return self._newest[ids]
+
     def _lowest_free_id(self) -> int | None:
         ids = np.flatnonzero(~self._live)
         return int(ids[0]) if ids.size else None
@@ -158,8 +170,9 @@ class CellTable:
         self._touch()
         return s
 
-    def seq_clone(self, src: int, upto: int | None = None) -> int | None:
-        """A new id sharing src's cells with position < upto (all when None); no cell is copied.
+    def seq_clone(self, src: int, upto: int | None = None, since: int = 0) -> int | None:
+        """A new id sharing src's cells with since <= position < upto (upto None: to the end); no
+        cell is copied. `since` > 0: what a window's layers keep of a clone (its last window).
 
         Refused (SequenceError) when src is not live; None when no id is left.
         """
@@ -169,7 +182,7 @@ class CellTable:
         dst = self._lowest_free_id()
         if dst is None:
             return None
-        self._index.copy_before(src, dst, upto)
+        self._index.copy_between(src, dst, since, upto)
         cells, pos = self._index.get(dst)  # src's cells with position < upto, by position
         self._owners[cells, dst >> 6] |= _ONE << np.uint64(dst & 63)
         self._count[dst] = cells.size
@@ -178,38 +191,70 @@ class CellTable:
         self._touch()
         return dst
 
-    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None, keep_live: bool = False) -> None:
         """Drop seq_id's claim on positions [p0, p1) (p1 None: to the end).
 
         A cell with no owner left is freed and `used_end` shrinks past freed
-        tail cells; an id left owning nothing is released. Refused
-        (SequenceError) for an id not live or a malformed range.
+        tail cells; an id left owning nothing is released, unless `keep_live`
+        (a window's table, whose sequence lives on in the other layers).
+        Refused (SequenceError) for an id not live or a malformed range.
         """
         s = self._check_live("seq_id", seq_id)
         p0 = int_scalar("p0", p0, SequenceError, minimum=0)
         if p1 is not None:
             p1 = int_scalar("p1", p1, SequenceError, minimum=p0)
-        end = self._used_end
-        cells = np.sort(self._index.cut(s, p0, p1))  # the cells of its positions in [p0, p1)
+        cells = self._index.cut(s, p0, p1)  # the cells of its positions in [p0, p1)
         if cells.size:
-            self._owners[cells, s >> 6] &= ~(_ONE << np.uint64(s & 63))
-            freed = cells[~self._owners[cells].any(axis=1)]
-            self._pos[freed] = -1
-            self._n_free += freed.size
-            self._count[s] -= cells.size
-            if freed.size:
-                self._free = None
-                if freed[-1] == end - 1:  # the tail cell went: shrink past every free tail cell
-                    occupied = np.flatnonzero(self._pos[:end] >= 0)
-                    self._used_end = int(occupied[-1]) + 1 if occupied.size else 0
+            self._drop_claims(s, cells)
             newest = self._newest[s]
             if newest >= p0 and (p1 is None or newest < p1):  # the newest position went
                 kept, at = self._index.get(s)
                 self._newest[s], self._newest_cell[s] = (int(at[-1]), int(kept[-1])) if kept.size else (-1, -1)
-        if self._count[s] == 0:
+        if self._count[s] == 0 and not keep_live:
             self._live[s] = False
             self._newest[s] = self._newest_cell[s] = -1
         self._touch()
+
+    def retire(self, ids: np.ndarray, cuts: np.ndarray, apply: bool = True) -> int:
+        """Drop each of `ids`' (live, distinct) claims on its positions below `cuts[i]` (at most its
+        newest: ids stay live, newest and all): what a window's layers no longer read. Cells no owner
+        claims any more are freed. Answers how many cells that frees; `apply` False: how many it
+        would free, nothing changed (the admission gate asks before it retires anything)."""
+        if not ids.size:
+            return 0
+        if apply:
+            freed = sum(self._drop_claims(s, self._index.cut(s, 0, cut)) for s, cut in zip(ids.tolist(), cuts.tolist()))
+            self._touch()
+            return freed
+        parts = []  # per id, the cells of its positions below its cut
+        for s, cut in zip(ids.tolist(), cuts.tolist()):
+            cells, pos = self._index.get(s)
+            parts.append(cells[: int(np.searchsorted(pos, cut, side="left"))])
+        cells = np.concatenate(parts)
+        owner = np.repeat(ids, [c.size for c in parts])  # [n]: whose claim each entry is
+        uniq, at = np.unique(cells, return_inverse=True)
+        gone = np.zeros((uniq.size, self._words), dtype=np.uint64)  # [u, words]: the owner bits going
+        np.bitwise_or.at(gone, (at.reshape(-1), owner >> 6), _ONE << (owner & 63).astype(np.uint64))
+        return int((~(self._owners[uniq] & ~gone).any(axis=1)).sum())
+
+    def _drop_claims(self, s: int, cells: np.ndarray) -> int:
+        """Clear s's owner bit on `cells` (its, just cut from the index); free those left with no
+        owner, shrinking `used_end` past freed tail cells. How many it freed."""
+        if not cells.size:
+            return 0
+        cells = np.sort(cells)
+        self._owners[cells, s >> 6] &= ~(_ONE << np.uint64(s & 63))
+        freed = cells[~self._owners[cells].any(axis=1)]
+        self._pos[freed] = -1
+        self._n_free += freed.size
+        self._count[s] -= cells.size
+        if freed.size:
+            self._free = None
+            end = self._used_end
+            if freed[-1] == end - 1:  # the tail cell went: shrink past every free tail cell
+                occupied = np.flatnonzero(self._pos[:end] >= 0)
+                self._used_end = int(occupied[-1]) + 1 if occupied.size else 0
+        return int(freed.size)
 
     # -- placement primitives (the step protocol lives in stepper.py) --------
 
