@@ -31,7 +31,7 @@ def test_streams_sharing_a_prefix_equal_kvlayout_run(tmp_path, name):
         first = client.completions.create(model=live.model, prompt=PROMPTS[0], max_tokens=6, temperature=0)
         again = client.completions.create(model=live.model, prompt=PROMPTS[1], max_tokens=6, temperature=0)
         cached = again.usage.prompt_tokens_details.cached_tokens
-        assert 0 < cached <= len(PREFIX)  # the shared prefix came from the cache
+        assert cached == len(PREFIX)  # the shared prefix came from the cache, windows or not
 
         def stream(prompt: list[int]) -> str:
             parts = client.completions.create(model=live.model, prompt=prompt, max_tokens=6, temperature=0, stream=True)
@@ -41,3 +41,13 @@ def test_streams_sharing_a_prefix_equal_kvlayout_run(tmp_path, name):
             got = list(pool.map(stream, PROMPTS))
         texts = [s[0].text for s in want.outputs]
         assert [first.choices[0].text, again.choices[0].text, *got] == [texts[0], texts[1], *texts]
+        cells, kv = (stats := live.get("/stats")[1])["cells"], stats["kv_bytes"]
+    windowed = [i for i in range(args.num_hidden_layers) if args.layer_configs()[i].policy.window]
+    if windowed:  # the window layers hold their own table's cells, fewer than the flat layers'
+        # Every layer of these rows has one K/V shape: the window layers' share of a cell is theirs in number.
+        assert kv["window_per_cell"] * args.num_hidden_layers == kv["per_cell"] * len(windowed)
+        assert 0 < cells["window_used"] <= cells["used"]  # kept prompts are pinned whole (prefix reuse)
+        assert kv["held"] == (kv["per_cell"] - kv["window_per_cell"]) * cells["used"] + (
+            kv["window_per_cell"] * cells["window_used"])
+    else:
+        assert "window_used" not in cells and kv["held"] == kv["per_cell"] * cells["used"]

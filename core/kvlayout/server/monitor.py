@@ -68,6 +68,8 @@ class Collector:
             ("kvlayout_cells_shared", "Cells two or more owners (sequences or kept prefixes) hold once", c["shared"]),
             ("kvlayout_cells_shared_live", "Cells two or more live sequences own", c["shared_live"]),
             ("kvlayout_kv_bytes_used", "Bytes of K/V the used cells hold (kv_dtype's)", s["kv_bytes"]["held"]),
+            ("kvlayout_window_cells_used", "Cells the sliding-window layers' own table holds (the largest; 0: none)",
+             c.get("window_used", 0)),
             ("kvlayout_live_sequences", "Sequences generating or prefilling", c["live_sequences"]),
             ("kvlayout_requests_running", "Requests the engine is generating", q["running"]),
             ("kvlayout_requests_waiting", "Requests in the server's queue", q["waiting"]),
