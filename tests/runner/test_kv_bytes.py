@@ -27,3 +27,12 @@ def test_window_tables_hold_their_own_cells_in_their_layers_only():
     assert k.held == 10 * flat + 3 * window
     assert k.float16_held == (10 * flat + 3 * window) // 2
     assert k.to_json()["window_cells"] == 3 and k.to_json()["held"] == k.held
+
+
+def test_the_run_report_says_what_each_kind_of_layer_held():
+    from kvlayout.runner.report import kv_bytes_line
+
+    line = kv_bytes_line(KVBytes.of(config(), 10, window_cells=3))
+    assert line.startswith("K/V held at peak 2 KiB (10 cells x 128 B in the flat layers, 3 x 256 B in the "
+                           "sliding-window layers)")  # 10 x 128 + 3 x 256 = 2048
+    assert kv_bytes_line(KVBytes.of(config(), 10)).startswith("K/V held at peak 3.75 KiB (384 B a cell)")

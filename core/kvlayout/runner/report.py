@@ -171,6 +171,10 @@ def print_report(result: RunResult, console: Console | None = None) -> None:
 def kv_bytes_line(sizes: KVBytes) -> str:
     """The K/V the peak held, next to what float16 would hold for the same cells."""
     line = f"K/V held at peak {show_bytes(sizes.held)} ({show_bytes(sizes.per_cell)} a cell)"
+    if sizes.window_cells is not None:  # the sliding-window layers' own table held fewer cells
+        line = (f"K/V held at peak {show_bytes(sizes.held)} ({sizes.cells} cells x "
+                f"{show_bytes(sizes.per_cell - sizes.window_per_cell)} in the flat layers, {sizes.window_cells} x "
+                f"{show_bytes(sizes.window_per_cell)} in the sliding-window layers)")
     if sizes.kv_dtype != "float16":
         ratio = f", {sizes.float16_per_cell / sizes.per_cell:.2f}x" if sizes.per_cell else ""
         line += f" · as float16 {show_bytes(sizes.float16_held)}{ratio}"
