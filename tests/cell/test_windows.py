@@ -475,3 +475,49 @@ def test_the_newest_token_can_be_taken_back_but_not_one_more_after_a_declaration
     agree(groups, model)
     apply(groups, model, ("step", [(0, 1)]), None, place_only)  # and n is placed again
     assert groups.stepper_of(1).table.seq_cells(0)[1].tolist() == [n - 2, n - 1, n]
+
+
+def test_a_clone_holding_nothing_of_a_window_still_counts_what_it_lacks_there():
+    groups = LayerGroups((4, 0), capacity=64, max_seqs=4, pm=make_plugin_manager())
+    s = groups.seq_new()
+    assert groups.declare_step([s] * 30)
+    for layer in (0, 1):
+        groups.place_step(layer, list(range(30)))
+    groups.seq_rm(s, 10, 20)  # a hole: both tables hold 0..9 and 20..29
+    d = groups.seq_clone(s, 15)  # flat: 0..9; the window's table: its last window below 15, none held
+    assert groups.steppers[1].table.seq_cells(d)[1].tolist() == []
+    before = [g.table.occupied() for g in groups.steppers]
+    with pytest.raises(SequenceError, match=r"position 8 needs positions 5\.\.7 in its window-4 layers"):
+        groups.seq_clone(d, 8)  # its window layers would read 5..7, which it does not hold
+    for (c0, p0, o0), (c1, p1, o1) in zip(before, [g.table.occupied() for g in groups.steppers]):
+        assert c0.tolist() == c1.tolist() and p0.tolist() == p1.tolist() and (o0 == o1).all()
+
+
+def test_a_sequence_one_group_refuses_to_place_leaves_nothing_in_any_and_is_heard_taken_back():
+    from kvlayout import hookimpl
+    from kvlayout.errors import StepError
+
+    class RefusesWindow4:
+        def __init__(self):
+            self.heard = []
+
+        @hookimpl
+        def kvlayout_step_placed(self, step, window):
+            self.heard.append(("placed", window))
+            if window == 4:
+                raise RuntimeError("not this one")
+
+        @hookimpl
+        def kvlayout_step_aborted(self, step, window):
+            self.heard.append(("aborted", window))
+
+    pm = make_plugin_manager()
+    observer = RefusesWindow4()
+    pm.register(observer)
+    groups = LayerGroups((0, 4), capacity=16, max_seqs=4, pm=pm)
+    with pytest.raises(StepError, match="not this one"):
+        groups.place_sequence([[0, 1, 2], [1, 2]], [0, 1])
+    assert observer.heard == [("placed", 0), ("placed", 4), ("aborted", 4), ("aborted", 0)]
+    for g in groups.steppers:  # every table as built: nothing occupied, no id live, no open step
+        assert g.table.occupied()[0].size == 0 and g.table.live_ids().size == 0 and not g.placing
+    assert groups.seq_new() == 0

@@ -379,13 +379,15 @@ class Scheduler:
         tokens = s.tokens[: s.cached]
         p = self.prefixes
         if p is None or len(tokens) < p.block:
+            if self.pins:
+                self.bc.seq_pin(s.seq_id, False)  # too short to keep: nothing to stay whole for
             return
         isolation = s.request.isolation
         keys = p.chain(tokens, len(tokens) // p.block, isolation)  # once, for both questions below
         if not p.covers(tokens, keys, isolation):
             sid = self.bc.seq_clone(s.seq_id, s.cached) if self.room_for_ids(1, None) else None
             if sid is None or not p.keep(sid, tokens, s.request.index, keys, isolation):
-                return  # no entry holds it: it stays whole (pinned) while it runs
+                return  # no id for an entry: it stays whole (pinned), so its own entry can lend its prompt
             if self.pins:
                 self.bc.seq_pin(sid)  # kept whole: a later prompt may part from it anywhere
         if self.pins:

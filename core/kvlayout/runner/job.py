@@ -323,10 +323,9 @@ class Job:
         """What `cells` cells of this job's cache hold in K/V, beside float16's figure for them;
         `window_cells`: what its sliding-window layers' tables hold, where the layout keeps them
         apart (the cell layout: BatchControl.cells_by_window)."""
-        config = cache_config(self.cfg, self.args, self.kv_dtype)
-        apart = self.cache.as_batch_control() is not None and any(
-            config.layer(i).policy.window for i in range(config.n_layers))
-        return KVBytes.of(config, cells, window_cells if apart else None)
+        batch = self.cache.as_batch_control()
+        apart = batch is not None and any(batch.cells_by_window())  # a table of their own for window layers
+        return KVBytes.of(cache_config(self.cfg, self.args, self.kv_dtype), cells, window_cells if apart else None)
 
     def _save(self, directory, requests, engine, stats, complete: bool):
         """Save the run's state (`resume.save_run`); None, or the SaveFailed saying why it was not."""

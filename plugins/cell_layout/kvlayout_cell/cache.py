@@ -216,7 +216,7 @@ class CellCache(FacesBase):
 
     def _step_cells(self, layer: int, step) -> Cells:
         """The step's cells checked and on the device once per window, for every pool of its layers."""
-        return self._once(self._mx_cells, self.groups.window(layer), step, lambda: Cells(step.cells))
+        return self._once(self._mx_cells, self.groups.layer_windows[layer], step, lambda: Cells(step.cells))
 
     def _whole_sequence(self, layer: int, step) -> tuple[MaskKind, mx.array | None] | None:
         """(mask kind, mask) when every token of the step is one sequence's, on a flat layer, and it
@@ -227,8 +227,8 @@ class CellCache(FacesBase):
         ending at its own is CAUSAL (MLX's lower-right alignment); else the mask is built on the
         device from the cells' positions (O(read_len) to it, not O(T * read_len) on the host),
         once per step."""
-        stepper = self.groups.stepper_of(layer)
-        if self.groups.window(layer) != 0 or self.attention_path != "auto":
+        stepper = self.groups.layer_steppers[layer]
+        if self.groups.layer_windows[layer] != 0 or self.attention_path != "auto":
             return None
         seq_ids, positions = stepper.step_tokens()
         if int(stepper.table.held(seq_ids[:1])[0]) != step.read_len:
@@ -251,7 +251,7 @@ class CellCache(FacesBase):
         return (MaskKind.CAUSAL, None) if m is None else (MaskKind.EXPLICIT, m)
 
     def _step_groups(self, layer: int, step) -> AttendGroups | None:
-        window, path, stepper = self.groups.window(layer), self.attention_path, self.groups.stepper_of(layer)
+        window, path, stepper = self.groups.layer_windows[layer], self.attention_path, self.groups.layer_steppers[layer]
 
         def plan() -> AttendGroups | None:
             seq_ids, positions = stepper.step_tokens()  # the step place_step just served
@@ -269,7 +269,8 @@ class CellCache(FacesBase):
 
     def _step_mask(self, layer: int, step) -> mx.array:
         """A lazy spec's mask may be read after the step ended: the step's own (`CellStep.mask`)."""
-        return self._once(self._mx_mask, self.groups.window(layer), step, lambda: mx.array(step.mask)[None, None])
+        window = self.groups.layer_windows[layer]
+        return self._once(self._mx_mask, window, step, lambda: mx.array(step.mask)[None, None])
 
 
 def load_cache(f: StateFile) -> CellCache:

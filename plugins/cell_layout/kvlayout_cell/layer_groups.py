@@ -6,7 +6,8 @@ needs only its last w (`kvlayout_cell.window`). So, as llama.cpp's iSWA cache
 does, the layers of each distinct window get a table (and pools) of their own:
 the flat layers' table holds the whole context, a window's table only the cells
 some live sequence or kept prefix can still see, retired as the window moves
-on and reused. A model of one window (or none) has one table, exactly as before.
+on and reused. A model without windows has one table, exactly as before; one
+whose every layer has the same window has one table too, which retires.
 
 Every sequence has the same id in every table; the verbs of the BatchControl
 face go to each table in turn, each refusal decided in all of them before any
@@ -52,6 +53,9 @@ class LayerGroups:
         for w in windows:
             self._where.append((order.index(w), seen[w]))
             seen[w] += 1
+        # Per layer, read on every layer's update_and_fetch (the cache checks the layer once).
+        self.layer_windows = tuple(windows)
+        self.layer_steppers = tuple(self.steppers[g] for g, _ in self._where)
 
     @property
     def n_layers(self) -> int:
@@ -76,6 +80,8 @@ class LayerGroups:
     def place_step(self, layer: int, positions: Sequence[int]) -> CellStep:
         """The step for `layer` (see `Stepper.place_step`), placed in its group's table by the group's
         first layer served; StepError, nothing changed, for positions another group placed otherwise."""
+        if len(self.steppers) == 1:
+            return self.primary.place_step(layer, positions)
         g, local = self._where[checked_layer(self.n_layers, layer)]
         stepper = self.steppers[g]
         if not stepper.placing:
@@ -142,11 +148,12 @@ class LayerGroups:
         if len(self.steppers) == 1:
             return self.primary.seq_clone(src, upto)
         self.refuse_mid_forward("seq_clone")
+        end = self.primary.table.next_pos(self.primary.table.live_id("src", src))  # its next position in every layer
         for st in self.steppers:
-            st.check_clone(src, upto)
+            st.check_clone(src, upto, end)
         if self.primary.table.next_id() is None:
             return None
-        ids = {st.seq_clone(src, upto) for st in self.steppers}
+        ids = {st.seq_clone(src, upto, end) for st in self.steppers}
         (dst,) = ids
         return dst
 
@@ -156,12 +163,13 @@ class LayerGroups:
         if len(self.steppers) == 1:
             return self.primary.seq_rm(seq_id, p0, p1)
         self.refuse_mid_forward("seq_rm")
+        end = self.primary.table.next_pos(self.primary.table.live_id("seq_id", seq_id))
         for st in self.steppers:
-            st.check_rm(seq_id, p0, p1)
+            st.check_rm(seq_id, p0, p1, end)
         self.primary.seq_rm(seq_id, p0, p1)
         released = not self.primary.table.live_mask(np.array([int(seq_id)]))[0]
         for st in self.steppers[1:]:
-            st.seq_rm(seq_id, p0, p1, keep_live=not released)
+            st.seq_rm(seq_id, p0, p1, keep_live=not released, end=end)
 
     def clear(self) -> None:
         for st in self.steppers:
@@ -195,17 +203,20 @@ class LayerGroups:
         for st, pos in zip(self.steppers, positions):
             if len(pos) > st.table.free_cells or st.table.next_id() is None:
                 return None
-        placed: list = []
+        placed: list = []  # each group's (seq_id, cells), its step left open until every group placed
         try:
             for st, pos, cut in zip(self.steppers, positions, cuts):
-                got = st.place_sequence(pos, cut)
+                got = st.place_sequence(pos, cut, close=False)
                 if got is None:
                     raise StepError("a layer group refused a sequence the others took")
                 placed.append(got)
-        except BaseException:
+        except BaseException:  # taken back where it was placed (observers hear it aborted): nothing left
             for st, (seq_id, _) in zip(self.steppers, placed):
+                st.abort_step()
                 st.seq_rm(seq_id)
             raise
+        for st in self.steppers:
+            st.close_step()
         ids = {seq_id for seq_id, _ in placed}
         (seq_id,) = ids
         return seq_id, [cells for _, cells in placed]

@@ -137,51 +137,57 @@ class Stepper:
         self._refuse_mid_forward("seq_new")
         return self.table.seq_new()  # changes no cell: no mask to keep
 
-    def seq_clone(self, src: int, upto: int | None = None) -> int | None:
+    def seq_clone(self, src: int, upto: int | None = None, end: int | None = None) -> int | None:
         """A new id sharing src's cells with position < upto (all when None); no cell is copied.
 
-        Refused (SequenceError) when src is not live; None when no id is left.
+        Refused (SequenceError) when src is not live; None when no id is left. `end`: src's next
+        position in every layer (a window's table may hold none of its newest; default: this table's).
         """
-        since = self.check_clone(src, upto)
+        since = self.check_clone(src, upto, end)
         self._keep_masks()
         dst = self.table.seq_clone(src, upto, since)
         if dst is not None and self.keeper is not None:
-            self.keeper.cut[dst] = since if self.table.seq_len(dst) else 0  # nothing held: nothing cut
+            self.keeper.cut[dst] = 0 if upto == 0 else since  # below since it holds nothing here, whatever elsewhere
             if src in self.keeper.pinned:
                 self.keeper.moved.add(dst)  # it holds src's whole history: retired unless pinned in turn
         return dst
 
-    def check_clone(self, src: int, upto: int | None) -> int:
-        """Refuse (nothing changed) what `seq_clone(src, upto)` would refuse; else where the clone
+    def check_clone(self, src: int, upto: int | None, end: int | None = None) -> int:
+        """Refuse (nothing changed) what `seq_clone(src, upto, end)` would refuse; else where the clone
         starts in this table (0 but for a window's: its last window)."""
         self._refuse_mid_forward("seq_clone")
-        newest = self.table.next_pos(self.table.live_id("src", src)) - 1
+        s = self.table.live_id("src", src)
+        newest = (self.table.next_pos(s) if end is None else end) - 1
         if upto is not None:
             upto = int_scalar("upto", upto, SequenceError, minimum=0)
         if self.keeper is None:
             return 0
-        if upto is not None and upto <= newest:
-            self.keeper.check_continue(f"seq_clone(src={src}, upto={upto})", src, upto)
-        return self.keeper.clone_since(src, upto, newest)
+        at = newest + 1 if upto is None or upto > newest else upto  # where the clone is continued
+        self.keeper.check_continue(f"seq_clone(src={s}, upto={upto})", s, at)
+        return self.keeper.clone_since(s, upto, newest)
 
-    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None, keep_live: bool = False) -> None:
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None, keep_live: bool = False,
+               end: int | None = None) -> None:
         """Drop seq_id's claim on positions [p0, p1) (see `CellTable.seq_rm`; `keep_live`: the id stays
-        live owning nothing, as a window's table keeps a sequence its other layers hold)."""
-        self.check_rm(seq_id, p0, p1)
+        live owning nothing, as a window's table keeps a sequence its other layers hold; `end` as for
+        `seq_clone`)."""
+        self.check_rm(seq_id, p0, p1, end)
         self._keep_masks()
         self.table.seq_rm(seq_id, p0, p1, keep_live)
         if self.keeper is not None and not self.table.seq_len(seq_id) and not keep_live:
             self.keeper.released(int(seq_id))
 
-    def check_rm(self, seq_id: int, p0: int, p1: int | None) -> None:
+    def check_rm(self, seq_id: int, p0: int, p1: int | None, end: int | None = None) -> None:
         """Refuse (nothing changed) what `seq_rm(seq_id, p0, p1)` would refuse: a range cutting a
-        sequence's end off where the window it would continue from was retired."""
+        sequence's end off (at or past `end`, its next position) where the window it would continue
+        from was retired."""
         self._refuse_mid_forward("seq_rm")
         s = self.table.live_id("seq_id", seq_id)
         p0 = int_scalar("p0", p0, SequenceError, minimum=0)
         if p1 is not None:
             p1 = int_scalar("p1", p1, SequenceError, minimum=p0)
-        if self.keeper is not None and (p1 is None or p1 >= self.table.next_pos(s)):  # its end goes: continued at p0
+        end = self.table.next_pos(s) if end is None else end
+        if self.keeper is not None and (p1 is None or p1 >= end):  # its end goes: it is continued at p0
             self.keeper.check_continue(f"seq_rm(seq_id={s}, p0={p0})", s, p0)
 
     def restore(self, cells: np.ndarray, pos: np.ndarray, owners: np.ndarray, live: np.ndarray, error: type,
@@ -343,7 +349,8 @@ class Stepper:
             raise failed[0]
         return True
 
-    def place_sequence(self, positions: Sequence[int], cut: int = 0) -> tuple[int, np.ndarray] | None:
+    def place_sequence(self, positions: Sequence[int], cut: int = 0,
+                       close: bool = True) -> tuple[int, np.ndarray] | None:
         """A new sequence holding `positions` (ascending, distinct, >= 0): `(seq_id, cells)`.
 
         What restoring a saved sequence takes: its tokens are placed as one
@@ -354,7 +361,8 @@ class Stepper:
         nothing changed, for bad positions, a bad hook answer, an observer that
         raises or a step half served. The caller writes the K/V into `cells`
         (token i's into cells[i]). `cut`: in a window's table, where the sequence was cut (it holds
-        nothing of its positions below).
+        nothing of its positions below). `close` False: the step stays open, every layer served, so
+        `abort_step` (then `seq_rm` of the id) can still take it back; `close_step` ends it.
         """
         self._refuse_mid_forward("place_sequence")
         pos = int_array("positions", positions, StepError)
@@ -377,12 +385,18 @@ class Stepper:
                     self.abort_step()
                 self.table.seq_rm(seq_id)
                 raise
-            self._keep_masks()  # closed: a late reader of an announced mask gets it as placed
         if self.keeper is not None:
             self.keeper.cut[seq_id] = cut
             self.keeper.moved.add(seq_id)
-        self._placed = self._declared = None
+        if close:
+            self.close_step()
         return seq_id, cells
+
+    def close_step(self) -> None:
+        """End the open step now, as any verb would (none open: nothing changes but a standing
+        declaration, dropped)."""
+        self._keep_masks()  # a late reader of an announced mask gets it as placed
+        self._placed = self._declared = None
 
     @property
     def placing(self) -> bool:
