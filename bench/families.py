@@ -86,16 +86,34 @@ def write(out: Path, config: dict, tokenizer_dir: Path) -> Path:
 
 
 def kv_bytes_per_token(model_dir: Path) -> dict[str, float]:
-    """K+V bytes per token at CONTEXT tokens (float32): held by mlx:cell (every layer), by mlx:seq and
-    mlx-lm (a sliding layer holds its window only)."""
+    """K+V bytes per token at CONTEXT tokens (float32): held by mlx:cell (measured on its tables), by
+    mlx:seq and mlx-lm (a sliding layer holds its window only)."""
     from kvlayout.models.architectures import read_args
     from kvlayout.models.loading import read_config
 
     args = read_args(read_config(model_dir))
     per_layer = 2 * args.num_key_value_heads * args.head_dim * 4
-    every = per_layer * args.num_hidden_layers
     windowed = sum(per_layer * (min(w, CONTEXT) if w else CONTEXT) for w in args.windows) / CONTEXT
-    return {"cell": every, "seq_and_mlx_lm": windowed}
+    return {"cell": cell_bytes_in_use([w or 0 for w in args.windows], per_layer), "seq_and_mlx_lm": windowed}
+
+
+def cell_bytes_in_use(windows: list[int], per_layer: int) -> float:
+    """K+V bytes per token the cell layout holds for one sequence of CONTEXT tokens, prefilled in
+    512-token steps, as its next decode step is declared: each layer group's cells in use, read off
+    its tables (kvlayout_cell.layer_groups; a window's table keeps the last window)."""
+    from kvlayout.registry import make_plugin_manager
+    from kvlayout_cell.layer_groups import LayerGroups
+
+    groups = LayerGroups(windows, capacity=CONTEXT + 1024, max_seqs=1, pm=make_plugin_manager())
+    s = groups.seq_new()
+    for start in range(0, CONTEXT, 512):
+        positions = list(range(start, min(start + 512, CONTEXT)))
+        assert groups.declare_step([s] * len(positions))
+        for layer in range(groups.n_layers):
+            groups.place_step(layer, positions)
+    assert groups.declare_step([s])  # the next decode step: what left every window is retired
+    held = groups.cells_by_window()
+    return sum(per_layer * held[w] for w in groups.layer_windows) / CONTEXT
 
 
 def bench(model_dir: Path, out: Path, quick: bool) -> list[dict]:
