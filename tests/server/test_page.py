@@ -168,14 +168,18 @@ def drawn_non_free(driver) -> int:
 
 
 def settled(driver, live: Live) -> dict:
-    """/stats once the page has drawn the frame of its last step (the engine is idle)."""
+    """/stats once the page has drawn the frame of its last step (the engine is idle). The live count is
+    compared too: the samples a last step's tokens drawn ahead ended are settled after it, a frame later
+    at the same step and, their cells kept as prefixes, the same used count."""
     seen: dict = {}
 
     def caught_up(d) -> bool:
         status, seen["stats"] = live.get("/stats")
         assert status == 200, seen["stats"]
         frame = (map_state(d) or {}).get("lastFrame") or {}
-        return frame.get("step") == seen["stats"]["steps"] and frame.get("used") == seen["stats"]["cells"]["used"]
+        cells = seen["stats"]["cells"]
+        return (frame.get("step") == seen["stats"]["steps"] and frame.get("used") == cells["used"]
+                and len(frame.get("live", ())) == cells["live_sequences"])
 
     wait_for(driver, "the map to show /stats' step", caught_up)
     return seen["stats"]
