@@ -66,10 +66,10 @@ class LayerGroups:
         return self._where[checked_layer(self.n_layers, layer)][0]
 
     def stepper_of(self, layer: int) -> Stepper:
-        return self.steppers[self.group_of(layer)]
+        return self.layer_steppers[checked_layer(self.n_layers, layer)]
 
     def window(self, layer: int) -> int:
-        return self.windows[self.group_of(layer)]
+        return self.layer_windows[checked_layer(self.n_layers, layer)]
 
     def layers_of(self, group: int) -> list[int]:
         """The layers group `group` serves, ascending."""
@@ -130,10 +130,11 @@ class LayerGroups:
             return self.primary.declare_step(seq_ids)
         self.refuse_mid_forward("declare_step")
         ids = self.primary.declarable(seq_ids)
-        if not all(st.room_for(ids) for st in self.steppers):
+        due = [st.room_for(ids) for st in self.steppers]
+        if any(d is None for d in due):
             return False
-        for st in self.steppers:
-            st.declare_step(ids)
+        for st, d in zip(self.steppers, due):
+            st.commit_declare(ids, d)
         return True
 
     def seq_new(self) -> int | None:

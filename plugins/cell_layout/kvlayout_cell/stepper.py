@@ -218,17 +218,10 @@ class Stepper:
         forward or abort it first. On True the previous step ends.
         """
         ids = self.declarable(seq_ids)
-        due = self._due()
-        if not self._fits(ids.size, due):
+        due = self.room_for(ids)
+        if due is None:
             return False
-        self._keep_masks()
-        if due[0].size:  # what moved past its window goes before the new tokens come
-            self.table.retire(*due)
-            self.keeper.cut[due[0]] = due[1]
-        if self.keeper is not None:
-            self.keeper.moved.clear()
-        self._declared = _Declared(ids.copy(), self.table.epoch)
-        self._placed = None
+        self.commit_declare(ids, due)
         return True
 
     def declarable(self, seq_ids: Sequence[int]) -> np.ndarray:
@@ -240,15 +233,25 @@ class Stepper:
         self.table.check_live_ids(ids)
         return ids
 
-    def room_for(self, ids: np.ndarray) -> bool:
-        """Whether declare_step(ids) (checked by `declarable`) would find the cells, counting those
-        its retire would free; nothing changed."""
-        return self._fits(ids.size, self._due())
+    def room_for(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """What declaring `ids` (checked by `declarable`) would retire first, `(ids, cuts)`, when the
+        cells are then there; None when they are not. Nothing changed: `commit_declare` applies it.
+        The retire is counted (a dry run) only when the free cells alone are too few."""
+        due, free = self._due(), self.table.free_cells
+        fits = ids.size <= free or ids.size <= free + self.table.retire(*due, apply=False)
+        return due if fits else None
 
-    def _fits(self, count: int, due: tuple[np.ndarray, np.ndarray]) -> bool:
-        """Whether `count` cells are free once `due` is retired (counted only when the free ones are too few)."""
-        free = self.table.free_cells
-        return count <= free or count <= free + self.table.retire(*due, apply=False)
+    def commit_declare(self, ids: np.ndarray, due: tuple[np.ndarray, np.ndarray]) -> None:
+        """Declare `ids`, `room_for(ids)` having answered `due` with nothing changed since: retire
+        it, then the previous step ends and this declaration stands."""
+        self._keep_masks()
+        if due[0].size:  # what moved past its window goes before the new tokens come
+            self.table.retire(*due)
+            self.keeper.cut[due[0]] = due[1]
+        if self.keeper is not None:
+            self.keeper.moved.clear()
+        self._declared = _Declared(ids.copy(), self.table.epoch)
+        self._placed = None
 
     def _due(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, cuts) a window's table retires at the next declaration (none for a flat one)."""
