@@ -521,3 +521,44 @@ def test_a_sequence_one_group_refuses_to_place_leaves_nothing_in_any_and_is_hear
     for g in groups.steppers:  # every table as built: nothing occupied, no id live, no open step
         assert g.table.occupied()[0].size == 0 and g.table.live_ids().size == 0 and not g.placing
     assert groups.seq_new() == 0
+
+
+def test_a_file_whose_window_table_holds_what_the_flat_one_does_not_is_refused(tmp_path):
+    from kvlayout.errors import StateError
+    from kvlayout.persist import numpy_of, raw_numpy, read_state, save_state
+
+    c = cache_of((0, 4))
+    bc = c.as_batch_control()
+    s = bc.seq_new()
+    assert bc.declare_step([s] * 6)
+    for layer in range(2):
+        c.update_and_fetch(layer, list(range(6)), mx.ones((1, 2, 6, 8)), mx.ones((1, 2, 6, 8)))
+    f = read_state(c.save(tmp_path / "good.kv"))
+    assert kvlayout.load(tmp_path / "good.kv").as_batch_control().cells_by_window() == {0: 6, 4: 6}
+    tensors = dict(f.tensors)
+    tensors["pos.g1"] = raw_numpy(numpy_of(tensors["pos.g1"]) + 100)  # positions 100..105: not in the flat table
+    save_state(tmp_path / "bad.kv", layout="mlx:cell", content="cache", config=c.config, state=f.state,
+               tensors=tensors)
+    with pytest.raises(StateError, match=r"owners\.g1: a sequence holds a position in the window-4 layers' table"):
+        kvlayout.load(tmp_path / "bad.kv")
+
+
+def test_a_saved_sequence_whose_window_positions_the_flat_ones_lack_is_refused_and_nothing_changes(tmp_path):
+    from kvlayout.errors import StateError
+    from kvlayout.persist import numpy_of, raw_numpy, read_state, save_state
+
+    c = cache_of((0, 4))
+    bc = c.as_batch_control()
+    s = bc.seq_new()
+    assert bc.declare_step([s] * 6)
+    for layer in range(2):
+        c.update_and_fetch(layer, list(range(6)), mx.ones((1, 2, 6, 8)), mx.ones((1, 2, 6, 8)))
+    f = read_state(c.save_seq(s, tmp_path / "one.kv"))
+    tensors = {**f.tensors, "pos.g1": raw_numpy(numpy_of(f.tensors["pos.g1"]) + 100)}
+    save_state(tmp_path / "bad.kv", layout="mlx:cell", content="sequence", config=c.config, state=f.state,
+               tensors=tensors)
+    before = [g.table.occupied()[0].tolist() for g in c.groups.steppers]
+    with pytest.raises(StateError, match=r"pos\.g1: a position the primary table's pos does not hold"):
+        c.load_seq(tmp_path / "bad.kv")
+    assert [g.table.occupied()[0].tolist() for g in c.groups.steppers] == before
+    assert c.load_seq(tmp_path / "one.kv") == 1  # the good file takes the next id

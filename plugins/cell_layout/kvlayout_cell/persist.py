@@ -129,6 +129,13 @@ def _saved_cuts(f: StateFile, groups: int, per: int | None) -> list:
     return [int(c[0]) for c in out] if per is None else out
 
 
+def _claims(pos: np.ndarray, owners: np.ndarray) -> np.ndarray:
+    """One int64 per (owner, position) a table's occupied cells hold: owner << 40 | position."""
+    bits = np.unpackbits(owners.astype("<u8").view(np.uint8), axis=1, bitorder="little")  # [n, 64 * words]
+    cell, owner = np.nonzero(bits)
+    return (owner.astype(np.int64) << 40) | pos[cell]
+
+
 def _scatter(cache: Any, cells: list[np.ndarray], layers: list[tuple[mx.array, mx.array]]) -> None:
     """Write each layer's saved K and V (`read_kv`) into its group's `cells`; nothing for no cell."""
     for i, (k, v) in enumerate(layers):
@@ -157,6 +164,11 @@ def restore_cache(cache: Any, f: StateFile) -> None:
         pos = numpy_of(f.tensor(_group_name(f, g, "pos"), "I64", (n,)))
         owners = numpy_of(f.tensor(_group_name(f, g, "owners"), "U64", (n, stepper.table.owner_words)))
         tables.append((cells, pos, owners))
+    primary = _claims(*tables[0][1:])
+    for g, (_, pos, owners) in enumerate(tables[1:], start=1):  # a window's table holds a subset of the primary's
+        if not np.isin(_claims(pos, owners), primary).all():
+            raise f.refuse(f"{_group_name(f, g, 'owners')}: a sequence holds a position in the window-"
+                           f"{groups.windows[g]} layers' table that it does not hold in the primary table")
     layers = read_kv(f, config, [tables[groups.group_of(i)][0].size for i in range(config.n_layers)])
     pinned = int_array("state.pinned", f.state.get("pinned", []), f.refuse)
     if not np.isin(pinned, live).all():
@@ -195,6 +207,8 @@ def load_seq(cache: Any, path: str | os.PathLike) -> int | None:
         pos = numpy_of(f.tensor(_group_name(f, g, "pos"), "I64", (None,)))
         if pos.size and (pos.min() < 0 or (np.diff(pos) <= 0).any()):
             raise f.refuse(f"{_group_name(f, g, 'pos')}: expected ascending distinct positions >= 0")
+        if g and not np.isin(pos, held[0]).all():  # a window's table holds a subset of the primary's
+            raise f.refuse(f"{_group_name(f, g, 'pos')}: a position the primary table's pos does not hold")
         held.append(pos)
     cuts = _saved_cuts(f, len(groups.steppers), None)
     layers = read_kv(f, cache.config, [held[groups.group_of(i)].size for i in range(cache.config.n_layers)])
