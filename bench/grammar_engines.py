@@ -45,45 +45,19 @@ from pathlib import Path
 
 import numpy as np
 
-SMALL = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-ITEM = {
-    "type": "object",
-    "properties": {
-        "sku": {"type": "string"},
-        "qty": {"type": "integer"},
-        "status": {"enum": ["pending", "shipped", "delivered"]},
-    },
-    "required": ["sku", "qty", "status"],
-    "additionalProperties": False,
-}
-NESTED = {
-    "type": "object",
-    "properties": {"order_id": {"type": "integer"}, "items": {"type": "array", "items": ITEM}},
-    "required": ["order_id", "items"],
-    "additionalProperties": False,
-}
-ARGS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string"},
-        "days": {"type": "integer"},
-        "metric": {"type": "boolean"},
-        "threshold": {"type": "number"},
-    },
-    "required": ["city", "days", "metric", "threshold"],
-    "additionalProperties": False,
-}
-TOOL = {
-    "type": "object",
-    "properties": {"name": {"enum": ["get_weather", "search_web", "send_email"]}, "arguments": ARGS},
-    "required": ["name", "arguments"],
-    "additionalProperties": False,
-}
+
+def closed_object(**properties: dict) -> dict:
+    """A JSON schema object with exactly these properties, every one required (as OpenAI's strict mode)."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+SMALL = closed_object(name={"type": "string"}, age={"type": "integer"})
+ITEM = closed_object(sku={"type": "string"}, qty={"type": "integer"},
+                     status={"enum": ["pending", "shipped", "delivered"]})
+NESTED = closed_object(order_id={"type": "integer"}, items={"type": "array", "items": ITEM})
+ARGS = closed_object(city={"type": "string"}, days={"type": "integer"}, metric={"type": "boolean"},
+                     threshold={"type": "number"})
+TOOL = closed_object(name={"enum": ["get_weather", "search_web", "send_email"]}, arguments=ARGS)
 # name, kind, source, a valid instance (compact JSON, or the regex's text)
 CASES = [
     ("json_small", "json", SMALL, {"name": "Ada Lovelace", "age": 36}),

@@ -81,6 +81,16 @@ class Verbs:
     def seq_rm(self, seq_id, p0=0, p1=None):
         pass
 
+    def seq_pin(self, seq_id, pinned=True):
+        pass
+
+    # What the cell layout's layer groups answer beside its verbs: no sliding-window tables here.
+    def seq_floor(self, seq_id):
+        return 0
+
+    def cells_by_window(self):
+        return {0: 0}
+
 
 class ToyBatchCache(Verbs, FacesBase):
     capacity = 8
@@ -96,15 +106,6 @@ class ToyBatchCache(Verbs, FacesBase):
 
     def next_pos(self, seq_id):
         return 0
-
-    def seq_floor(self, seq_id):
-        return 0
-
-    def seq_pin(self, seq_id, pinned=True):
-        pass
-
-    def cells_by_window(self):
-        return {0: 0}
 
     def place_step(self, layer, positions):
         raise NotImplementedError
@@ -187,15 +188,6 @@ class Counts:
 
     def next_pos(self, seq_id):
         return 2
-
-    def seq_floor(self, seq_id):
-        return 0
-
-    def seq_pin(self, seq_id, pinned=True):
-        pass
-
-    def cells_by_window(self):
-        return {0: 2}
 
     def seq_new(self):  # the table's own primitive: the face takes the verbs' part's instead
         return 99
