@@ -454,27 +454,14 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here: the other commands never load the HTTP stack.
     from kvlayout import distributed
     from kvlayout.runner import blas
-    from kvlayout.server.auth import is_loopback, read_keys
-    from kvlayout.server.config import is_host_name, load_serve_config
+    from kvlayout.server.auth import is_loopback
     from kvlayout.server.serve import bind, serve
     from kvlayout.server.service import prepare_service
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected 0..65535 (0: any free port)")
     blas.ensure(args.blas, sys.argv[1:])  # before MLX computes anything: may re-execute this command
-    cfg = load_serve_config(args.config)
-    if args.layout is not None:
-        cfg = cfg.with_layout(args.layout)
-    if args.model is not None:
-        cfg = cfg.with_model_path(args.model)
-    for name in args.allowed_host:
-        if not is_host_name(name):
-            raise ConfigError(f"--allowed-host {name!r}: expected a host name without a port, e.g. kv.example.org")
-    # A name given to --host is one of the server's own; an address needs no allowing (a connection's
-    # own address is let in, hosts.HostCheck), and 0.0.0.0 is no name a client should give.
-    named = [args.host] if is_host_name(args.host) and not args.host.replace(".", "").isdigit() else []
-    cfg = cfg.with_allowed_hosts([*args.allowed_host, *named])
-    cfg = cfg.with_api_keys(read_keys(args.api_key, args.api_key_file, os.environ.get("KVLAYOUT_API_KEY")))
+    cfg = serve_config(args)
     world = distributed.current()  # a world of one unless started by mlx.launch
     if not world.leader:  # the same config (checked), no HTTP: replay rank 0's engine
         service = prepare_service(cfg, world=world)
@@ -504,6 +491,31 @@ def _serve(args: argparse.Namespace) -> int:
         )
 
     return serve(service, sock, ready)
+
+
+def serve_config(args: argparse.Namespace):
+    """`kvlayout serve`'s config: the file's (or the defaults), with its flags applied; a flag that is not
+    well formed is a ConfigError naming it (one line, exit 2)."""
+    from kvlayout.server.auth import read_keys
+    from kvlayout.server.config import is_cors_origin, is_host_name, load_serve_config
+
+    cfg = load_serve_config(args.config)
+    if args.layout is not None:
+        cfg = cfg.with_layout(args.layout)
+    if args.model is not None:
+        cfg = cfg.with_model_path(args.model)
+    for name in args.allowed_host:
+        if not is_host_name(name):
+            raise ConfigError(f"--allowed-host {name!r}: expected a host name without a port, e.g. kv.example.org")
+    for origin in args.cors_origin:
+        if not is_cors_origin(origin):
+            raise ConfigError(f"--cors-origin {origin!r}: expected http(s)://host[:port] (no path), or * for any "
+                              "origin, e.g. http://localhost:5173")
+    # A name given to --host is one of the server's own; an address needs no allowing (a connection's
+    # own address is let in, hosts.HostCheck), and 0.0.0.0 is no name a client should give.
+    named = [args.host] if is_host_name(args.host) and not args.host.replace(".", "").isdigit() else []
+    cfg = cfg.with_allowed_hosts([*args.allowed_host, *named]).with_cors_origins(args.cors_origin)
+    return cfg.with_api_keys(read_keys(args.api_key, args.api_key_file, os.environ.get("KVLAYOUT_API_KEY")))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -711,6 +723,11 @@ def _add_serve_command(sub) -> None:
     server.add_argument(
         "--api-key-file", action="append", default=[], type=given, metavar="FILE",
         help="a file of API keys, one a line (blank lines and lines starting with # skipped; repeatable)",
+    )
+    server.add_argument(
+        "--cors-origin", action="append", default=[], metavar="ORIGIN",
+        help="let web pages of ORIGIN (http(s)://host[:port], or * for any) call the server from a browser "
+        "(repeatable; also server.cors_origins). Without it no CORS header is sent, so other sites' pages cannot",
     )
     _add_blas_flag(server)
     server.set_defaults(func=_serve)

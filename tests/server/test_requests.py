@@ -116,7 +116,7 @@ def test_fields_asking_for_nothing_are_accepted():
         (chat, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", 400),
         (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]", 400),
         (chat, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls", 400),
-        (chat, {"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages[0].name", 400),
+        (chat, {"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name", 400),
         (text, {"temperature": 10**400}, "temperature", 400),
         (text, {"top_p": -(10**400)}, "top_p", 400),
         (text, {"max_tokens": 1e20}, "max_tokens", 400),

@@ -1,7 +1,7 @@
 """The HTTP side: a Starlette app speaking OpenAI's API in front of the engine thread.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (stream or
-not), `GET /v1/models`, `GET /health`; for people and monitoring (`monitor`):
+not), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`; for people and monitoring (`monitor`):
 `GET /` (the chat page with its cell map), `GET /cells` (the map's frames,
 server-sent events), `GET /cells/at?cell=N`, `GET /stats`, `GET /metrics`. A handler reads and checks the body
 (`requests`), hands a ticket to the worker and waits for its events without
@@ -15,6 +15,9 @@ keys configured, one without a right key is refused 401 next (`auth`). A client
 that goes away (its stream closed, or a whole-answer request abandoned) has
 its request cancelled at once. A request the shutdown ends (`serve`) is
 answered 503, a stream with that error as its last event before [DONE].
+CORS headers are sent only for the origins configured (`server.cors_origins`,
+`--cors-origin`; Starlette's CORSMiddleware), none by default. Each request
+is one line on the ACCESS_LOG logger once answered (`AccessLog`).
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -45,6 +51,10 @@ KEEPALIVE_S = 15.0
 QUEUED_KEEPALIVE_S = 3.0  # a stream still queued hears `: waiting` this often
 RETRY_AFTER_S = 1
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+GENERATING = "kvlayout.ticket"  # the scope's key for the ticket of a request that was queued to generate
+ACCESS_LOG = "kvlayout.server.access"  # the logger of the access lines (INFO); `serve` writes it to stderr
+access_logger = logging.getLogger(ACCESS_LOG)
+LOGGED_PATH_CHARS = 200
 
 
 def build_app(service: Service) -> Starlette:
@@ -54,6 +64,7 @@ def build_app(service: Service) -> Starlette:
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/completions", h.text, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", h.model, methods=["GET"]),  # an id may hold a slash ("org/name")
         Route("/health", h.health, methods=["GET"]),
         Route("/stats", h.stats, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
@@ -63,9 +74,71 @@ def build_app(service: Service) -> Starlette:
     ]
     handlers = {KVLayoutError: refused, HTTPException: http_error, ClientDisconnect: left_mid_body,
                 Exception: internal_error}
-    checked = [Middleware(HostCheck, allowed=service.cfg.server.allowed_hosts),  # every route: DNS rebinding
-               Middleware(ApiKeys, keys=service.cfg.server.api_keys)]  # every route but /health and the page
+    server = service.cfg.server
+    checked = [Middleware(AccessLog),  # outermost: every request logged, refused ones too
+               Middleware(HostCheck, allowed=server.allowed_hosts),  # every route: DNS rebinding
+               *cors(server.cors_origins),
+               Middleware(ApiKeys, keys=server.api_keys)]  # every route but /health and the page
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=h.lifespan, middleware=checked)
+
+
+def cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """Starlette's CORS middleware for `origins` (`server.cors_origins`, `--cors-origin`); none without
+    them, so no CORS header is sent unless asked. Outside ApiKeys: a browser's preflight carries no key.
+    Keys travel in the Authorization header, never a cookie, so no credentials are allowed."""
+    if not origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"])]
+
+
+class AccessLog:
+    """ASGI middleware: one line per HTTP request on the ACCESS_LOG logger once it is answered (`access_line`).
+    Never a body nor a header: an API key travels in one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), None
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            status = status or 500  # raised past us: Starlette's outermost layer answers it (internal_error)
+            raise
+        finally:
+            if access_logger.isEnabledFor(logging.INFO):
+                access_logger.info(access_line(scope, status, time.perf_counter() - started))
+
+
+def access_line(scope, status: int | None, seconds: float) -> str:
+    """`kvlayout: POST /v1/completions 200 prompt_tokens=5 completion_tokens=3 41.2 ms`: the method, the path
+    as sent (no query), the status ("-": none was sent, the request was cancelled), the tokens of a request
+    that was queued to generate, and the wall time from its head to the end of its answer."""
+    path = printable(scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape"))
+    tokens = ""
+    ticket = scope.get(GENERATING)
+    if ticket is not None:
+        used = usage_of(ticket)
+        tokens = f" prompt_tokens={used['prompt_tokens']} completion_tokens={used['completion_tokens']}"
+    return f"kvlayout: {printable(scope['method'].encode())} {path} {status or '-'}{tokens} {seconds * 1e3:.1f} ms"
+
+
+def printable(raw: bytes) -> str:
+    """`raw` percent-encoded wherever it is not printable ASCII, cut at LOGGED_PATH_CHARS: a client's path
+    cannot break the log's lines nor make one long."""
+    text = "".join(chr(b) if 0x21 <= b <= 0x7E else f"%{b:02X}" for b in raw[:LOGGED_PATH_CHARS])
+    return text + ("..." if len(raw) > LOGGED_PATH_CHARS else "")
 
 
 class Handlers:
@@ -104,6 +177,7 @@ class Handlers:
         ticket = new_ticket(order, service.order_request(order, isolation), service.tokenizer.decode,
                             asyncio.get_running_loop(), service.cfg.server.queue_timeout_s)
         self.worker.submit(ticket)
+        request.scope[GENERATING] = ticket  # the access log's token counts, read once the answer is sent
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if order.stream:
             return StreamingResponse(sse(stream(ticket, rid, service), self.worker, ticket),
@@ -112,6 +186,14 @@ class Handlers:
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(shapes.models(self.service.model_id, self.service.created))
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{id}`: the served model's object, as /v1/models lists it; 404 for any other id."""
+        asked, served = request.path_params["model_id"], self.service.model_id
+        if asked != served:
+            raise BadRequest(f"The model {asked!r} does not exist; this server serves {served!r} (GET /v1/models)",
+                             "model", status=404, code="model_not_found")
+        return JSONResponse(shapes.models(served, self.service.created)["data"][0])
 
     async def health(self, request: Request) -> Response:
         service = self.service

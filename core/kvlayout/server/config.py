@@ -9,6 +9,7 @@ meets as errors (429, 400, 413), each named by its key in the message.
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,6 +42,17 @@ def is_host_name(name) -> bool:
     if name.startswith("[") and name.endswith("]"):  # an IPv6 address: its colons are no port
         return all(c in string.hexdigits or c in ":." for c in name[1:-1])
     return not any(c.isspace() or c in "/@:?#[]" for c in name)
+
+
+def is_cors_origin(origin) -> bool:
+    """An origin a browser sends as `Origin` ("http://app.example.org", "https://[::1]:5173"), or `*` for any:
+    a scheme, a host and maybe a port, nothing after them (a browser's Origin has no path, not even "/")."""
+    if origin == "*":
+        return True
+    if not isinstance(origin, str):
+        return False
+    m = re.fullmatch(r"https?://(\[[^\]]*\]|[^:]*)(?::(\d{1,5}))?", origin)
+    return m is not None and is_host_name(m[1]) and (m[2] is None or 0 < int(m[2]) <= 65535)
 
 
 def is_api_key(key) -> bool:
@@ -79,6 +91,9 @@ class ServerSection:
     and each key's requests share cached prefixes only among themselves.
     `--api-key`, `--api-key-file` and KVLAYOUT_API_KEY add to them. Never
     shown: not in the record's repr, not in an error message.
+    `cors_origins`: origins whose web pages may call the server from the
+    browser (`*`: any); none by default, and then no CORS header is sent.
+    `--cors-origin` adds to them.
     """
 
     queue: int = 64
@@ -94,6 +109,8 @@ class ServerSection:
     max_connections: int = 256
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False,
                                             converter=lambda v: tuple(v) if isinstance(v, list) else v)
+    cors_origins: tuple[str, ...] = attrs.field(default=(),
+                                                converter=lambda v: tuple(v) if isinstance(v, list) else v)
 
     def __attrs_post_init__(self):
         int_scalar("server.queue", self.queue, ConfigError, 0, numpy=False)
@@ -116,6 +133,10 @@ class ServerSection:
         if not (isinstance(self.api_keys, tuple) and all(is_api_key(k) for k in self.api_keys)):
             raise ConfigError("server.api_keys: expected a list of non-empty strings of printable ASCII without "
                               "spaces (the keys are not shown here)")
+        if not (isinstance(self.cors_origins, tuple) and all(map(is_cors_origin, self.cors_origins))):
+            shown = list(self.cors_origins) if isinstance(self.cors_origins, tuple) else self.cors_origins
+            raise ConfigError(f"server.cors_origins={shown!r}: expected a list of origins, each "
+                              "http(s)://host[:port] or \"*\", e.g. [\"http://localhost:5173\"]")
 
 
 @attrs.frozen
@@ -154,6 +175,11 @@ class ServeConfig(LayoutAndModel):
     def with_api_keys(self, keys) -> ServeConfig:
         """`--api-key`, `--api-key-file` and KVLAYOUT_API_KEY's keys, added to `server.api_keys`."""
         server = attrs.evolve(self.server, api_keys=(*self.server.api_keys, *keys))
+        return attrs.evolve(self, server=server)
+
+    def with_cors_origins(self, origins) -> ServeConfig:
+        """`--cors-origin ORIGIN`s, added to `server.cors_origins`."""
+        server = attrs.evolve(self.server, cors_origins=(*self.server.cors_origins, *origins))
         return attrs.evolve(self, server=server)
 
     @classmethod

@@ -8,7 +8,11 @@ only requests with the same salt, under the same API key, share cached
 prefixes; `Order.cache_salt`, server.service). Fields we cannot honour are accepted only at
 the value that means "off" (`presence_penalty: 0`, `logprobs: false`, ...):
 anything else is refused rather than silently ignored, as is a field we do
-not know. Every refusal is a `BadRequest` naming the field (`param`), which
+not know. Fields that cannot change the answer are checked as OpenAI checks
+them and then ignored: `user`, `metadata`, `service_tier`,
+`reasoning_effort` (none of our models reasons), `parallel_tool_calls`
+(without tools), `stream_options.include_obfuscation`, a message's `name`.
+Every refusal is a `BadRequest` naming the field (`param`), which
 the app answers with OpenAI's error object; nothing of the server changes.
 
 A text far too long for the cache is refused before it is encoded (encoding a
@@ -36,6 +40,7 @@ from kvlayout.runner.prompts import build_prompt, plain_text
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_SEED = 2**63 - 1
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 # Fields accepted only with the value that asks for nothing we would have to do.
 NEUTRAL = {
     "frequency_penalty": (0, 0.0, None),
@@ -50,15 +55,29 @@ NEUTRAL = {
     "response_format": (None, {"type": "text"}),
     "tools": (None,),
     "tool_choice": (None, "none"),
+    # With no tools (none are taken) there is no call to make in parallel or not.
     "parallel_tool_calls": (None, True, False),
+    # OpenAI keeps a stored completion for reading back later; this server keeps none (no route to read one
+    # back), so asking for it is refused rather than answered as if it were kept.
     "store": (None, False),
-    "metadata": None,  # any object: OpenAI stores it with a stored completion; we store nothing
+    "metadata": None,  # tags (16 string pairs) OpenAI keeps with a stored completion; we store nothing
+    # Fields any of their documented values leaves the output as it is here, checked as OpenAI checks them
+    # (IGNORED) and otherwise ignored: how fast a tier would serve it; how hard a reasoning model would think
+    # (none of ours reasons; OpenAI's own non-reasoning models ignore it too).
+    "service_tier": None,
+    "reasoning_effort": None,
 }
+IGNORED = {
+    "service_tier": ("auto", "default", "flex", "scale", "priority", "fast"),
+    "reasoning_effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
+}
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on metadata
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options", "cache_salt")
 CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens")
 TEXT_FIELDS = (*COMMON, "prompt")
 NEUTRAL_CHAT = ("frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias", "user",
-                "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata")
+                "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
+                "reasoning_effort")
 NEUTRAL_TEXT = ("frequency_penalty", "presence_penalty", "logprobs", "logit_bias", "user", "best_of", "echo", "suffix")
 
 
@@ -235,12 +254,39 @@ def _known(body: Mapping, fields: Sequence[str], neutral: Sequence[str]) -> None
             raise BadRequest(f"unrecognized request argument supplied: {key}", key)
         allowed = NEUTRAL[key]
         if allowed is None:
-            if key == "user" and not isinstance(value, str):
-                raise BadRequest(f"user must be a string, not {shown(value)}", key)
+            _any_value(key, value)
             continue
         if not any(type(value) is type(a) and value == a for a in allowed):
             only = " or ".join("null" if a is None else json.dumps(a) for a in allowed)
             raise BadRequest(f"{key}={shown(value)} is not supported by this server (only {only})", key)
+
+
+def _any_value(key: str, value: Any) -> None:
+    """A field whose every valid value is ignored here, checked as OpenAI checks it (null: not given)."""
+    if value is None:
+        return
+    if key == "user":
+        if not isinstance(value, str):
+            raise BadRequest(f"user must be a string, not {shown(value)}", key)
+    elif key == "metadata":
+        _metadata(value)
+    elif value not in IGNORED[key] or not isinstance(value, str):
+        raise BadRequest(f"{key} must be one of {', '.join(IGNORED[key])}, not {shown(value)}", key)
+
+
+def _metadata(value: Any) -> None:
+    """OpenAI's metadata: at most 16 pairs of strings, keys up to 64 characters, values up to 512."""
+    if not isinstance(value, dict):
+        raise BadRequest(f"metadata must be an object of string values, not {shown(value)}", "metadata")
+    if len(value) > METADATA_PAIRS:
+        raise BadRequest(f"metadata holds {len(value)} pairs; at most {METADATA_PAIRS}", "metadata")
+    for k, v in value.items():
+        if len(k) > METADATA_KEY:
+            raise BadRequest(f"metadata: key {k[:20]!r}... is {len(k)} characters; at most {METADATA_KEY}",
+                             "metadata")
+        if not isinstance(v, str) or len(v) > METADATA_VALUE:
+            raise BadRequest(f"metadata.{k} must be a string of at most {METADATA_VALUE} characters, not "
+                             f"{shown(v)}", f"metadata.{k}")
 
 
 def _messages(value: Any) -> tuple[Message, ...]:
@@ -253,9 +299,14 @@ def _messages(value: Any) -> tuple[Message, ...]:
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"{at} must be an object with role and content, not {shown(m)}", at)
-        unknown = [k for k in m if k not in ("role", "content")]
+        unknown = [k for k in m if k not in ("role", "content", "name")]
         if unknown:
             raise BadRequest(f"{at}.{unknown[0]}: unrecognized message field", f"{at}.{unknown[0]}")
+        # A participant's name (OpenAI's, on any role we take): checked, then dropped. It cannot change the
+        # output here: chat templates do not read it (a Message has no name to give them), nor does plain text.
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest(f"{at}.name must be a string, not {shown(name)}", f"{at}.name")
         role = m.get("role")
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
@@ -325,17 +376,19 @@ def _unicode(text: str, at: str) -> str:
 
 
 def _stream_options(value: Any, stream: bool) -> bool:
+    """include_usage. include_obfuscation (OpenAI pads each event with random characters to hide its
+    length) is checked and ignored: it changes no text of the answer, and we send no padding."""
     if value is None:
         return False
     if not stream:
         raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
-    if not isinstance(value, dict) or any(k != "include_usage" for k in value):
+    if not isinstance(value, dict) or any(k not in STREAM_OPTIONS for k in value):
         raise BadRequest(
-            f"stream_options must be an object with include_usage only, not {shown(value)}", "stream_options"
+            f"stream_options must be an object with {' and '.join(STREAM_OPTIONS)} only, not {shown(value)}",
+            "stream_options",
         )
-    include = value.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise BadRequest(
-            f"stream_options.include_usage must be true or false, not {shown(include)}", "stream_options.include_usage"
-        )
-    return include
+    for key in STREAM_OPTIONS:
+        flag = value.get(key, False)
+        if not isinstance(flag, bool):
+            raise BadRequest(f"stream_options.{key} must be true or false, not {shown(flag)}", f"stream_options.{key}")
+    return value.get("include_usage", False)

@@ -2,6 +2,8 @@
 
 The model runs where it was loaded (MLX's streams belong to their thread),
 the main thread; uvicorn serves on a second one with its own event loop.
+Each request answered is one line on stderr (`app.access_line`: method, path,
+status, tokens generated, wall time).
 The socket is bound before the model loads (`bind`), so a port in use or a
 host that is not this machine's is one line naming them (exit 2), not a
 logged traceback. On SIGINT/SIGTERM uvicorn stops accepting connections;
@@ -20,6 +22,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +30,7 @@ from collections.abc import Callable
 import uvicorn
 
 from kvlayout.errors import ConfigError, os_reason
-from kvlayout.server.app import build_app
+from kvlayout.server.app import ACCESS_LOG, build_app
 from kvlayout.server.config import ServerSection
 from kvlayout.server.connections import (
     REFUSING_SPARE,
@@ -127,6 +130,23 @@ def http_config(service: Service, **uvicorn_options) -> uvicorn.Config:
     )
 
 
+def access_log_on_stderr() -> Callable[[], None]:
+    """The app's access lines (one per request, `app.access_line`) on stderr, as they are; what undoes it.
+    uvicorn's own access log stays off: it cannot say what a request generated."""
+    access = logging.getLogger(ACCESS_LOG)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False  # once, on stderr: not again through whatever the root logger has
+
+    def undo() -> None:
+        access.removeHandler(handler)
+        access.setLevel(logging.NOTSET)
+        access.propagate = True
+    return undo
+
+
 def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]) -> int:
     """Serve `service` on the bound `sock` until a stop signal; `on_ready(url)` once connections are taken.
     Runs the engine on this thread (the one that prepared `service`)."""
@@ -150,6 +170,7 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
     uvicorn_errors.addFilter(per_request)
     asyncio_log, out_of_descriptors = logging.getLogger("asyncio"), OutOfDescriptorsFilter()
     asyncio_log.addFilter(out_of_descriptors)
+    quiet_access = access_log_on_stderr()
 
     def http() -> None:
         try:
@@ -181,4 +202,5 @@ def serve(service: Service, sock: socket.socket, on_ready: Callable[[str], None]
         uvicorn_errors.removeFilter(not_the_forced_exit)
         asyncio_log.removeFilter(out_of_descriptors)
         uvicorn_errors.removeFilter(per_request)
+        quiet_access()
     return 0
