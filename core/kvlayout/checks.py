@@ -77,6 +77,12 @@ def expected_integer(minimum: int | None = None, maximum: int | None = None) -> 
 
 def int_array(name: str, values: Any, error: type[KVLayoutError] | ErrorFactory) -> np.ndarray:
     """`values` as a 1-d int64 array; `error` naming `name` if it is not integers."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+        return values  # what the checks below answer for it, without them (engines pass these every step)
+    ends = (values.start, values.stop) if type(values) is range else None
+    if ends is not None and -INT64_MAX <= min(ends) and max(ends) <= INT64_MAX:
+        # integers by construction (a sequence's positions), every one fitting in 64 bits
+        return np.arange(values.start, values.stop, values.step, dtype=np.int64)
     if isinstance(values, (list, tuple)) and not {bool, np.bool_}.isdisjoint(map(type, values)):  # no subclasses
         raise error(f"{name}: expected integers, got a bool in {list(values)!r}")
     try:
@@ -92,7 +98,7 @@ def int_array(name: str, values: Any, error: type[KVLayoutError] | ErrorFactory)
         wide = [x for x in arr.tolist() if isinstance(x, int) and not -(2**63) <= x < 2**63]
     if wide:  # a Python int numpy kept as object, or a uint64 that int64 would wrap negative
         raise error(f"{name}: {wide[0]} does not fit in 64 bits: expected int64 integers")
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":  # numpy's integers (np.issubdtype(., np.integer)), never bool
         raise error(f"{name}: expected integers, got dtype {arr.dtype} ({arr.tolist()!r:.80})")
     return arr.astype(np.int64, copy=False)
 
@@ -112,6 +118,8 @@ def int_scalar(
     Python ints, which stay JSON-serializable. `from_json`: the value came
     from JSON, and is quoted so.
     """
+    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value  # the usual value (a bool is a subclass, never this type), settled without the rest
     kinds = (int, np.integer) if numpy else int
     is_int = isinstance(value, kinds) and not isinstance(value, (bool, np.bool_))
     if is_int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):

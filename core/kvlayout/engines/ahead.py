@@ -81,7 +81,7 @@ def draw(logits: mx.array, stats: Stats, prefill: int, decode: int, rows: list[i
 
 def fed(pieces: list[tuple[Drawn, int] | list[int]]) -> list[int] | mx.array:
     """A step's input tokens from host ids and tokens drawn ahead, in order: a plain list when
-    every one is known on the host, else one lazy int32 array `[T]`."""
+    every one is known on the host, else one lazy uint32 array `[T]` (argmax's dtype)."""
     if all(isinstance(p, list) for p in pieces):
         return [t for p in pieces for t in p]
     parts: list[mx.array] = []
@@ -90,14 +90,15 @@ def fed(pieces: list[tuple[Drawn, int] | list[int]]) -> list[int] | mx.array:
     def close_run() -> None:
         if run is not None:
             d, first, end = run
-            parts.append(d.tokens[first:end].astype(mx.int32))
+            # uint32 ids, as argmax gives them: no cast; all of them (a lone decode's): no slice either
+            parts.append(d.tokens if first == 0 and end == d.tokens.size else d.tokens[first:end])
 
     for p in pieces:
         if isinstance(p, list):
             close_run()
             run = None
             if p:
-                parts.append(mx.array(p, dtype=mx.int32))
+                parts.append(mx.array(p, dtype=mx.uint32))  # one dtype with the drawn ones, to join them
         elif run is not None and run[0] is p[0] and run[2] == p[1]:
             run = (run[0], run[1], run[2] + 1)
         else:

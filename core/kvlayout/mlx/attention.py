@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -9,6 +10,7 @@ import mlx.core as mx
 
 from kvlayout.checks import finite
 from kvlayout.errors import ShapeError, StepError
+from kvlayout.mlx.checks import FLOATING
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind, QuantizedKV
 
 
@@ -96,7 +98,7 @@ def _check(q: Any, spec: Any, scale: Any, sinks: Any = None) -> None:
     """What `attend` refuses (see there), before MLX would raise its own ValueError or broadcast."""
     if not isinstance(spec, AttendSpec):
         raise StepError(f"spec: expected an AttendSpec (what update_and_fetch returns), got {type(spec).__name__}")
-    if not isinstance(q, mx.array) or q.ndim != 4 or not mx.issubdtype(q.dtype, mx.floating):
+    if not isinstance(q, mx.array) or q.ndim != 4 or q.dtype not in FLOATING:
         got = f"{type(q).__name__} {tuple(q.shape)} {q.dtype}" if isinstance(q, mx.array) else type(q).__name__
         raise StepError(f"q: expected a floating mlx array [1, H_q, T, D], got {got}")
     batch, h_q, t, d = q.shape
@@ -110,7 +112,7 @@ def _check(q: Any, spec: Any, scale: Any, sinks: Any = None) -> None:
         raise StepError(f"q holds T={t} queries for a step of {spec.queries} token(s): expected T={spec.queries}")
     if spec.mask_kind is MaskKind.CAUSAL and t > keys[2]:
         raise StepError(f"q holds T={t} queries, more than the {keys[2]} keys of a causal step")
-    if not finite(scale):  # an mx.array is no number here: refused too
+    if not (type(scale) is float and math.isfinite(scale)) and not finite(scale):  # an mx.array: refused too
         raise StepError(f"scale={scale!r}: expected a finite number")
     if sinks is not None:
         _check_sinks(sinks, h_q)

@@ -14,11 +14,19 @@ import mlx.core as mx
 
 from kvlayout.errors import StepError
 
+FLOATING = frozenset({mx.float16, mx.bfloat16, mx.float32, mx.float64})  # what mx.issubdtype(., mx.floating) admits
+
 
 def check_kv(layer: int, k: Any, v: Any, n_kv_heads: int, head_dim: int, positions: int) -> int:
     """T, the tokens `k` and `v` carry; StepError naming the layer and the argument unless both
     are floating mlx arrays `[1, n_kv_heads, T, head_dim]` of one T, with one token per position
     (`positions` of them)."""
+    # The usual step, settled in a few comparisons (a check per layer is host time every step pays);
+    # anything else goes through the checks below, which say what is wrong.
+    if (type(k) is mx.array and type(v) is mx.array and k.shape == v.shape and k.ndim == 4
+            and k.shape[0] == 1 and k.shape[1] == n_kv_heads and k.shape[3] == head_dim
+            and k.shape[2] == positions and k.dtype in FLOATING and v.dtype in FLOATING):
+        return positions
     expected = (1, n_kv_heads, None, head_dim)  # [1, H_kv, T, D]
     for name, x in (("k", k), ("v", v)):
         shape = tuple(getattr(x, "shape", ()))

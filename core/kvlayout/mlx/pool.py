@@ -18,6 +18,7 @@ import numpy as np
 from kvlayout.checks import int_array, int_scalar
 from kvlayout.config import QUANTIZED_KV_BITS, check_up_front
 from kvlayout.errors import ConfigError, KVLayoutError
+from kvlayout.mlx.checks import FLOATING
 from kvlayout.pool import Pool
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -47,6 +48,14 @@ class Cells:
         self.size = idx.size
         self.end = int(idx.max()) + 1 if idx.size else 0  # one past the highest
         self.device = mx.array(self.host)
+
+
+def _slot(value: Any, name: str) -> int:
+    """`value` as a slot index or count >= 0 (KVLayoutError naming `name` otherwise); a plain int, the
+    usual one, is taken at once."""
+    if type(value) is int and value >= 0:
+        return value
+    return int_scalar(name, value, KVLayoutError, minimum=0)
 
 
 def storage_dtype(dtype: Any) -> mx.Dtype:
@@ -153,7 +162,7 @@ class MLXPool(Pool):
 
     def write(self, start: int, update: mx.array) -> None:
         n = self._check_update(update)
-        start = int_scalar("start", start, KVLayoutError, minimum=0)
+        start = _slot(start, "start")
         if start + n > self._max:
             raise KVLayoutError(
                 f"write of {n} slot(s) at start={start} ends at {start + n}, past max_slots={self._max}"
@@ -202,8 +211,7 @@ class MLXPool(Pool):
         mx.eval(self._buf)
 
     def read(self, start: int, length: int) -> mx.array:
-        start = int_scalar("start", start, KVLayoutError, minimum=0)
-        length = int_scalar("length", length, KVLayoutError, minimum=0)
+        start, length = _slot(start, "start"), _slot(length, "length")
         if start + length > self.slots:
             raise KVLayoutError(
                 f"read of {length} slot(s) at start={start} ends at {start + length}, "
@@ -212,6 +220,13 @@ class MLXPool(Pool):
         return self._buf[:, :, start : start + length, :]  # [1, H, length, D]
 
     def _check_update(self, update: Any) -> int:
+        # The usual update, settled in a few comparisons (every layer writes every step); anything
+        # else goes through the checks below, which say what is wrong.
+        if type(update) is mx.array and update.ndim == 4:
+            _, heads, n, dim = update.shape
+            if (update.shape[0] == 1 and heads == self._heads and dim == self._dim
+                    and (update.dtype == PACKED if self._dtype == PACKED else update.dtype in FLOATING)):
+                return n
         if not isinstance(update, mx.array):
             raise KVLayoutError(f"update: expected an mlx array, got {type(update).__name__}")
         if self._dtype == PACKED:  # packed words are bits: never cast

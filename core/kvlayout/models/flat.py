@@ -23,6 +23,7 @@ import numpy as np
 
 from kvlayout.errors import ShapeError
 from kvlayout.mlx import attend
+from kvlayout.positions import StepPositions, step_positions
 
 
 class RopeAt(nn.Module):
@@ -31,7 +32,8 @@ class RopeAt(nn.Module):
 
     mx.fast.rope takes one offset per batch entry: the step's tokens go on the batch axis
     (`[T, H, 1, D]`) with their positions as the offsets, the kernel mlx-lm runs, so each
-    token's rotation is bit-identical to mlx-lm's at that position.
+    token's rotation is bit-identical to mlx-lm's at that position. Positions given as an int
+    (a step of one sequence's consecutive tokens, from there) are mlx-lm's call as it is.
     """
 
     def __init__(self, rope: nn.Module):
@@ -39,8 +41,10 @@ class RopeAt(nn.Module):
         self.rope = rope
         self.freeze()  # precomputed frequencies, never weights of the checkpoint
 
-    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
-        if x.shape[2] == 1:  # one token: [1, H, 1, D] already has it on the batch axis
+    def __call__(self, x: mx.array, positions: int | mx.array) -> mx.array:
+        if isinstance(positions, int) or x.shape[2] == 1:
+            # Consecutive positions from an int (mlx-lm's own call), or one token: [1, H, 1, D]
+            # already has it on the batch axis.
             return self.rope(x, offset=positions)
         xt = x.transpose(2, 1, 0, 3)  # [1, H, T, D] -> [T, H, 1, D]
         return self.rope(xt, offset=positions).transpose(2, 1, 0, 3)  # [1, H, T, D]
@@ -58,10 +62,11 @@ def heads(x: mx.array, n_heads: int, norm: nn.Module | None = None) -> mx.array:
     return x.transpose(0, 2, 1, 3)
 
 
-def attend_through(cache: Any, layer: int, pos_host: np.ndarray, q: mx.array, k: mx.array, v: mx.array,
+def attend_through(cache: Any, layer: int, pos_host: StepPositions, q: mx.array, k: mx.array, v: mx.array,
                    scale: float, sinks: mx.array | None = None) -> mx.array:
     """One layer's attention through the cache: K/V `[1, H_kv, T, D]` stored where the layout says,
-    `q` `[1, H_q, T, D]` attending what the step may see; the heads' outputs as `[1, T, H_q * D]`."""
+    `q` `[1, H_q, T, D]` attending what the step may see; the heads' outputs as `[1, T, H_q * D]`.
+    `pos_host`: the forward's positions, one object for every layer (checked once)."""
     spec = cache.update_and_fetch(layer, pos_host, k, v)
     o = attend(q, spec, scale) if sinks is None else attend(q, spec, scale, sinks=sinks)  # [1, H_q, T, D]
     _, _, t, _ = o.shape
@@ -97,7 +102,7 @@ class Attention(nn.Module):
             self.k_norm = norm(hd, eps=args.rms_norm_eps)
         self.rope = rope
 
-    def __call__(self, x: mx.array, positions: mx.array, pos_host: np.ndarray, cache: Any) -> mx.array:
+    def __call__(self, x: mx.array, positions: int | mx.array, pos_host: StepPositions, cache: Any) -> mx.array:
         q = heads(self.q_proj(x), self.n_heads, self.get("q_norm"))  # [1, Hq, T, D], each head normed if so
         k = heads(self.k_proj(x), self.n_kv_heads, self.get("k_norm"))  # [1, Hkv, T, D]
         v = heads(self.v_proj(x), self.n_kv_heads)  # [1, Hkv, T, D]
@@ -165,18 +170,23 @@ class DecoderModel(nn.Module):
         layout's op face and was told (declare_step) whose tokens these are.
         Only the rows a sampler needs go through the LM head.
         """
-        # One int64 array for every layer's cache: a list would be converted and checked again by
-        # the layout at each layer (~0.1 ms per layer at 512 tokens).
-        pos_host = np.asarray(positions, dtype=np.int64)  # [T]
-        if pos_host.shape != (len(tokens),):
+        # Checked once for every layer's cache (kvlayout.positions): a list or array would be converted
+        # and checked again by the layout at each layer, host time a small model's step cannot hide.
+        pos_host = step_positions(positions)  # [T]
+        if pos_host.size != len(tokens):
             raise ShapeError(f"{len(tokens)} token(s) but {pos_host.size} position(s): expected one position per token")
-        pos = mx.array(pos_host.astype(np.int32))  # [T]
-        h = self.model.embed_tokens(mx.array(tokens, dtype=mx.int32))[None]  # [1, T, hidden]
+        # One sequence's consecutive tokens rotate from an int offset, as mlx-lm's step does: no array
+        # to make, no transposes (RoPE); a mixed step's tokens each bring their position.
+        pos = pos_host.first if pos_host.consecutive else mx.array(pos_host.host.astype(np.int32))  # [T]
+        # Tokens drawn on the device (engines.ahead) are fed as they are: a cast is one more node a step.
+        ids = tokens if isinstance(tokens, mx.array) and mx.issubdtype(tokens.dtype, mx.integer) else mx.array(
+            tokens, dtype=mx.int32)
+        h = self.model.embed_tokens(ids)[None]  # [1, T, hidden]
         if self.embed_scale is not None:
             h = self.embed_scale(h)
         for layer in self.model.layers:
             h = layer(h, pos, pos_host, cache)
-        h = h[0]  # [T, hidden]
+        h = h.squeeze(0)  # [T, hidden] (a reshape; h[0] would gather)
         if rows is not None and not (len(rows) == len(tokens) == 1):  # one token: its row is h
             h = h[mx.array(rows, dtype=mx.int32)]  # [R, hidden]
         h = self.model.norm(h)

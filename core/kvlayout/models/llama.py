@@ -122,20 +122,23 @@ class RoPE:
     A flat step mixes sequences, so there is no single offset. mx.fast.rope
     takes one offset per batch entry: we put the tokens on the batch axis
     (`[T, H, 1, D]`) and hand it the positions, which is the same kernel
-    mlx-lm uses and therefore bit-identical to it.
+    mlx-lm uses and therefore bit-identical to it. A step of one sequence's consecutive tokens
+    comes as an int offset instead: mlx-lm's own call.
     """
 
     def __init__(self, args: ModelArgs):
         self.dims = args.head_dim
         self.base, self.scale, self.freqs = rope_freqs(args)
 
-    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
-        if x.shape[2] == 1:  # one token: [1, H, 1, D] already has it on the batch axis
+    def __call__(self, x: mx.array, positions: int | mx.array) -> mx.array:
+        if isinstance(positions, int) or x.shape[2] == 1:
+            # Consecutive positions from an int (mlx-lm's own call), or one token: [1, H, 1, D]
+            # already has it on the batch axis.
             return self._rope(x, positions)
         xt = x.transpose(2, 1, 0, 3)  # [1, H, T, D] -> [T, H, 1, D]
         return self._rope(xt, positions).transpose(2, 1, 0, 3)  # [1, H, T, D]
 
-    def _rope(self, x: mx.array, offsets: mx.array) -> mx.array:
+    def _rope(self, x: mx.array, offsets: int | mx.array) -> mx.array:
         return mx.fast.rope(
             x, self.dims, traditional=False, base=self.base, scale=self.scale, offset=offsets, freqs=self.freqs
         )

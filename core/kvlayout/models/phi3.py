@@ -35,7 +35,6 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models import phi3 as mlx_lm_phi3
 from mlx_lm.models.rope_utils import SuScaledRoPE
 
@@ -44,6 +43,7 @@ from kvlayout.errors import ConfigError
 from kvlayout.models import config_values as values
 from kvlayout.models.args import ModelArgs, read_shape, refuse_set, rope_scaling, rope_type
 from kvlayout.models.flat import DecoderModel, PreNormBlock, RopeAt, attend_through, heads
+from kvlayout.positions import StepPositions
 
 MODEL_TYPES = ("phi3",)
 
@@ -177,7 +177,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
         self.rope = make_rope(args)
 
-    def __call__(self, x: mx.array, positions: mx.array, pos_host: np.ndarray, cache: Any) -> mx.array:
+    def __call__(self, x: mx.array, positions: int | mx.array, pos_host: StepPositions, cache: Any) -> mx.array:
         qkv = self.qkv_proj(x)  # [1, T, (Hq + 2 Hkv) * D]
         q, k, v = mx.split(qkv, [self.q_size, self.q_size + self.kv_size], axis=-1)
         q = heads(q, self.n_heads)  # [1, Hq, T, D]

@@ -31,6 +31,7 @@ positions.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,13 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.checks import int_array
 from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import BatchControl, CellStepper, CellView, FacesBase, face_of
 from kvlayout.mlx import MAX_SLOTS, Cells, check_kv, check_layer_dims, config_pool_bytes, kv_pool
 from kvlayout.mlx.attention import pages_in_place
 from kvlayout.persist import StateFile
+from kvlayout.positions import step_positions
 from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout_cell import persist
@@ -73,7 +74,7 @@ class CellCache(FacesBase):
     def __init__(self, config: CacheConfig, pm: Any = None):
         self._attention_path = "auto"
         self.config = config = CacheConfig.coerce(config)  # a mapping is built; anything else refused
-        layers = [config.layer(i) for i in range(config.n_layers)]
+        self._layers = layers = tuple(config.layer(i) for i in range(config.n_layers))
         # Pools hold whole pages of PAGE_TILE slots (past the last cell: never written, masked when
         # read), so every size they grow through is one that pages of up to PAGE_TILE cells tile.
         max_slots, initial = _check_sizes(config, layers)  # before anything is allocated
@@ -101,6 +102,8 @@ class CellCache(FacesBase):
         self._mx_groups: dict[tuple[int, str], tuple[Any, AttendGroups | None]] = {}  # (window, path) -> groups
         self._mx_cells: dict[int, tuple[Any, Cells]] = {}  # window -> its cells checked, as MLX
         self._mx_whole: dict[int, tuple[Any, mx.array | None]] = {}  # 0 -> one sequence's flat mask (None: causal)
+        self._run_starts: dict[int, tuple[Any, int | None]] = {}  # window -> its cells' first when one run
+        self._wholes: dict[int, tuple[Any, tuple | None]] = {}  # window -> `_whole_sequence`'s answer
 
     @property
     def n_layers(self) -> int:
@@ -152,12 +155,13 @@ class CellCache(FacesBase):
 
     def update_and_fetch(self, layer: int, positions: Sequence[int], k: mx.array, v: mx.array) -> AttendSpec:
         layer = checked_layer(self.n_layers, layer)
-        lc = self.config.layer(layer)
-        pos = int_array("positions", positions, StepError)
+        lc = self._layers[layer]
+        pos = step_positions(positions)  # a model's is checked once per forward (kvlayout.positions)
         T = check_kv(layer, k, v, lc.n_kv_heads, lc.head_dim, pos.size)  # before placing: a refusal claims no cell
 
         step = self.groups.place_step(layer, pos)
-        start = _run_start(step.cells)
+        window = self.groups.layer_windows[layer]
+        start = self._once(self._run_starts, window, step, lambda: _run_start(step.cells))
         if start is not None:  # one ascending run (lowest-free placement, usually): a slice write, no scatter
             self.key_pools[layer].write(start, k)
             self.value_pools[layer].write(start, v)
@@ -167,7 +171,7 @@ class CellCache(FacesBase):
             self.value_pools[layer].write_cells(cells, v)
         keys = self.key_pools[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
         values = self.value_pools[layer].read(0, step.read_len)
-        whole = self._whole_sequence(layer, step)
+        whole = self._once(self._wholes, window, step, lambda: self._whole_sequence(layer, step))
         if whole is not None:  # one sequence owning every cell below read_len: no plan, no host mask
             return AttendSpec(keys, values, whole[0], whole[1], queries=T)
         groups = self._step_groups(layer, step)
@@ -208,10 +212,12 @@ class CellCache(FacesBase):
 
     @staticmethod
     def _once(memo: dict, key: Any, step, make: Any) -> Any:
-        """`make()` once per step for `key` (its window): every layer of the window shares it."""
+        """`make()` once per step for `key` (its window): every layer of the window shares it. The memo
+        holds the step weakly: a step nobody else holds needs no copy of the table kept for a late
+        reader of its mask (`Stepper._keep_masks`)."""
         held = memo.get(key)
-        if held is None or held[0] is not step:
-            held = memo[key] = (step, make())
+        if held is None or held[0]() is not step:
+            held = memo[key] = (weakref.ref(step), make())
         return held[1]
 
     def _step_cells(self, layer: int, step) -> Cells:
@@ -220,7 +226,8 @@ class CellCache(FacesBase):
 
     def _whole_sequence(self, layer: int, step) -> tuple[MaskKind, mx.array | None] | None:
         """(mask kind, mask) when every token of the step is one sequence's, on a flat layer, and it
-        owns every cell below read_len (O(1): its cell count); else None (auto only).
+        owns every cell below read_len (O(1): its cell count); else None (auto only). Asked once per
+        window per step: every layer of the window shares the answer.
 
         Its tokens are its newest, so token i sees cell c iff pos_c <= positions[i]: one token
         sees them all (NONE, as the seq layout's decode); a chunk over cells in position order

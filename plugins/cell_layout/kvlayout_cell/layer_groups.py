@@ -30,6 +30,7 @@ import numpy as np
 
 from kvlayout.errors import StepError
 from kvlayout.faces import BatchControl, CellStep, face_of
+from kvlayout.positions import step_positions
 from kvlayout_cell.stepper import Stepper, checked_layer
 from kvlayout_cell.table import CellTable
 from kvlayout_cell.window import WindowKeeper
@@ -84,11 +85,12 @@ class LayerGroups:
             return self.primary.place_step(layer, positions)
         g, local = self._where[checked_layer(self.n_layers, layer)]
         stepper = self.steppers[g]
+        positions = step_positions(positions)  # checked once for every group
         if not stepper.placing:
             for other in self.steppers:
-                if other.placing and not np.array_equal(np.asarray(positions), other.step_tokens()[1]):
+                if other.placing and not np.array_equal(positions.host, other.step_tokens()[1]):
                     raise StepError(
-                        f"layer {layer}: positions {list(positions)!r:.80} differ from the step's "
+                        f"layer {layer}: positions {positions.host.tolist()!r:.80} differ from the step's "
                         f"{other.step_tokens()[1].tolist()!r:.80}, placed by an earlier layer"
                     )
         return stepper.place_step(local, positions)

@@ -34,6 +34,7 @@ referee checked it.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,9 +44,12 @@ import numpy as np
 from kvlayout.checks import int_array, int_scalar
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
+from kvlayout.positions import StepPositions, frozen, step_positions
+from kvlayout.registry import observed
 from kvlayout_cell.table import CellTable
 from kvlayout_cell.window import WindowKeeper
 
+NOTHING_DUE = (frozen(np.zeros(0, dtype=np.int64)), frozen(np.zeros(0, dtype=np.int64)))  # (ids, cuts): none
 HOOKS = ("kvlayout_choose_cells", "kvlayout_step_placed", "kvlayout_step_aborted")  # what the stepper calls
 
 
@@ -54,7 +58,7 @@ class _Placed:
     """A placed step: its tokens, their cells and which layers have been served."""
 
     seq_ids: np.ndarray
-    positions: np.ndarray
+    positions: np.ndarray  # [T], read-only
     cells: np.ndarray
     read_len: int
     epoch: int
@@ -63,21 +67,36 @@ class _Placed:
     before: tuple = ()  # the table's summaries from before the placement, for abort_step
     built: set[int] = attrs.Factory(set)  # windows whose (lazy) mask has been built
     frozen: tuple | None = None  # the table's cells as the step saw them, kept once it moves on
+    source: StepPositions | None = None  # the positions that placed it: later layers given it are the same
 
     @classmethod
-    def claim(cls, table: CellTable, seq_ids: np.ndarray, pos: np.ndarray, cells: np.ndarray,
+    def claim(cls, table: CellTable, declared: _Declared, pos: StepPositions, cells: np.ndarray,
               served: set[int]) -> _Placed:
-        """Occupy `cells` (checked free) of `table` with the tokens: the step placed, which
-        abort_step can undo."""
-        before = table.before_occupy(seq_ids)
-        table.occupy(cells, seq_ids, pos)  # the only mutation
-        return cls(seq_ids, pos.copy(), cells, table.used_end, table.epoch, served, {}, before)
+        """Occupy `cells` (checked free) of `table` with the declared tokens at `pos`: the step placed,
+        which abort_step can undo."""
+        seq_ids = declared.seq_ids
+        before = table.before_occupy(seq_ids, declared.unique)
+        table.occupy(cells, seq_ids, pos.host)  # the only mutation
+        return cls(seq_ids, pos.host, cells, table.used_end, table.epoch, served, {}, before, source=pos)
 
 
 @attrs.define(eq=False)
 class _Declared:
+    """A declaration standing at `epoch`: its ids checked live then, frozen; `unique`: the distinct ones."""
+
     seq_ids: np.ndarray
     epoch: int
+    unique: np.ndarray
+
+    @classmethod
+    def of(cls, seq_ids: np.ndarray, epoch: int) -> _Declared:
+        ids = frozen(np.array(seq_ids, dtype=np.int64))
+        return cls(ids, epoch, ids if ids.size == 1 else np.unique(ids))
+
+    @property
+    def distinct(self) -> bool:
+        """Whether each token is its sequence's only one (a decode step)."""
+        return self.unique.size == self.seq_ids.size
 
 
 class Stepper:
@@ -250,13 +269,13 @@ class Stepper:
             self.keeper.cut[due[0]] = due[1]
         if self.keeper is not None:
             self.keeper.moved.clear()
-        self._declared = _Declared(ids.copy(), self.table.epoch)
+        self._declared = _Declared.of(ids, self.table.epoch)
         self._placed = None
 
     def _due(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, cuts) a window's table retires at the next declaration (none for a flat one)."""
         if self.keeper is None or not self.keeper.moved:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+            return NOTHING_DUE
         ids = np.array(sorted(self.keeper.moved), dtype=np.int64)
         ids = ids[self.table.live_mask(ids)]
         return self.keeper.due(self.table.newest_positions(ids), ids)
@@ -272,7 +291,7 @@ class Stepper:
         of the refused window hear it taken back through `kvlayout_step_aborted`).
         """
         layer = checked_layer(self.n_layers, layer)
-        pos = int_array("positions", positions, StepError)
+        pos = step_positions(positions)
         placed = self._open_step()
         if placed is not None:
             if layer in placed.served:
@@ -280,9 +299,10 @@ class Stepper:
                     f"layer {layer} was already served in this step: expected each layer once "
                     "per step; declare_step the next forward first"
                 )
-            if not np.array_equal(pos, placed.positions):
+            # The forward's one StepPositions is the placing one, frozen: only another object is compared.
+            if pos is not placed.source and not np.array_equal(pos.host, placed.positions):
                 raise StepError(
-                    f"layer {layer}: positions {pos.tolist()!r:.80} differ from the step's "
+                    f"layer {layer}: positions {pos.host.tolist()!r:.80} differ from the step's "
                     f"{placed.positions.tolist()!r:.80}, placed by an earlier layer"
                 )
             placed.served.add(layer)
@@ -300,9 +320,10 @@ class Stepper:
                 f"layer {layer}: {pos.size} position(s) for a step declared with "
                 f"{declared.seq_ids.size} token(s)"
             )
-        self.table.check_tokens(declared.seq_ids, pos)  # refuses before anything changes
-        cells = self._choose(declared.seq_ids, pos)
-        placed = self._placed = _Placed.claim(self.table, declared.seq_ids, pos, cells, {layer})
+        # Refuses before anything changes; the ids were checked live by the declaration, at this epoch.
+        self.table.check_tokens(declared.seq_ids, pos.host, declared=True, distinct=declared.distinct)
+        cells = self._choose(declared.seq_ids, pos.host)
+        placed = self._placed = _Placed.claim(self.table, declared, pos, cells, {layer})
         if self.keeper is not None:
             self.keeper.moved.update(np.unique(declared.seq_ids).tolist())
         try:
@@ -310,7 +331,7 @@ class Stepper:
         except BaseException:  # an observer refused the placement: undone, the declaration stands
             with contextlib.suppress(Exception):
                 self.abort_step()
-            self._declared = _Declared(declared.seq_ids, self.table.epoch)
+            self._declared = attrs.evolve(declared, epoch=self.table.epoch)
             raise
         self._declared = None
         return step
@@ -368,18 +389,21 @@ class Stepper:
         `abort_step` (then `seq_rm` of the id) can still take it back; `close_step` ends it.
         """
         self._refuse_mid_forward("place_sequence")
-        pos = int_array("positions", positions, StepError)
+        steps = step_positions(positions)
+        pos = steps.host
         if pos.size and (pos.min() < 0 or (np.diff(pos) <= 0).any()):
             raise StepError(f"positions {pos.tolist()!r:.80}: expected ascending distinct positions >= 0")
         next_id = self.table.next_id()
         if pos.size > self.table.free_cells or next_id is None:
             return None
-        seq_ids = np.full(pos.size, next_id, dtype=np.int64)  # the id it is about to get, holding nothing yet
+        # The id it is about to get, holding nothing yet.
+        declared = _Declared.of(np.full(pos.size, next_id, dtype=np.int64), self.table.epoch)
+        seq_ids = declared.seq_ids
         cells = self._choose(seq_ids, pos) if pos.size else np.zeros(0, dtype=np.int64)  # may refuse: before any change
         self._keep_masks()
         seq_id = self.table.seq_new()
         if pos.size:
-            placed = self._placed = _Placed.claim(self.table, seq_ids, pos, cells, set(range(self.n_layers)))
+            placed = self._placed = _Placed.claim(self.table, declared, steps, cells, set(range(self.n_layers)))
             try:
                 for window in sorted(set(self._windows)):
                     self._step(placed, window)
@@ -436,30 +460,36 @@ class Stepper:
         return placed if placed is not None and placed.epoch == self.table.epoch else None
 
     def _keep_masks(self) -> None:
-        """The open step ends: if a mask of it was never built, keep what building it reads.
+        """The open step ends: if a mask of it was never built and someone may still read it, keep
+        what building it reads.
 
         A copy of positions and owner words up to the step's read_len (O(used_end) memcpy, far
         less than a [T, used_end] mask), so a consumer that reads `step.mask` late still gets the
-        step's mask, not one of the table as it is by then.
+        step's mask, not one of the table as it is by then. Only a holder of the CellStep can read
+        it (an observer that kept it, a lazy spec, a caller of place_step): when nobody but this
+        stepper holds one (a decode step's, usually), nothing is copied.
         """
         placed = self._open_step()
-        if placed is not None and placed.frozen is None and len(placed.built) < len(placed.steps):
+        if placed is None or placed.frozen is not None:
+            return
+        if any(w not in placed.built and _refs(placed.steps, w) > HELD_HERE_ONLY for w in placed.steps):
             placed.frozen = self.table.snapshot()
 
     def _choose(self, seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """A distinct free cell for each token, from the hook; StepError when no plugin answers.
 
         The hook hears each token's sequence, position and the cell its sequence's newest position
-        is in (-1: none; ids not yet live hold none), read-only copies a policy cannot disturb.
+        is in (-1: none; ids not yet live hold none), frozen arrays a policy cannot disturb
+        (`kvlayout.positions.frozen`: not even by making them writable).
         The answer is trusted: the plugin manager's referee (`kvlayout.registry`) refused any
         answer that is not `count` distinct cells of `free`, naming the plugin."""
         count = positions.size
         answer = self._pm.hook.kvlayout_choose_cells(
             free=self.table.free_list(),
             count=count,
-            seq_ids=_read_only(seq_ids),
-            positions=_read_only(positions),
-            prev_cells=_read_only(self.table.newest_cells(seq_ids)),  # ids checked in range; not live: -1
+            seq_ids=seq_ids,  # frozen (a declaration's)
+            positions=positions,  # frozen (StepPositions.host)
+            prev_cells=frozen(self.table.newest_cells(seq_ids)),  # a new array; ids checked in range; not live: -1
             window=0 if self.keeper is None else self.keeper.window,
         )
         if answer is None:
@@ -483,6 +513,8 @@ class Stepper:
             cells.flags.writeable = False
             step = CellStep(length=placed.cells.size, read_len=placed.read_len, cells=cells, mask=mask)
             placed.steps[window] = step
+            if not observed(self._pm, "kvlayout_step_placed"):
+                return step  # nobody to tell (a server's observer, a trace: only when registered)
             try:
                 self._pm.hook.kvlayout_step_placed(step=step, window=window)
             except BaseException:  # refused: the observers that heard of this window hear it taken back
@@ -494,19 +526,23 @@ class Stepper:
         return step
 
 
+def _refs(holder: dict, key: Any) -> int:
+    """How many references `holder[key]` has, as `sys.getrefcount` counts them in this call. CPython
+    counts every reference: a count above HELD_HERE_ONLY means someone beyond `holder` holds it."""
+    return sys.getrefcount(holder[key])
+
+
+HELD_HERE_ONLY = _refs({0: object()}, 0)  # a value its dict alone holds, counted the same way
+
+
 def checked_layer(n_layers: int, layer: Any) -> int:
     """`layer` as an int in [0, n_layers); StepError otherwise."""
+    if type(layer) is int and 0 <= layer < n_layers:
+        return layer  # every layer of every step comes here: the usual one settled at once
     layer = int_scalar("layer", layer, StepError, minimum=0)
     if layer >= n_layers:
         raise StepError(f"layer={layer}: expected a layer in [0, {n_layers})")
     return layer
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-    """An int64 copy no policy can write: the step keeps its own arrays, the hook sees these."""
-    out = np.array(a, dtype=np.int64)
-    out.flags.writeable = False
-    return out
 
 
 def lowest_free(free: np.ndarray, count: int) -> np.ndarray:

@@ -206,6 +206,7 @@ class _OpenStep:
     def __init__(self, start: int, length: int, retained: list[int]):
         self.start, self.length, self.retained = start, length, retained
         self.served: set[int] = set()
+        self.plans: dict[int, SeqStepPlan] = {}  # id(policy) -> its plan of this step, for its later layers
 
 
 class SeqBook:
@@ -275,6 +276,15 @@ class SeqBook:
         """
         layer = self.check_layer(layer)
         step = self._open
+        if step is not None and self._continues(step, layer, start, length):
+            # A later layer of the forward that opened the step: the model-wide checks below passed at
+            # its first layer and read the same state, so only the layer's own plan is new (and layers
+            # of one policy share it: the host time of a step, not of each layer).
+            policy = self.layers[layer]
+            plan = step.plans.get(id(policy))
+            if plan is None:
+                plan = step.plans[id(policy)] = policy.plan(start, length)
+            return plan
         if step is not None and start > step.start and not self._continues(step, layer, start, length):
             raise StepError(
                 f"positions start at {start}, past the step at {step.start} that layer(s) "

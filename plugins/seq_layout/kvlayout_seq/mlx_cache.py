@@ -15,24 +15,27 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.checks import int_array
 from kvlayout.config import CacheConfig, check_up_front, show_bytes
 from kvlayout.errors import ConfigError, StepError
 from kvlayout.faces import FacesBase, SequenceControl, face_of
 from kvlayout.mlx import MAX_SLOTS, check_kv, check_layer_dims, config_pool_bytes, kv_pool
 from kvlayout.persist import StateFile
 from kvlayout.pool import Pool
+from kvlayout.positions import StepPositions
 from kvlayout.spec import AttendSpec, MaskKind
 from kvlayout_seq import persist
 from kvlayout_seq.bookkeeping import SeqBook, SeqStepPlan, band_mask
 
 
-def _positions(positions: Any) -> np.ndarray:
-    """`positions` as an int64 vector (`int_array`); anything but a sequence or array of them is refused,
-    naming the argument. An mx.array of positions is evaluated here: checking them needs their values."""
+def _positions(positions: Any) -> StepPositions:
+    """`positions` as StepPositions (a model's, checked once per forward, as it is); anything but a
+    sequence or array of integers is refused, naming the argument. An mx.array of positions is
+    evaluated here: checking them needs their values."""
+    if isinstance(positions, StepPositions):
+        return positions
     if not isinstance(positions, (list, tuple, range, np.ndarray, mx.array)):
         raise StepError(f"positions: expected a list or array of integers, got {type(positions).__name__}")
-    return int_array("positions", positions, StepError)
+    return StepPositions(positions)
 
 
 class SeqCache(FacesBase):
@@ -120,18 +123,17 @@ class SeqCache(FacesBase):
             mask = _band_mask(plan.length, plan.read_len, plan.window)  # [1, 1, T, S]
         return AttendSpec(keys, values, plan.mask_kind, mask, queries=plan.length)
 
-    def _plan(self, layer: Any, pos: np.ndarray, k: Any, v: Any) -> tuple[int, SeqStepPlan]:
+    def _plan(self, layer: Any, pos: StepPositions, k: Any, v: Any) -> tuple[int, SeqStepPlan]:
         """Check the whole step (layer, K/V shapes, positions) and plan it; changes nothing."""
         layer = self._book.check_layer(layer)
         check_kv(layer, k, v, *self._shapes[layer], pos.size)
         if pos.size == 0:
             raise StepError(f"positions is empty: a step of 0 token(s) at layer {layer}: expected at least 1")
-        start = int(pos[0])
-        if not np.array_equal(pos, np.arange(start, start + pos.size)):
+        if not pos.consecutive:
             raise StepError(
-                f"positions {_show(pos)}: expected {pos.size} consecutive integers starting at {start}"
+                f"positions {_show(pos.host)}: expected {pos.size} consecutive integers starting at {pos.first}"
             )
-        return layer, self._book.plan(layer, start, pos.size)
+        return layer, self._book.plan(layer, pos.first, pos.size)
 
 
 def load_cache(f: StateFile) -> SeqCache:
