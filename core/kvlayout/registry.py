@@ -125,9 +125,12 @@ def _check_cells(answer: Any, free: Any, count: int) -> str | None:
     except Exception:
         cells = None
     if cells is not None and cells.ndim == 1 and cells.size == count and cells.dtype.kind in "iu" and count:
-        at = np.searchsorted(free, cells)
-        if at.max() < len(free) and (free[at] == cells).all():
-            if count == 1 or (at[1:] > at[:-1]).all() or np.unique(at).size == count:
+        at = free.searchsorted(cells) if isinstance(free, np.ndarray) else np.searchsorted(free, cells)
+        if count == 1:  # a lone decode's cell: no array reductions for one
+            if at[0] < len(free) and free[at[0]] == cells[0]:
+                return None
+        elif at.max() < len(free) and (free[at] == cells).all():
+            if (at[1:] > at[:-1]).all() or np.unique(at).size == count:
                 return None
     if cells is None or cells.ndim != 1:
         why = f"a single {type(answer).__name__}" if cells is None or cells.ndim == 0 else f"a {cells.ndim}-d array"
@@ -492,6 +495,16 @@ def _builder_problem(b: Any) -> str | None:
 
 def _strict_from_env() -> bool:
     return env_flag("KVLAYOUT_STRICT")  # 1/true/yes/on; 0/false/no/off or unset; else a ConfigError
+
+
+def observed(pm: Any, hook: str) -> bool:
+    """Whether a plugin of `pm` implements `hook` (an observer: `kvlayout_step_placed`, `kvlayout_step_aborted`),
+    asked of pluggy at each call, so a plugin registered or unregistered since counts at once.
+
+    The host's referee wraps every step hook but observes nothing: with no plugin's implementation
+    beside it, calling the hook changes nothing, and a layout announcing each step skips the
+    call (pluggy's work per call is host time a small model's step cannot hide)."""
+    return any(not isinstance(impl.plugin, _Referee) for impl in getattr(pm.hook, hook).get_hookimpls())
 
 
 def make_plugin_manager(strict: bool | None = None, entry_points: bool = True) -> PluginManager:

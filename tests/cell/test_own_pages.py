@@ -48,9 +48,10 @@ PAGES = st.sampled_from([4, 8, 16, B])
 
 
 @st.composite
-def tables_and_steps(draw, pages=PAGES):
+def tables_and_steps(draw, pages=PAGES, decode=False):
     """(page, free cells, tokens [(seq, prev_cell)]): a table of runs of free and occupied cells,
-    and a step whose sequences continue from occupied cells (forks sharing one) or start afresh."""
+    and a step whose sequences continue from occupied cells (forks sharing one) or start afresh;
+    `decode`: one token a sequence, as every decode step of a batch is."""
     page = draw(pages, label="page")
     runs = draw(st.lists(st.tuples(st.booleans(), st.integers(1, 3 * page)), min_size=1, max_size=12), label="runs")
     is_free = np.concatenate([np.full(n, f) for f, n in runs])
@@ -58,8 +59,15 @@ def tables_and_steps(draw, pages=PAGES):
     if not free.size:
         free, is_free = np.array([is_free.size]), np.r_[is_free, True]
     n_seqs = draw(st.integers(1, 6), label="sequences")
-    prev = [draw(st.sampled_from([-1] + occupied), label="prev cell") for _ in range(n_seqs)]
-    sizes = [draw(st.integers(1, 2 * page + 3), label="tokens") for _ in range(n_seqs)]
+    # A decoding batch's sequences usually each end a run of cells, a free cell after it.
+    ends = [c for c in occupied if c + 1 < is_free.size and is_free[c + 1]] if decode else []
+    if ends and draw(st.booleans(), label="each at a run's end"):  # distinct ones, or forks sharing one
+        prev = draw(st.lists(st.sampled_from(ends), min_size=1, max_size=min(n_seqs, len(ends)),
+                             unique=draw(st.booleans(), label="distinct")), label="prev cells")
+        n_seqs = len(prev)
+    else:
+        prev = [draw(st.sampled_from([-1] + occupied), label="prev cell") for _ in range(n_seqs)]
+    sizes = [1 if decode else draw(st.integers(1, 2 * page + 3), label="tokens") for _ in range(n_seqs)]
     tokens = [(s, prev[s]) for s in range(n_seqs) for _ in range(sizes[s])][: free.size]
     if draw(st.booleans(), label="interleaved"):
         tokens = draw(st.permutations(tokens), label="order")
@@ -78,6 +86,14 @@ def test_the_default_placement_follows_its_rule_on_any_table(case, run_on):
     got = answer(free, tokens, page, run_on)  # run_on False: a window's table, fresh pages from the lowest
     assert got == naive_placement(free.tolist(), tokens, page, run_on)
     assert len(set(got)) == len(tokens) and set(got) <= set(free.tolist())  # what the registry checks
+
+
+@given(tables_and_steps(decode=True), st.booleans())
+def test_a_decode_step_of_many_sequences_follows_the_rule_too(case, run_on):
+    # One token a sequence: the placement settles the usual case (each continuing in its page)
+    # without sorting by sequence, and must answer what the rule says whether it may or not.
+    page, free, tokens = case
+    assert answer(free, tokens, page, run_on) == naive_placement(free.tolist(), tokens, page, run_on)
 
 
 # The page a table's sequences take cells in, as the hookspec states it: B for the flat layers', the

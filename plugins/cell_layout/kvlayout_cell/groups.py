@@ -201,8 +201,12 @@ def plan_cells(
     if path == "auto" and n_seqs == 1:  # one group: decide before sorting
         if not choose(path, n_tokens, read_len, 1, n_tokens, int(hi[-1] - lo[0])):
             return None
-    order, counts, rank = _by_sequence(seq_ids)
-    first, starts, q_counts = _pick_blocks(rank, counts, (hi - lo)[order])
+    if n_seqs == n_tokens:  # one token a sequence (a decode step): each is its own group, in step order
+        order = starts = np.arange(n_tokens)
+        first, q_counts = np.ones(n_tokens, dtype=bool), np.ones(n_tokens, dtype=np.int64)
+    else:
+        order, counts, rank = _by_sequence(seq_ids)
+        first, starts, q_counts = _pick_blocks(rank, counts, (hi - lo)[order])
     g_lo = lo[order][starts]  # [G]: a group's run starts where its first token's does
     k_counts = hi[order][starts + q_counts - 1] - g_lo  # [G]: and ends where its last token's does
     cost, labels = batch_groups(q_counts, k_counts)  # k_counts >= 1: a token sees its own cell

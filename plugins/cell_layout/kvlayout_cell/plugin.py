@@ -88,8 +88,11 @@ def own_pages(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, pag
     prev_cells = np.asarray(prev_cells, dtype=np.int64)
     if prev_cells.size == 1:  # one sequence decoding alone, the commonest step: pass 1 in a few ops
         after = int(prev_cells[0]) + 1
-        if after > 0 and after % page and _in(free, np.array([after]))[0]:
+        at = int(free.searchsorted(after))
+        if after > 0 and after % page and at < free.size and free[at] == after:
             return np.array([after], dtype=np.int64)
+    elif _decoding_on(free, prev_cells, page):  # every sequence one token: pass 1 in a few ops
+        return prev_cells + 1
     cells = np.full(prev_cells.size, -1, dtype=np.int64)  # [T]; -1: no cell yet
     taken = np.zeros(free.size, dtype=bool)  # by index into free: given to a token of this step
     order, starts, counts = _by_sequence(np.asarray(seq_ids, dtype=np.int64))
@@ -98,6 +101,20 @@ def own_pages(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, pag
     _fill_fresh_pages(_FreshPages(free, taken, page), cells, order, starts, counts, last if run_on else None)
     _lowest_left(free, taken, cells)
     return cells
+
+
+def _decoding_on(free: np.ndarray, prev_cells: np.ndarray, page: int) -> bool:
+    """Whether pass 1 alone places the step by giving each token the cell after its previous one, as
+    `own_pages` would, settled without sorting the step by sequence: the previous cells are distinct
+    (so is every token's sequence: a decode step, no fork beside its source) and occupied (a cell
+    a caller says is free starts no run), and each next cell is free and in the same page."""
+    after = prev_cells + 1
+    if (prev_cells < 0).any() or not (after % page).all() or not _in(free, after).all():
+        return False
+    if _in(free, prev_cells).any():
+        return False
+    ordered = np.sort(prev_cells)
+    return bool((ordered[1:] != ordered[:-1]).all())
 
 
 def _by_sequence(seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -48,9 +48,14 @@ class SeqIndex:
             return
         order = np.argsort(seq_ids, kind="stable")  # by id, step order (so position order) within one
         ids = seq_ids[order]
-        cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-        for part in np.split(order, cuts):
-            self._extend(int(seq_ids[part[0]]), positions[part], cells[part])
+        bounds = [0, *(np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist(), ids.size]
+        if len(bounds) == ids.size + 1:  # one token a sequence (a decode step): no arrays to cut
+            for s, p, c in zip(ids.tolist(), positions[order].tolist(), cells[order].tolist()):
+                self.append_one(s, p, c)
+            return
+        for lo, hi in zip(bounds, bounds[1:]):
+            part = order[lo:hi]
+            self._extend(int(ids[lo]), positions[part], cells[part])
 
     def append_one(self, s: int, position: int, cell: int) -> None:
         """`append` of one token (a lone decode), without the arrays."""

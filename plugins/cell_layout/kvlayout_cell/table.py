@@ -296,27 +296,33 @@ class CellTable:
 
     def check_live_ids(self, seq_ids: np.ndarray) -> None:
         """Refuse (SequenceError) an id out of range or not live, naming the first one."""
-        out = np.flatnonzero((seq_ids < 0) | (seq_ids >= self._max_seqs))
-        if out.size:
+        if seq_ids.size == 1 and 0 <= seq_ids[0] < self._max_seqs and self._live[seq_ids[0]]:
+            return  # a lone decode's id: no array reductions for one
+        if seq_ids.size and (seq_ids.min() < 0 or seq_ids.max() >= self._max_seqs):
+            out = np.flatnonzero((seq_ids < 0) | (seq_ids >= self._max_seqs))
             self._check_id(f"seq_ids[{out[0]}]", int(seq_ids[out[0]]))
-        dead = np.flatnonzero(~self._live[seq_ids])
-        if dead.size:
+        if not self._live[seq_ids].all():
+            dead = np.flatnonzero(~self._live[seq_ids])
             self._check_live(f"seq_ids[{dead[0]}]", int(seq_ids[dead[0]]))
 
-    def check_tokens(self, seq_ids: np.ndarray, positions: np.ndarray) -> None:
+    def check_tokens(self, seq_ids: np.ndarray, positions: np.ndarray, declared: bool = False,
+                     distinct: bool = False) -> None:
         """Refuse (StepError) unless each token's position is newer than its sequence holds.
 
         "Holds" includes the step's own earlier tokens, so a sequence's
-        positions must also rise within the step. Ids must be live.
+        positions must also rise within the step. Ids must be live. `declared`: `seq_ids` were
+        checked live by a declaration at this epoch (nothing changed since: not checked again);
+        `distinct`: no id is twice among them (each token is its sequence's only one).
         """
         if seq_ids.shape != positions.shape:
             raise StepError(f"{positions.size} position(s) for {seq_ids.size} declared token(s)")
-        self.check_live_ids(seq_ids)
+        if not declared:
+            self.check_live_ids(seq_ids)
         if positions.size and positions.min() < 0:
             i = int(np.flatnonzero(positions < 0)[0])
             raise StepError(f"positions[{i}]={positions[i]}: expected a position >= 0")
-        if positions.size == 1 and positions[0] > self._newest[seq_ids[0]]:  # a lone decode: nothing to sort
-            return
+        if (distinct or positions.size == 1) and (positions > self._newest[seq_ids]).all():
+            return  # one token a sequence (decode steps): nothing to sort
         order = np.lexsort((np.arange(seq_ids.size), seq_ids))  # by sequence, then token order
         s, p = seq_ids[order], positions[order]
         first = np.ones(s.size, dtype=bool)
@@ -461,13 +467,14 @@ class CellTable:
 
     # -- undoing a placement (abort_step, in stepper.py, decides when) -------
 
-    def before_occupy(self, seq_ids: np.ndarray) -> tuple:
-        """What `occupy(cells, seq_ids, ...)` will change beyond the cells themselves.
+    def before_occupy(self, seq_ids: np.ndarray, ids: np.ndarray | None = None) -> tuple:
+        """What `occupy(cells, seq_ids, ...)` will change beyond the cells themselves (`ids`: the
+        distinct ones among `seq_ids`, when the caller has them).
 
         Taken just before `occupy`, it lets `release` put every summary back.
         The free list is held by reference: `occupy` replaces it, never edits it.
         """
-        ids = np.unique(seq_ids)
+        ids = np.unique(seq_ids) if ids is None else ids
         return ids, self._newest[ids].copy(), self._newest_cell[ids].copy(), self._used_end, self._free
 
     def release(self, cells: np.ndarray, seq_ids: np.ndarray, before: tuple) -> None:
