@@ -289,10 +289,14 @@ def test_a_save_that_fails_with_no_state_before_says_nothing_is_saved(tmp_path, 
 # -- the command line -------------------------------------------------------------------
 
 
-def write_toml(tmp_path, tiny_dir, layout):
+def write_toml(tmp_path, tiny_dir, layout, stop: str | None = None):
+    """A run of QUESTIONS on the tiny model through `layout`; `stop`: each request's stop string."""
     backend, kind = layout.split(":")
     path = tmp_path / "run.toml"
-    reqs = "".join(f"[[requests]]\nprompt = {json.dumps(SYSTEM + q)}\nmax_tokens = 6\nn = 2\n" for q in QUESTIONS)
+    stops = "" if stop is None else f"stop = [{json.dumps(stop)}]\n"
+    reqs = "".join(
+        f"[[requests]]\nprompt = {json.dumps(SYSTEM + q)}\nmax_tokens = 6\nn = 2\n{stops}" for q in QUESTIONS
+    )
     path.write_text(
         f'[layout]\nbackend = "{backend}"\nkind = "{kind}"\n[model]\npath = "{tiny_dir}"\n'
         f'[cache]\ncapacity = 1024\nkv_dtype = "float32"\n[sampling]\ntemperature = 0.0\n'

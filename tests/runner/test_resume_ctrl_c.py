@@ -21,7 +21,8 @@ from tests.runner.test_resume import SignalsAt, write_toml
 
 class SignalsInDecode:
     """A tokenizer whose decode sends `count` SIGINTs the first time it is called once `when()`
-    holds: between forwards (the runner detokenizes each kept token after the forward that gave it)."""
+    holds: between forwards (the runner detokenizes each kept token of a request with stop strings
+    after the forward that gave it: `full`'s requests have one, never met)."""
 
     def __init__(self, tok, when, count: int = 1):
         self.tok, self.when, self.count, self.fired = tok, when, count, False
@@ -67,7 +68,9 @@ def signals_after_the_save(monkeypatch, count: int):
 @pytest.fixture
 def full(tmp_path, tiny_dir, capsys):
     """The uninterrupted run's outputs, by the command itself."""
-    toml = write_toml(tmp_path, tiny_dir, "mlx:cell")
+    # A stop string longer than any output (6 one-byte tokens): never met, but each kept token is
+    # decoded as it comes, which is where SignalsInDecode sends Ctrl-C between forwards.
+    toml = write_toml(tmp_path, tiny_dir, "mlx:cell", stop="never-met-stop-string")
     assert main(["run", str(toml), "--json"]) == 0
     return toml, [r["samples"] for r in json.loads(capsys.readouterr().out)["requests"]]
 

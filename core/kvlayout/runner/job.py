@@ -258,7 +258,7 @@ class Job:
         requests = self.new_requests()
         progress = progress or (lambda n: None)
         stats = self._starting_stats(requests, progress)
-        texts = self._sample_texts(requests)
+        texts = self._sample_texts(requests, every=on_text is not None)
 
         def heard(request, sample, token) -> None:
             new = texts[request.index, sample.index].take_new(final=sample.finish_reason is not None)
@@ -291,13 +291,16 @@ class Job:
         progress(self.resumed.done_tokens(requests))
         return stats
 
-    def _sample_texts(self, requests: list) -> dict[tuple[int, int], SampleText]:
-        """Each sample's text and stop strings, by (request, sample) index; each is also its sample's
-        stopper: the engine asks it about every token the sample keeps."""
+    def _sample_texts(self, requests: list, every: bool) -> dict[tuple[int, int], SampleText]:
+        """The text and stop strings of each sample that needs them as it is generated, by (request,
+        sample) index: every sample when `every` (its text is heard live), else those with stop strings.
+        Each is also its sample's stopper: the engine asks it about every token the sample keeps. A
+        sample with neither is decoded once, at the end (`_result`): no per-token work for it."""
         texts = {}
         for r, spec in zip(requests, self.cfg.requests):
             for s in r.samples:
-                s.stopper = texts[r.index, s.index] = SampleText(self.tokenizer.decode, spec.stop, s.generated)
+                if every or spec.stop:
+                    s.stopper = texts[r.index, s.index] = SampleText(self.tokenizer.decode, spec.stop, s.generated)
         return texts
 
     def _result(self, requests: list, texts: dict[tuple[int, int], SampleText], stats: Stats, complete: bool,
@@ -306,9 +309,9 @@ class Job:
         tok = self.tokenizer
 
         def text_of(r, s) -> str:
-            st = texts[r.index, s.index]
+            st = texts.get((r.index, s.index))
             # Cut before a stop string; else the whole decode, once.
-            return st.output if st.end is not None else tok.decode(s.generated)
+            return st.output if st is not None and st.end is not None else tok.decode(s.generated)
 
         outputs = [
             [SampleResult(list(s.generated), text_of(r, s), s.finish_reason or "pending", s.error) for s in r.samples]
