@@ -18,6 +18,7 @@ SIZES = {
         serve_clients=(1, 4), serve_requests=1, serve_tokens=8, serve_system=128,
         kvq_ns=(1, 8), kvq_tokens=4, kvq_single_tokens=8, kvq_server_n=4, kvq_forced=2, kvq_repeats=1,
         shape_seqs=(8,), shape_prompt=32, shape_steps=64,
+        host_tokens=32, host_layers=8, host_repeats=2, host_seqs=(8,), host_batch_tokens=8,
     ),
     "default": dict(
         repeats=3, write_ctx=(1024, 8192, 32768), write_reps=20, grow=8192, grow_reps=2, gen_tokens=256,
@@ -27,6 +28,7 @@ SIZES = {
         serve_clients=(1, 4, 16), serve_requests=2, serve_tokens=16, serve_system=512,
         kvq_ns=(1, 8, 32), kvq_tokens=16, kvq_single_tokens=32, kvq_server_n=16, kvq_forced=8, kvq_repeats=2,
         shape_seqs=(8, 32), shape_prompt=64, shape_steps=256,
+        host_tokens=200, host_layers=8, host_repeats=5, host_seqs=(8, 32), host_batch_tokens=64,
     ),
     "full": dict(
         repeats=5, write_ctx=(1024, 8192, 32768), write_reps=50, grow=32768, grow_reps=2, gen_tokens=256,
@@ -37,6 +39,7 @@ SIZES = {
         attn_heads=(32, 8, 128), serve_clients=(1, 4, 16), serve_requests=4, serve_tokens=64, serve_system=512,
         kvq_ns=(1, 8, 32), kvq_tokens=64, kvq_single_tokens=128, kvq_server_n=16, kvq_forced=32, kvq_repeats=3,
         shape_seqs=(8, 32), shape_prompt=256, shape_steps=256,
+        host_tokens=400, host_layers=16, host_repeats=7, host_seqs=(8, 32), host_batch_tokens=128,
     ),
 }
 

@@ -20,6 +20,7 @@ from kvlayout import persist
 from kvlayout.bench import peers, plot
 from kvlayout.bench.cell_rows import row_bookkeep, row_grouped
 from kvlayout.bench.dtype_rows import row_fp16
+from kvlayout.bench.host_rows import row_host
 from kvlayout.bench.kvq_rows import row_kvq
 from kvlayout.bench.model_rows import row_batch, row_generate, row_prefix
 from kvlayout.bench.progress import RowProgress
@@ -45,6 +46,7 @@ ROWS: dict[str, RowFn] = {
     "bookkeep": row_bookkeep,
     "grouped": row_grouped,
     "fp16": row_fp16,
+    "host": row_host,  # row 14: host time per decode step vs mlx-lm's generate_step and BatchGenerator
     "decode": row_decode,  # rows 8, 9 and 13 measure the model of --model DIR
     "chat": row_chat,
     "lockstep": row_lockstep,  # row 13: a batched decode step of the user's model vs mlx-lm's batch
@@ -54,7 +56,7 @@ ROWS: dict[str, RowFn] = {
 }
 ON_A_USER_MODEL = ("decode", "chat", "lockstep")
 ON_REQUEST = ("serve", "kvq", "shapes")  # run only when named: minutes each (two servers; SmolLM2 at 32 sequences)
-MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix", *ON_A_USER_MODEL, *ON_REQUEST)
+MEASURED_AGAINST_MLX_LM = ("write", "generate", "batch", "prefix", "host", *ON_A_USER_MODEL, *ON_REQUEST)
 
 
 def heading(mode: str) -> str:
