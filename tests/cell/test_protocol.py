@@ -8,7 +8,8 @@ import pytest
 from kvlayout import hookimpl
 from kvlayout.errors import SequenceError, StepError
 from kvlayout.registry import make_plugin_manager
-from tests.cell.support import fill, snapshot, stepper
+from kvlayout_cell.plugin import LowestFree
+from tests.cell.support import fill, rows, snapshot, stepper
 
 
 def test_a_step_with_no_declaration_is_refused():
@@ -302,3 +303,54 @@ def test_the_free_list_after_placements_is_every_cell_no_token_holds(policy):
     fill(t, b, [2])
     held = set(t.table.occupied()[0].tolist())
     assert len(held) == 5 and t.table.free_list().tolist() == sorted(set(range(16)) - held)
+
+
+# -- a mask read after its step ended is the step's, and only a step someone holds keeps a copy ------
+
+
+def lowest_free_stepper(pm=None):
+    """Two flat layers placing in the lowest free cells, so the cells below are worked by hand."""
+    pm = make_plugin_manager() if pm is None else pm
+    pm.register(LowestFree())
+    return stepper(capacity=16, pm=pm)
+
+
+def two_sequences_then_a_mixed_step(t, keep_step: bool):
+    """a holds cells 0, 1 (positions 0, 1), b cell 2 (position 0); then a@2 and b@1 go to cells 3, 4,
+    where a's token sees cells 0, 1, 3 and b's sees 2, 4; then a@3 goes to cell 5."""
+    a, b = t.seq_new(), t.seq_new()
+    fill(t, a, [0, 1])
+    fill(t, b, [0])
+    assert t.declare_step([a, b])
+    held = t.place_step(0, [2, 1]) if keep_step else None  # kept or not; nobody reads the mask yet
+    for layer in range(1 if keep_step else 0, 2):
+        t.place_step(layer, [2, 1])
+    fill(t, a, [3])
+    return held
+
+
+def test_a_mask_read_after_its_step_ended_is_the_one_placed():
+    step = two_sequences_then_a_mixed_step(lowest_free_stepper(), keep_step=True)
+    assert rows(step.mask) == ["11.1.", "..1.1"]  # not cell 5, a's since
+
+
+def test_an_observer_holding_a_step_reads_its_mask_as_placed_too():
+    pm = make_plugin_manager()
+    recorder = Recorder()
+    pm.register(recorder)
+    two_sequences_then_a_mixed_step(lowest_free_stepper(pm), keep_step=False)
+    (_, mixed), (_, later) = recorder.calls[2], recorder.calls[3]
+    assert rows(mixed.mask) == ["11.1.", "..1.1"]
+    assert rows(later.mask) == ["11.1.1"]
+
+
+def test_a_step_nobody_holds_keeps_no_copy_of_the_table(monkeypatch):
+    # The copy is O(cells used) host time at every step's end; it is for a late reader only.
+    t = lowest_free_stepper()
+    copies = []
+    real = t.table.snapshot
+    monkeypatch.setattr(t.table, "snapshot", lambda copy=True: copies.append(copy) or real(copy))
+    two_sequences_then_a_mixed_step(t, keep_step=False)
+    assert True not in copies
+    held = two_sequences_then_a_mixed_step(t, keep_step=True)  # held this time: copied once, when it ended
+    assert copies.count(True) == 1 and held.mask.shape == (2, 11)

@@ -1,0 +1,56 @@
+"""StepPositions: a forward's positions checked once, frozen for every layer that reads them."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvlayout.errors import StepError
+from kvlayout.positions import StepPositions, frozen, step_positions
+
+
+@pytest.mark.parametrize("given", [[3, 4, 5], (3, 4, 5), range(3, 6), np.array([3, 4, 5]), mx.array([3, 4, 5])])
+def test_any_integer_sequence_becomes_the_same_frozen_positions(given):
+    p = StepPositions(given)
+    assert p.host.dtype == np.int64 and p.host.tolist() == [3, 4, 5]
+    assert (p.first, p.consecutive, p.size, len(p)) == (3, True, 3, 3)
+    assert np.asarray(p).tolist() == [3, 4, 5]
+
+
+@pytest.mark.parametrize("given, first, consecutive", [
+    ([7], 7, True), ([], None, False), ([2, 4], 2, False), ([5, 4], 5, False), ([1, 1], 1, False),
+    (range(0, 10, 3), 0, False), ([9, 10, 11, 12], 9, True),
+])
+def test_first_and_consecutive_say_what_the_positions_are(given, first, consecutive):
+    p = StepPositions(given)
+    assert (p.first, p.consecutive) == (first, consecutive)
+
+
+def test_nobody_can_change_them_once_made():
+    # Neither the caller's array, nor a holder of `host`, nor one making it writable again: every
+    # layer after the first reads what the first checked.
+    source = np.array([3, 4, 5])
+    p = StepPositions(source)
+    source[0] = 99
+    assert p.host.tolist() == [3, 4, 5]
+    with pytest.raises(ValueError):
+        p.host[0] = 7
+    with pytest.raises(ValueError):
+        p.host.flags.writeable = True
+    own = np.arange(3)
+    view = frozen(own)
+    with pytest.raises(ValueError):
+        view.flags.writeable = True
+
+
+@pytest.mark.parametrize("bad", [[1.5], [True], np.array([[1, 2]]), "12", [2**64]])
+def test_what_is_not_integers_is_refused_by_name(bad):
+    with pytest.raises(StepError, match="^positions"):
+        StepPositions(bad)
+
+
+def test_step_positions_takes_one_as_it_is_and_checks_anything_else():
+    p = StepPositions([1, 2])
+    assert step_positions(p) is p
+    assert step_positions([1, 2]).host.tolist() == [1, 2]
