@@ -768,7 +768,7 @@ def _add_bench_command(sub) -> None:
     size.add_argument("--full", action="store_true", help="the issue's full sizes (much longer)")
     bench.add_argument(
         "--rows", type=given, metavar="NAMES",
-        help="comma-separated subset of the rows (default: 1-7; with --model, 8, 9 and 13)",
+        help="comma-separated subset of the rows (default: 1-7 and 14; with --model, 8, 9 and 13)",
     )
     bench.add_argument(
         "--model", type=given, metavar="DIR",

@@ -57,6 +57,11 @@ Rows (`suite.ROWS`; the modules that hold them in brackets):
               32 x 64) decoding together on mlx:cell vs mlx-lm's model and
               cache on the same unpadded [N, L] batch: a whole model's
               decode step against its per-sequence ideal.      [real_rows]
+14. host      the host's own time per decode step (the driving thread's CPU
+              time outside mx.async_eval, per token) on the tiny preset: one
+              sequence, mlx:seq and mlx:cell vs mlx-lm's generate_step at 2
+              and 8 layers (split per layer and per step), and 8 and 32
+              sequences, mlx:cell vs batch_generate.            [host_rows]
 
 The heading names the BLAS MLX multiplies with (`kvlayout.runner.blas`: a
 fast OpenBLAS by default on Linux); `--blas PATH|none` picks another.

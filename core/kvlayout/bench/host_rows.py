@@ -66,14 +66,40 @@ class AsyncEvalClock:
             mx.async_eval = real
 
 
-def host_timed(run: Callable[[], object]) -> tuple[float, float]:
-    """(wall seconds, host seconds: the thread's CPU time outside mx.async_eval) of `run()`."""
+def host_timed(run: Callable[[], object]) -> tuple[float, float, object]:
+    """(wall seconds, host seconds: the thread's CPU time outside mx.async_eval, what it returned) of `run()`."""
     clock = AsyncEvalClock()
     with clock.timing():
         t0, c0 = time.perf_counter(), time.thread_time()
-        run()
+        out = run()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-    return wall, cpu - clock.seconds
+    return wall, cpu - clock.seconds, out
+
+
+class Rounds:
+    """Each side's wall and host seconds, one entry per call, as `interleaved` makes the calls."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, dict[str, list[float]]] = {}
+        self.ids: dict[str, list[list[int]]] = {}  # each side's token ids, as its last call gave them
+
+    def timed(self, side: str, run: Callable[[], list[list[int]]]) -> float:
+        """`run()` (each sequence's token ids) timed (`host_timed`) and recorded for `side`; its wall
+        seconds, for `interleaved`."""
+        wall, host, self.ids[side] = host_timed(run)
+        times = self.got.setdefault(side, {"wall": [], "host": []})
+        times["wall"].append(wall)
+        times["host"].append(host)
+        return wall
+
+    def kept(self) -> dict[str, dict[str, list[float]]]:
+        """{side: {"wall": [...], "host": [...]}} of the rounds `interleaved` keeps (each side's first
+        call was its warm-up)."""
+        return {side: {k: v[1:] for k, v in times.items()} for side, times in self.got.items()}
+
+    def identical(self, side: str, baseline: str) -> bool:
+        """Whether `side` gave the token ids `baseline` gave."""
+        return self.ids[side] == self.ids[baseline]
 
 
 def _tiny(ctx: dict, layers: int):
@@ -89,39 +115,34 @@ def _tiny(ctx: dict, layers: int):
     return ctx[key]
 
 
-def _single(z: dict, ctx: dict, layers: int) -> dict[str, dict[str, list[float]]]:
-    """{side: {"wall": [...], "host": [...]}} of one sequence decoding `host_tokens` tokens, per round."""
+def _single(z: dict, ctx: dict, layers: int) -> Rounds:
+    """The Rounds of one sequence decoding `host_tokens` tokens."""
     from kvlayout.runner import job as jobs
 
     generate_step = peers.mlx_lm("generate").generate_step
     ours, theirs, model_dir = _tiny(ctx, layers)
     n = z["host_tokens"]
     prompt = [(7 * j + 3) % 256 for j in range(16)]
-    got: dict[str, dict[str, list[float]]] = {}
-
-    def record(side: str, wall: float, host: float) -> float:
-        got.setdefault(side, {"wall": [], "host": []})
-        got[side]["wall"].append(wall)
-        got[side]["host"].append(host)
-        return wall
+    rounds = Rounds()
 
     def ours_side(layout: str):
         def go():
             job = jobs.prepare(run_config(model_dir, layout, [{"prompt_ids": prompt, "max_tokens": n}],
                                           len(prompt) + n), loaded=ours)
-            return record(layout, *host_timed(job.generate))
+            return rounds.timed(layout, lambda: [list(o[0].token_ids) for o in job.generate().outputs])
         return go
 
     def theirs_side():
-        return record("mlx-lm", *host_timed(lambda: list(generate_step(mx.array(prompt), theirs, max_tokens=n))))
+        return rounds.timed("mlx-lm", lambda: [[int(t) for t, _ in generate_step(mx.array(prompt), theirs,
+                                                                                     max_tokens=n)]])
 
     interleaved({"mlx:seq": ours_side("mlx:seq"), "mlx:cell": ours_side("mlx:cell"), "mlx-lm": theirs_side},
                 z["host_repeats"])
-    return got
+    return rounds
 
 
-def _batch(z: dict, ctx: dict, seqs: int) -> dict[str, dict[str, list[float]]]:
-    """{side: {"wall": [...], "host": [...]}} of `seqs` distinct prompts decoding together, per round."""
+def _batch(z: dict, ctx: dict, seqs: int) -> Rounds:
+    """The Rounds of `seqs` distinct prompts decoding together."""
     from kvlayout.runner import job as jobs
 
     batch_generate = peers.mlx_lm("generate").batch_generate
@@ -129,30 +150,19 @@ def _batch(z: dict, ctx: dict, seqs: int) -> dict[str, dict[str, list[float]]]:
     n = z["host_batch_tokens"]
     prompts = [[(11 * i + 5 * j + 1) % 256 for j in range(16)] for i in range(seqs)]
     reqs = [{"prompt_ids": p, "max_tokens": n} for p in prompts]
-    got: dict[str, dict[str, list[float]]] = {}
-
-    def record(side: str, wall: float, host: float) -> float:
-        got.setdefault(side, {"wall": [], "host": []})
-        got[side]["wall"].append(wall)
-        got[side]["host"].append(host)
-        return wall
+    rounds = Rounds()
 
     def ours_side():
         job = jobs.prepare(run_config(model_dir, "mlx:cell", reqs, max(seqs * (16 + n), SERVED_CELLS), chunk=512),
                            loaded=ours)
-        return record("mlx:cell", *host_timed(job.generate))
+        return rounds.timed("mlx:cell", lambda: [list(o[0].token_ids) for o in job.generate().outputs])
 
     def theirs_side():
-        return record("batch_generate", *host_timed(
-            lambda: batch_generate(theirs, IdsOnly(), prompts, max_tokens=n)))
+        return rounds.timed("batch_generate", lambda: [list(map(int, ids)) for ids in batch_generate(
+            theirs, IdsOnly(), prompts, max_tokens=n, return_token_ids=True).token_ids])
 
     interleaved({"mlx:cell": ours_side, "batch_generate": theirs_side}, z["host_repeats"])
-    return got
-
-
-def _kept(got: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
-    """The rounds `interleaved` keeps: each side's first call was its warm-up."""
-    return {side: {k: v[1:] for k, v in times.items()} for side, times in got.items()}
+    return rounds
 
 
 def row_host(z: dict, ctx: dict) -> tuple[str, list[Row]]:
@@ -160,17 +170,19 @@ def row_host(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     out: list[Row] = []
     per_step: dict[int, dict[str, float]] = {}
     for layers in (2, deep):
-        got = _kept(_single(z, ctx, layers))
+        rounds = _single(z, ctx, layers)
+        got = rounds.kept()
         walls = {side: t["wall"] for side, t in got.items()}
         per_step[layers] = {side: min(t["host"]) / n for side, t in got.items()}
         for layout in ("mlx:seq", "mlx:cell"):
             tok_s = n / min(walls[layout]), n / min(walls["mlx-lm"])
             host = per_step[layers][layout] * 1e3, per_step[layers]["mlx-lm"] * 1e3
+            same = rounds.identical(layout, "mlx-lm")
             out.append(Row.from_times(
                 "14 host", f"1 seq, {layers} layers: {layout}", walls, layout, "mlx-lm",
                 f"{tok_s[0]:.0f} vs {tok_s[1]:.0f} tok/s ({tok_s[0] / tok_s[1]:.2f}x); host {host[0]:.3f} vs "
-                f"{host[1]:.3f} ms a step", tok_s=tok_s[0], baseline_tok_s=tok_s[1], host_ms=host[0],
-                baseline_host_ms=host[1], layers=layers))
+                f"{host[1]:.3f} ms a step; ids {'identical' if same else 'DIFFER'}", tok_s=tok_s[0],
+                baseline_tok_s=tok_s[1], host_ms=host[0], baseline_host_ms=host[1], layers=layers, identical=same))
     for side in ("mlx:seq", "mlx:cell", "mlx-lm"):
         layer_ms = (per_step[deep][side] - per_step[2][side]) / (deep - 2) * 1e3
         step_ms = per_step[2][side] * 1e3 - 2 * layer_ms
@@ -179,15 +191,16 @@ def row_host(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     out[-1].note += "; host split per layer + per step: " + ", ".join(
         f"{side} {s['per_layer_ms']:.3f} + {s['per_step_ms']:.3f} ms" for side, s in split.items())
     for seqs in z["host_seqs"]:
-        got = _kept(_batch(z, ctx, seqs))
+        rounds = _batch(z, ctx, seqs)
+        got, same = rounds.kept(), rounds.identical("mlx:cell", "batch_generate")
         hosts = {side: t["host"] for side, t in got.items()}
         tok_s = {side: seqs * m / min(t["wall"]) for side, t in got.items()}
         host = {side: min(t) / m * 1e3 for side, t in hosts.items()}
         out.append(Row.from_times(
             "14 host", f"{seqs} seqs, 2 layers: mlx:cell host", hosts, "mlx:cell", "batch_generate",
             f"host {host['mlx:cell']:.3f} vs {host['batch_generate']:.3f} ms a step; "
-            f"{tok_s['mlx:cell']:.0f} vs {tok_s['batch_generate']:.0f} tok/s",
-            host_ms=host["mlx:cell"], baseline_host_ms=host["batch_generate"], seqs=seqs))
+            f"{tok_s['mlx:cell']:.0f} vs {tok_s['batch_generate']:.0f} tok/s; ids {'identical' if same else 'DIFFER'}",
+            host_ms=host["mlx:cell"], baseline_host_ms=host["batch_generate"], seqs=seqs, identical=same))
     work = (f"tiny preset (hidden 64, fp32) at 2 and {deep} layers: one sequence, a 16-token prompt, {n} tokens "
             f"greedy, no EOS, kvlayout run's engine vs mlx_lm generate_step (A/B: wall time of the generation); "
             f"{' and '.join(map(str, z['host_seqs']))} distinct 16-token prompts decoding {m} tokens each, mlx:cell "

@@ -69,7 +69,7 @@ def run_suite(mode: str = "default", rows: list[str] | None = None, out: Path | 
               model: Path | None = None) -> dict:
     """Run `rows` at `mode`'s sizes; print the table, a row's lines as it finishes; return the JSON payload.
 
-    Rows default to rows 1-7 (seeded tiny models), or, with `model` (a model
+    Rows default to rows 1-7 and 14 (seeded tiny models), or, with `model` (a model
     directory the user has), to rows 8, 9 and 13 on it (`ON_A_USER_MODEL`). Row 10
     (`serve`) and row 11 (`kvq`) run only when named, on `model` or else SmolLM2.
 

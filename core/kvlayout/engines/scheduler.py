@@ -258,7 +258,10 @@ class Scheduler:
     def declare_plan(self, plan: Plan) -> bool:
         """Declare `plan` to the table: whether it took it (nothing changed when not)."""
         # The step's id per token as one array: a layout checks an array without a Python loop.
-        accepted = self.bc.declare_step(np.repeat([s.seq_id for s, _ in plan], [k for _, k in plan]))
+        ids = [s.seq_id for s, _ in plan]
+        counts = [k for _, k in plan]
+        one_each = sum(counts) == len(ids)  # a decode step: nothing to repeat
+        accepted = self.bc.declare_step(np.array(ids, dtype=np.int64) if one_each else np.repeat(ids, counts))
         if accepted:
             self._stale = False
         return accepted
