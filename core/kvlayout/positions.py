@@ -28,10 +28,11 @@ from kvlayout.errors import StepError
 class StepPositions:
     """`positions` checked as integers (StepError naming `positions` otherwise) and frozen.
 
-    - `host`: int64 `[T]`, read-only for good: a view of a read-only array this
-      object alone made, so neither the caller's list nor anyone holding `host`
-      can change what the layers after the first see (numpy refuses to make a
-      view of a read-only base writable).
+    - `host`: int64 `[T]`, read-only for good: a copy over immutable memory
+      (`frozen`), so neither the caller's list nor anyone holding `host` can
+      change what the layers after the first see; nor can any attribute be set.
+      It reads as a sequence too (`len`, iteration, indexing, `tolist`), as the
+      `update_and_fetch` contract's `Sequence[int]` does.
     - `first`: the first position (None for an empty step).
     - `consecutive`: the positions are first, first + 1, ... (True for one).
     """
@@ -39,15 +40,17 @@ class StepPositions:
     __slots__ = ("host", "first", "consecutive")
 
     def __init__(self, positions: Any):
-        host = int_array("positions", positions, StepError)  # [T] int64
-        if not isinstance(positions, (list, tuple, range)):  # an array's may share its memory: ours is a copy
-            host = host.copy()
-        self.host = frozen(host)
+        host = frozen(int_array("positions", positions, StepError))  # [T] int64, a copy of our own
         size = host.size
-        self.first = int(host[0]) if size else None
+        first = int(host[0]) if size else None
         # Consecutive: the last is size - 1 past the first and every step is 1 (one position always is).
-        self.consecutive = size == 1 or (size > 1 and int(host[-1]) - self.first == size - 1
-                                         and bool((np.diff(host) == 1).all()))
+        consecutive = size == 1 or (size > 1 and int(host[-1]) - first == size - 1 and bool((np.diff(host) == 1).all()))
+        for name, value in (("host", host), ("first", first), ("consecutive", consecutive)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A later layer trusts what the first checked (compared by identity): nothing may change it.
+        raise AttributeError(f"StepPositions is frozen: {name} cannot be set")
 
     @property
     def size(self) -> int:
@@ -56,19 +59,30 @@ class StepPositions:
     def __len__(self) -> int:
         return self.host.size
 
+    def __iter__(self):
+        return iter(self.host.tolist())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.host[index]
+
+    def tolist(self) -> list[int]:
+        return self.host.tolist()
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        # What numpy reads of it (np.asarray, int_array): the frozen host array.
-        return self.host if dtype is None else self.host.astype(dtype)
+        # What numpy reads of it (np.asarray, int_array): the frozen host array, or a copy when asked.
+        if copy or (dtype is not None and np.dtype(dtype) != self.host.dtype):
+            return self.host.astype(self.host.dtype if dtype is None else dtype)
+        return self.host
 
     def __repr__(self) -> str:
         return f"StepPositions({self.host.tolist()!r:.80})"
 
 
-def frozen(owned: np.ndarray) -> np.ndarray:
-    """`owned` (an array nobody else holds) as a view no one can write or make writable again: numpy
-    refuses WRITEABLE to a view of a read-only base, so what is handed out stays as it was made."""
-    owned.flags.writeable = False
-    return owned[:]
+def frozen(array: np.ndarray) -> np.ndarray:
+    """A copy of `array` no one can write or make writable again: its memory is an immutable bytes
+    object (numpy refuses WRITEABLE to an array over read-only memory, its base included), so what is
+    handed out stays as it was made."""
+    return np.frombuffer(array.tobytes(), dtype=array.dtype).reshape(array.shape)
 
 
 def step_positions(positions: Any) -> StepPositions:

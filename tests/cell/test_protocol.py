@@ -344,6 +344,32 @@ def test_an_observer_holding_a_step_reads_its_mask_as_placed_too():
     assert rows(later.mask) == ["11.1.1"]
 
 
+class HearsAborts:
+    """Observes aborted steps only, reading each window's mask as it hears of it."""
+
+    def __init__(self):
+        self.masks = []
+
+    @hookimpl
+    def kvlayout_step_aborted(self, step, window):
+        self.masks.append(rows(step.mask))
+
+
+def test_an_abort_observer_reads_the_aborted_steps_mask_as_placed():
+    # The observers hear of an abort once its cells are released: the mask they read is the step's.
+    pm = make_plugin_manager()
+    heard = HearsAborts()
+    pm.register(heard)
+    t = lowest_free_stepper(pm)
+    a, b = t.seq_new(), t.seq_new()
+    fill(t, a, [0, 1])
+    fill(t, b, [0])
+    assert t.declare_step([a, b])
+    t.place_step(0, [2, 1])
+    assert t.abort_step()
+    assert heard.masks == [["11.1.", "..1.1"]]
+
+
 def test_a_step_nobody_holds_keeps_no_copy_of_the_table(monkeypatch):
     # The copy is O(cells used) host time at every step's end; it is for a late reader only.
     t = lowest_free_stepper()

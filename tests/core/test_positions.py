@@ -38,10 +38,24 @@ def test_nobody_can_change_them_once_made():
         p.host[0] = 7
     with pytest.raises(ValueError):
         p.host.flags.writeable = True
-    own = np.arange(3)
-    view = frozen(own)
     with pytest.raises(ValueError):
-        view.flags.writeable = True
+        p.host.base.flags.writeable = True  # nor through what it is a view of
+    with pytest.raises(AttributeError):
+        p.host = np.array([7, 8, 9])
+    own = np.arange(3)
+    kept = frozen(own)
+    own[0] = 5
+    assert kept.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError):
+        kept.flags.writeable = True
+
+
+def test_they_read_as_the_sequence_of_ints_the_contract_names():
+    p = StepPositions([3, 4, 5])
+    assert list(p) == [3, 4, 5] and p[1] == 4 and p.tolist() == [3, 4, 5]
+    copied = np.array(p, copy=True)
+    copied[0] = 9  # a copy asked for is the caller's own
+    assert p.host.tolist() == [3, 4, 5] and np.asarray(p, dtype=np.int32).dtype == np.int32
 
 
 @pytest.mark.parametrize("bad", [[1.5], [True], np.array([[1, 2]]), "12", [2**64]])

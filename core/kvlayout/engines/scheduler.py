@@ -260,7 +260,7 @@ class Scheduler:
         # The step's id per token as one array: a layout checks an array without a Python loop.
         ids = [s.seq_id for s, _ in plan]
         counts = [k for _, k in plan]
-        one_each = sum(counts) == len(ids)  # a decode step: nothing to repeat
+        one_each = all(k == 1 for k in counts)  # a decode step: nothing to repeat
         accepted = self.bc.declare_step(np.array(ids, dtype=np.int64) if one_each else np.repeat(ids, counts))
         if accepted:
             self._stale = False

@@ -33,7 +33,7 @@ class RopeAt(nn.Module):
     mx.fast.rope takes one offset per batch entry: the step's tokens go on the batch axis
     (`[T, H, 1, D]`) with their positions as the offsets, the kernel mlx-lm runs, so each
     token's rotation is bit-identical to mlx-lm's at that position. Positions given as an int
-    (a step of one sequence's consecutive tokens, from there) are mlx-lm's call as it is.
+    (a step whose positions run consecutively from there: one sequence's, usually) are mlx-lm's call as it is.
     """
 
     def __init__(self, rope: nn.Module):
@@ -175,8 +175,8 @@ class DecoderModel(nn.Module):
         pos_host = step_positions(positions)  # [T]
         if pos_host.size != len(tokens):
             raise ShapeError(f"{len(tokens)} token(s) but {pos_host.size} position(s): expected one position per token")
-        # One sequence's consecutive tokens rotate from an int offset, as mlx-lm's step does: no array
-        # to make, no transposes (RoPE); a mixed step's tokens each bring their position.
+        # Consecutive positions (one sequence's, usually) rotate from an int offset, as mlx-lm's step does: no array
+        # to make, no transposes (RoPE); any other step's tokens each bring their position.
         pos = pos_host.first if pos_host.consecutive else mx.array(pos_host.host.astype(np.int32))  # [T]
         # Tokens drawn on the device (engines.ahead) are fed as they are: a cast is one more node a step.
         ids = tokens if isinstance(tokens, mx.array) and mx.issubdtype(tokens.dtype, mx.integer) else mx.array(

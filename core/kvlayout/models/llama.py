@@ -122,8 +122,8 @@ class RoPE:
     A flat step mixes sequences, so there is no single offset. mx.fast.rope
     takes one offset per batch entry: we put the tokens on the batch axis
     (`[T, H, 1, D]`) and hand it the positions, which is the same kernel
-    mlx-lm uses and therefore bit-identical to it. A step of one sequence's consecutive tokens
-    comes as an int offset instead: mlx-lm's own call.
+    mlx-lm uses and therefore bit-identical to it. A step whose positions run consecutively
+    comes as an int offset instead: mlx-lm's own call (a position's rotation is the same either way).
     """
 
     def __init__(self, args: ModelArgs):

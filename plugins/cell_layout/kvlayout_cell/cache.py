@@ -103,7 +103,7 @@ class CellCache(FacesBase):
         self._mx_cells: dict[int, tuple[Any, Cells]] = {}  # window -> its cells checked, as MLX
         self._mx_whole: dict[int, tuple[Any, mx.array | None]] = {}  # 0 -> one sequence's flat mask (None: causal)
         self._run_starts: dict[int, tuple[Any, int | None]] = {}  # window -> its cells' first when one run
-        self._wholes: dict[int, tuple[Any, tuple | None]] = {}  # window -> `_whole_sequence`'s answer
+        self._wholes: dict[tuple[int, str], tuple[Any, tuple | None]] = {}  # (window, path) -> `_whole_sequence`
 
     @property
     def n_layers(self) -> int:
@@ -171,7 +171,7 @@ class CellCache(FacesBase):
             self.value_pools[layer].write_cells(cells, v)
         keys = self.key_pools[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
         values = self.value_pools[layer].read(0, step.read_len)
-        whole = self._once(self._wholes, window, step, lambda: self._whole_sequence(layer, step))
+        whole = self._once(self._wholes, (window, self.attention_path), step, lambda: self._whole_sequence(layer, step))
         if whole is not None:  # one sequence owning every cell below read_len: no plan, no host mask
             return AttendSpec(keys, values, whole[0], whole[1], queries=T)
         groups = self._step_groups(layer, step)

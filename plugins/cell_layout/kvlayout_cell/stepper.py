@@ -76,7 +76,7 @@ class _Placed:
         which abort_step can undo."""
         seq_ids = declared.seq_ids
         before = table.before_occupy(seq_ids, declared.unique)
-        table.occupy(cells, seq_ids, pos.host)  # the only mutation
+        table.occupy(cells, seq_ids, pos.host, distinct=declared.distinct)  # the only mutation
         return cls(seq_ids, pos.host, cells, table.used_end, table.epoch, served, {}, before, source=pos)
 
 
@@ -91,7 +91,11 @@ class _Declared:
     @classmethod
     def of(cls, seq_ids: np.ndarray, epoch: int) -> _Declared:
         ids = frozen(np.array(seq_ids, dtype=np.int64))
-        return cls(ids, epoch, ids if ids.size == 1 else np.unique(ids))
+        if ids.size < 2:
+            return cls(ids, epoch, ids)
+        ordered = np.sort(ids)  # what np.unique gives, in fewer steps when every id is distinct (decode)
+        keep = ordered[1:] != ordered[:-1]
+        return cls(ids, epoch, ordered if keep.all() else ordered[np.r_[True, keep]])
 
     @property
     def distinct(self) -> bool:
@@ -325,7 +329,7 @@ class Stepper:
         cells = self._choose(declared.seq_ids, pos.host)
         placed = self._placed = _Placed.claim(self.table, declared, pos, cells, {layer})
         if self.keeper is not None:
-            self.keeper.moved.update(np.unique(declared.seq_ids).tolist())
+            self.keeper.moved.update(declared.unique.tolist())
         try:
             step = self._step(placed, self._windows[layer])
         except BaseException:  # an observer refused the placement: undone, the declaration stands
@@ -360,7 +364,8 @@ class Stepper:
         placed = self._open_step()
         if placed is None:
             return False
-        self._keep_masks()
+        # Its observers hear of it below, after the release: one may read (or keep) a mask not built yet.
+        self._keep_masks(heard=observed(self._pm, "kvlayout_step_aborted"))
         self._placed = self._declared = None
         self.table.release(placed.cells, placed.seq_ids, placed.before)
         failed = []
@@ -459,7 +464,7 @@ class Stepper:
         placed = self._placed
         return placed if placed is not None and placed.epoch == self.table.epoch else None
 
-    def _keep_masks(self) -> None:
+    def _keep_masks(self, heard: bool = False) -> None:
         """The open step ends: if a mask of it was never built and someone may still read it, keep
         what building it reads.
 
@@ -467,12 +472,14 @@ class Stepper:
         less than a [T, used_end] mask), so a consumer that reads `step.mask` late still gets the
         step's mask, not one of the table as it is by then. Only a holder of the CellStep can read
         it (an observer that kept it, a lazy spec, a caller of place_step): when nobody but this
-        stepper holds one (a decode step's, usually), nothing is copied.
+        stepper holds one (a decode step's, usually), nothing is copied. `heard`: observers are about to
+        be handed the steps (an abort's): kept whatever the count says.
         """
         placed = self._open_step()
         if placed is None or placed.frozen is not None:
             return
-        if any(w not in placed.built and _refs(placed.steps, w) > HELD_HERE_ONLY for w in placed.steps):
+        unbuilt = [w for w in placed.steps if w not in placed.built]
+        if unbuilt and (heard or any(_refs(placed.steps, w) > HELD_HERE_ONLY for w in unbuilt)):
             placed.frozen = self.table.snapshot()
 
     def _choose(self, seq_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -513,8 +520,10 @@ class Stepper:
             cells.flags.writeable = False
             step = CellStep(length=placed.cells.size, read_len=placed.read_len, cells=cells, mask=mask)
             placed.steps[window] = step
-            if not observed(self._pm, "kvlayout_step_placed"):
-                return step  # nobody to tell (a server's observer, a trace: only when registered)
+            if not (observed(self._pm, "kvlayout_step_placed") or observed(self._pm, "kvlayout_step_aborted")):
+                # Nobody to tell (a server's observer, a trace: only when registered); an abort's observers
+                # hear of every window announced here, so with one of those it is announced all the same.
+                return step
             try:
                 self._pm.hook.kvlayout_step_placed(step=step, window=window)
             except BaseException:  # refused: the observers that heard of this window hear it taken back

@@ -316,6 +316,8 @@ class CellTable:
         """
         if seq_ids.shape != positions.shape:
             raise StepError(f"{positions.size} position(s) for {seq_ids.size} declared token(s)")
+        if declared and positions.size == 1 and positions[0] > max(self._newest[seq_ids[0]], -1):
+            return  # a lone decode of a declared (live) id: newer than its newest, so >= 0 too
         if not declared:
             self.check_live_ids(seq_ids)
         if positions.size and positions.min() < 0:
@@ -337,12 +339,13 @@ class CellTable:
                 f"{held}, which it already holds (next_pos {held + 1})"
             )
 
-    def occupy(self, cells: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> None:
+    def occupy(self, cells: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray, distinct: bool = False) -> None:
         """Put token i (position positions[i], owner seq_ids[i]) in cells[i].
 
         The caller has run `check_tokens`, and `cells` (int64, one per token) are distinct cells of
         `free_list()`: the placement hook's answer, checked by the plugin manager's referee
-        (`kvlayout.registry`), not again here.
+        (`kvlayout.registry`), not again here. `distinct`: no id is twice among `seq_ids` (a decode
+        step), so each id's count and newest move by its one token, with no sorting.
         """
         if cells.size == 0:
             return
@@ -352,8 +355,12 @@ class CellTable:
         self._index.append(seq_ids, positions, cells)
         # Each cell is distinct and had no owner, so plain fancy assignment sets one bit per cell.
         self._owners[cells, seq_ids >> 6] = _ONE << (seq_ids & 63).astype(np.uint64)
-        self._count += np.bincount(seq_ids, minlength=self._max_seqs)
-        self._raise_newest(cells, seq_ids, positions)
+        if distinct:  # each token newer than its id held (check_tokens): it is the id's newest now
+            self._count[seq_ids] += 1
+            self._newest[seq_ids], self._newest_cell[seq_ids] = positions, cells
+        else:
+            self._count += np.bincount(seq_ids, minlength=self._max_seqs)
+            self._raise_newest(cells, seq_ids, positions)
         self._used_end = max(self._used_end, int(cells.max()) + 1)
         self._n_free -= cells.size
         if self._free is not None:  # cells are a subset of the ascending free list
