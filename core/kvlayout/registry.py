@@ -126,11 +126,8 @@ def _check_cells(answer: Any, free: Any, count: int) -> str | None:
         cells = None
     if cells is not None and cells.ndim == 1 and cells.size == count and cells.dtype.kind in "iu" and count:
         at = free.searchsorted(cells) if isinstance(free, np.ndarray) else np.searchsorted(free, cells)
-        if count == 1:  # a lone decode's cell: no array reductions for one
-            if at[0] < len(free) and free[at[0]] == cells[0]:
-                return None
-        elif at.max() < len(free) and (free[at] == cells).all():
-            if (at[1:] > at[:-1]).all() or np.unique(at).size == count:
+        if at.max() < len(free) and (free[at] == cells).all():
+            if count == 1 or (at[1:] > at[:-1]).all() or np.unique(at).size == count:
                 return None
     if cells is None or cells.ndim != 1:
         why = f"a single {type(answer).__name__}" if cells is None or cells.ndim == 0 else f"a {cells.ndim}-d array"

@@ -523,16 +523,22 @@ def test_a_sequence_one_group_refuses_to_place_leaves_nothing_in_any_and_is_hear
     assert groups.seq_new() == 0
 
 
-def test_a_file_whose_window_table_holds_what_the_flat_one_does_not_is_refused(tmp_path):
-    from kvlayout.errors import StateError
-    from kvlayout.persist import numpy_of, raw_numpy, read_state, save_state
-
+def six_positions_of_one_sequence():
+    """(cache, id): a cache of a flat and a window-4 layer whose one sequence holds positions 0..5."""
     c = cache_of((0, 4))
     bc = c.as_batch_control()
     s = bc.seq_new()
     assert bc.declare_step([s] * 6)
     for layer in range(2):
         c.update_and_fetch(layer, list(range(6)), mx.ones((1, 2, 6, 8)), mx.ones((1, 2, 6, 8)))
+    return c, s
+
+
+def test_a_file_whose_window_table_holds_what_the_flat_one_does_not_is_refused(tmp_path):
+    from kvlayout.errors import StateError
+    from kvlayout.persist import numpy_of, raw_numpy, read_state, save_state
+
+    c, s = six_positions_of_one_sequence()
     f = read_state(c.save(tmp_path / "good.kv"))
     assert kvlayout.load(tmp_path / "good.kv").as_batch_control().cells_by_window() == {0: 6, 4: 6}
     tensors = dict(f.tensors)
@@ -547,12 +553,7 @@ def test_a_saved_sequence_whose_window_positions_the_flat_ones_lack_is_refused_a
     from kvlayout.errors import StateError
     from kvlayout.persist import numpy_of, raw_numpy, read_state, save_state
 
-    c = cache_of((0, 4))
-    bc = c.as_batch_control()
-    s = bc.seq_new()
-    assert bc.declare_step([s] * 6)
-    for layer in range(2):
-        c.update_and_fetch(layer, list(range(6)), mx.ones((1, 2, 6, 8)), mx.ones((1, 2, 6, 8)))
+    c, s = six_positions_of_one_sequence()
     f = read_state(c.save_seq(s, tmp_path / "one.kv"))
     tensors = {**f.tensors, "pos.g1": raw_numpy(numpy_of(f.tensors["pos.g1"]) + 100)}
     save_state(tmp_path / "bad.kv", layout="mlx:cell", content="sequence", config=c.config, state=f.state,

@@ -90,7 +90,7 @@ class _Declared:
 
     @classmethod
     def of(cls, seq_ids: np.ndarray, epoch: int) -> _Declared:
-        ids = frozen(np.array(seq_ids, dtype=np.int64))
+        ids = frozen(np.asarray(seq_ids, dtype=np.int64))  # frozen copies: the caller keeps its own
         if ids.size < 2:
             return cls(ids, epoch, ids)
         ordered = np.sort(ids)  # what np.unique gives, in fewer steps when every id is distinct (decode)

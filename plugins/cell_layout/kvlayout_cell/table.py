@@ -296,8 +296,6 @@ class CellTable:
 
     def check_live_ids(self, seq_ids: np.ndarray) -> None:
         """Refuse (SequenceError) an id out of range or not live, naming the first one."""
-        if seq_ids.size == 1 and 0 <= seq_ids[0] < self._max_seqs and self._live[seq_ids[0]]:
-            return  # a lone decode's id: no array reductions for one
         if seq_ids.size and (seq_ids.min() < 0 or seq_ids.max() >= self._max_seqs):
             out = np.flatnonzero((seq_ids < 0) | (seq_ids >= self._max_seqs))
             self._check_id(f"seq_ids[{out[0]}]", int(seq_ids[out[0]]))
@@ -316,15 +314,13 @@ class CellTable:
         """
         if seq_ids.shape != positions.shape:
             raise StepError(f"{positions.size} position(s) for {seq_ids.size} declared token(s)")
-        if declared and positions.size == 1 and positions[0] > max(self._newest[seq_ids[0]], -1):
-            return  # a lone decode of a declared (live) id: newer than its newest, so >= 0 too
         if not declared:
             self.check_live_ids(seq_ids)
+        if (distinct or positions.size == 1) and (positions > self._newest[seq_ids]).all():
+            return  # one token a sequence (decode steps), each newer than its id's newest (>= -1): so >= 0 too
         if positions.size and positions.min() < 0:
             i = int(np.flatnonzero(positions < 0)[0])
             raise StepError(f"positions[{i}]={positions[i]}: expected a position >= 0")
-        if (distinct or positions.size == 1) and (positions > self._newest[seq_ids]).all():
-            return  # one token a sequence (decode steps): nothing to sort
         order = np.lexsort((np.arange(seq_ids.size), seq_ids))  # by sequence, then token order
         s, p = seq_ids[order], positions[order]
         first = np.ones(s.size, dtype=bool)
