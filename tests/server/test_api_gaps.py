@@ -249,3 +249,22 @@ def test_the_access_log_never_shows_the_key_nor_the_body(server, logged):
     logged.wait_for(r"POST /v1/chat/completions 200", since)
     assert not any("sk-secret-123" in line or "Q: a cell" in line for line in logged.lines)
     assert all("\n" not in line and ACCESS.fullmatch(line) for line in logged.lines)
+
+
+def test_kvlayout_serve_writes_each_access_line_once_on_stderr_off_the_event_loop(capfd):
+    # `serve` puts the lines on stderr through a queue a thread of its own drains: the loop never waits
+    # on a stderr nobody reads, and a full queue drops a line rather than block or raise.
+    import queue
+
+    from kvlayout.server.serve import DroppingQueueHandler, access_log_on_stderr
+
+    undo = access_log_on_stderr()
+    try:
+        logging.getLogger(ACCESS_LOG).info("kvlayout: GET /health 200 1.0 ms")
+    finally:
+        undo()  # writes what is queued before it returns
+    assert capfd.readouterr().err.splitlines().count("kvlayout: GET /health 200 1.0 ms") == 1
+    full = DroppingQueueHandler(queue.Queue(1))
+    for i in range(3):
+        full.handle(logging.makeLogRecord({"msg": f"line {i}"}))
+    assert full.queue.qsize() == 1 and capfd.readouterr().err == ""

@@ -19,7 +19,10 @@ Ctrl-C does not wait for the grace period.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import logging.handlers
+import queue
 import signal
 import socket
 import sys
@@ -130,20 +133,39 @@ def http_config(service: Service, **uvicorn_options) -> uvicorn.Config:
     )
 
 
+class DroppingQueueHandler(logging.handlers.QueueHandler):
+    """A QueueHandler that drops a line when its queue is full rather than wait or print an error."""
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(queue.Full):
+            self.queue.put_nowait(record)
+
+
+ACCESS_QUEUE = 10_000  # access lines waiting for stderr at most; past that (stderr not read) they are dropped
+
+
 def access_log_on_stderr() -> Callable[[], None]:
     """The app's access lines (one per request, `app.access_line`) on stderr, as they are; what undoes it.
-    uvicorn's own access log stays off: it cannot say what a request generated."""
+
+    The event loop only queues each line; a thread of its own writes them, so a stderr nobody reads (a
+    full pipe) stalls that thread, never the loop serving requests. uvicorn's own access log stays off:
+    it cannot say what a request generated."""
     access = logging.getLogger(ACCESS_LOG)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    lines: queue.Queue = queue.Queue(ACCESS_QUEUE)
+    writer = logging.StreamHandler(sys.stderr)
+    writer.setFormatter(logging.Formatter("%(message)s"))
+    listener = logging.handlers.QueueListener(lines, writer)
+    handler = DroppingQueueHandler(lines)
     access.addHandler(handler)
     access.setLevel(logging.INFO)
     access.propagate = False  # once, on stderr: not again through whatever the root logger has
+    listener.start()
 
     def undo() -> None:
         access.removeHandler(handler)
         access.setLevel(logging.NOTSET)
         access.propagate = True
+        listener.stop()  # writes what is queued, then ends its thread
     return undo
 
 
