@@ -26,7 +26,9 @@ from kvlayout.server.service import Service, prepare_service
 
 LIFETIME_S = 120
 MAX_REQUESTS = 400
-TINY = {"model": {"preset": "tiny"}, "cache": {"capacity": 4096, "max_seqs": 16},
+# Greedy by default ([sampling] temperature 0): the tests' oracles are greedy runs. The server's own default
+# (the model's generation_config.json, else OpenAI's 1.0) is tested by tests/server/test_sampling_defaults.py.
+TINY = {"model": {"preset": "tiny"}, "cache": {"capacity": 4096, "max_seqs": 16}, "sampling": {"temperature": 0},
         "server": {"max_sequences": 16, "max_tokens": 256}, "engine": {"prefill_chunk": 64}}
 
 

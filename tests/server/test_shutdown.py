@@ -19,12 +19,14 @@ import time
 from tests.server.test_cli import Process
 
 GRACE_S = 3.0
-# The tiny preset's sampled answer to "0" runs 3,559 tokens (several seconds on two cores, two at a
+# The tiny preset's greedy answer to "0" runs 3,559 tokens (several seconds on two cores, two at a
 # time), so the generating requests are still generating when the grace period ends.
 LONG = {"model": "tiny", "prompt": "0", "max_tokens": 4000}
 CONFIG = f"""\
 [model]
 preset = "tiny"
+[sampling]
+temperature = 0
 [cache]
 capacity = 16384
 max_seqs = 8

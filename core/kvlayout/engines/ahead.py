@@ -11,8 +11,9 @@ computes step n, as mlx-lm's `generate_step` does.
 
 The rules the engines keep:
 
-- Only a greedy sample of one process is drawn ahead: a sampled one draws
-  from its own numpy generator (engines.sampling), and a tensor-parallel
+- Only a plain greedy sample of one process is drawn ahead: a sampled one draws
+  from its own numpy generator (engines.sampling), a shaped one or one
+  reporting logprobs is drawn on the host path (engines.shaping), and a tensor-parallel
   run agrees on each token through a collective (engines.records.Agree), so
   both stay on the host path, and so do their tokens.
 - A token is drawn ahead only when the sample will still need a forward
@@ -32,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvlayout.engines.records import Request, Sample, Sampling, Stats
+from kvlayout.engines.shaping import on_host_only
 
 
 @attrs.define(eq=False)
@@ -62,9 +64,11 @@ class Drawn:
 
 def drawn_on_device(pipeline: bool, sampling: Sampling, request: Request, sample: Sample, unread: bool) -> bool:
     """Whether `sample`'s next token is drawn on the device: the engine pipelines, the request is
-    greedy (its own sampling, else the engine's), and that token will be fed back, i.e. it is
-    not the sample's last by max_tokens (`unread`: a token of it is in flight already)."""
-    if not pipeline or (request.sampling or sampling).temperature != 0.0:
+    greedy and plain (its own sampling, else the engine's: no shaping, no logprobs,
+    engines.shaping), and that token will be fed back, i.e. it is not the sample's last by
+    max_tokens (`unread`: a token of it is in flight already)."""
+    sampling = request.sampling or sampling
+    if not pipeline or sampling.temperature != 0.0 or on_host_only(sampling, sample):
         return False
     return len(sample.generated) + unread + 1 < request.max_tokens
 

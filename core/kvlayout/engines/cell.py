@@ -18,9 +18,10 @@ from kvlayout.engines import ahead, cell_state
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.options import EngineOptions
 from kvlayout.engines.prefixes import PrefixCache
-from kvlayout.engines.records import Request, draw_token, end_sample, record_token
-from kvlayout.engines.recovery import guarded_forward, host_logits
+from kvlayout.engines.records import Request, end_sample, record_token
+from kvlayout.engines.recovery import guarded_forward
 from kvlayout.engines.scheduler import Plan, Running, Scheduler
+from kvlayout.engines.shaping import HostDraw, TokenLogprob
 from kvlayout.errors import CapacityError, ForwardFailed, KVLayoutError
 
 
@@ -161,15 +162,19 @@ class CellEngine:
         # At least one row even when no prompt completes: evaluating it forces the cache writes.
         row_ids = feed.rows or [feed.width - 1]
 
+        # Every sample of a sequence completing on the host draws from that sequence's row of the host rows.
+        hosted = [feed.completing[i] for i in host]
+        on_host = HostDraw([(s.request, x, j) for j, s in enumerate(hosted) for x in s.samples], self.options.sampling)
+
         def read(logits):  # [R, V]: queue the device draws, then wait for the host's rows (if any)
             if not device:
-                return None, host_logits(logits)
+                return None, on_host.read(logits)
             drawn = ahead.draw(logits, self.stats, feed.prefill, feed.decode,
                                None if len(device) == len(row_ids) else device)
-            return drawn, host_logits(logits[mx.array(host, dtype=mx.int32)]) if host else None
+            return drawn, on_host.read(logits[mx.array(host, dtype=mx.int32)]) if host else None
 
         # A failure is aborted in the cache (ForwardFailed) before any counter below moves.
-        drawn, logits = guarded_forward(self.model, self.cache, ahead.fed(feed.pieces), feed.positions, row_ids, read)
+        drawn, rows = guarded_forward(self.model, self.cache, ahead.fed(feed.pieces), feed.positions, row_ids, read)
         for s, k in plan:
             s.cached += k
         ended = self._read_fed_ahead(feed.fed_ahead)
@@ -180,8 +185,8 @@ class CellEngine:
             if id(s) not in ended:
                 s.drawn = (drawn, j)
                 self.scheduler.remember(s)
-        if logits is not None:
-            self._complete_on_host([feed.completing[i] for i in host], logits, ended)
+        if rows is not None:
+            self._complete_on_host(hosted, rows, ended)
         self.stats.account(time.perf_counter() - t0, feed.prefill, feed.decode)
 
     def _read_fed_ahead(self, fed_ahead: list[tuple[Running, tuple[ahead.Drawn, int]]]) -> set[int]:
@@ -201,19 +206,18 @@ class CellEngine:
             self.pipeline, self.options.sampling, s.request, s.samples[0], s.drawn is not None
         )
 
-    def _complete_on_host(self, completing: list[Running], logits, ended: set[int]) -> None:
-        """Draw the next token of each sample of `completing` from its row of `logits` `[R, V]`;
+    def _complete_on_host(self, completing: list[Running], rows: HostDraw, ended: set[int]) -> None:
+        """Draw the next token of each sample of `completing` from its row of the step's host `rows`;
         a sequence whose id is in `ended` (a token it fed ahead ended it) advances no further."""
         # Every sample's token is drawn first (its own generator: forking does not change it), agreed
         # once (a collective when tensor-parallel), then each sequence forks, is kept and advances in
         # turn as before: one retiring frees its id before the next one forks.
-        samples = [(s.request, sample, row) for s, row in zip(completing, logits) for sample in s.samples]
         # A fork the scheduler cannot clone is queued again and must draw anew then: its generator's
         # state before this draw (only forks: a sequence's first sample always advances).
         before = {id(x): (x, x.rng.bit_generator.state) for s in completing for x in s.samples[1:]}
-        sampling = self.options.sampling
-        drawn = [draw_token(sample, row, request, sampling) for request, sample, row in samples]
-        token_of = {id(x): t for (_, x, _), t in zip(samples, self.options.agree(drawn))}
+        drawn = rows.draw()
+        agreed = self.options.agree([t for t, _ in drawn])
+        token_of = {id(x): (t, lp) for (_, x, _), t, (_, lp) in zip(rows.picks, agreed, drawn)}
         for s in completing:
             if id(s) in ended:
                 continue
@@ -221,15 +225,16 @@ class CellEngine:
             self.scheduler.remember(s)
             for fork in forks:
                 before.pop(id(fork.samples[0]), None)
-                self._advance(fork, token_of[id(fork.samples[0])])
+                self._advance(fork, *token_of[id(fork.samples[0])])
         for sample, state in before.values():  # queued again by fork: it draws anew when it runs
             sample.rng.bit_generator.state = state
 
-    def _advance(self, s: Running, token: int, speculative: bool = False) -> bool:
-        """Record `token` as `s`'s next; True when that finished it (retired). `speculative`: the
-        step just queued fed `token` already, so on finishing its position is removed first."""
+    def _advance(self, s: Running, token: int, logprob: TokenLogprob | None = None, speculative: bool = False
+                 ) -> bool:
+        """Record `token` (and its `logprob` record) as `s`'s next; True when that finished it (retired).
+        `speculative`: the step just queued fed `token` already, so on finishing its position is removed first."""
         o = self.options
-        finished, done = record_token(s.samples[0], token, s.request, o.eos, self.stats)
+        finished, done = record_token(s.samples[0], token, s.request, o.eos, self.stats, logprob)
         o.on_token(s.request, s.samples[0], token)
         if finished:
             self.scheduler.finish(s, speculative)

@@ -14,12 +14,12 @@ happens: what streaming output and a server listen to).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
 
-from kvlayout.engines.sampling import sample_rng, sample_token
+from kvlayout.engines.sampling import sample_rng
 
 # Called as tokens get done: advance by this many tokens of the planned total.
 OnProgress = Callable[[int], None]
@@ -39,9 +39,18 @@ class Stopper(Protocol):
 
 @attrs.frozen
 class Sampling:
+    """How tokens are drawn. `logit_bias`: (id, amount) pairs added to the logits;
+    `presence_penalty` / `frequency_penalty`: subtracted once for every id a sample generated, and
+    once per time it did (OpenAI's rule); `logprobs`: report each kept token's logprob with that
+    many alternatives (0-20), None for none (engines.shaping)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
 
 @attrs.define
@@ -56,6 +65,10 @@ class Sample:
     finish_reason: str | None = None
     error: str | None = None  # the failure's message when finish_reason is "error"
     stopper: Stopper | None = attrs.field(default=None, repr=False, eq=False)  # None: EOS and length only
+    # What it may generate next (a grammar: engines.shaping.Constraint), told every token it keeps; None: anything.
+    constraint: Any = attrs.field(default=None, repr=False, eq=False)
+    # One engines.shaping.TokenLogprob per generated token, when its request's sampling asks for logprobs.
+    logprobs: list = attrs.field(factory=list, repr=False)
 
 
 @attrs.define
@@ -167,13 +180,18 @@ def make_requests(
     return reqs
 
 
-def take_token(sample: Sample, token: int, request: Request, eos: frozenset[int]) -> bool:
-    """Record a sampled token; True when the sample is finished: on EOS (not kept), when its
-    stopper says so (the token kept; "stop" wins over "length" on the last token), or at max_tokens."""
+def take_token(sample: Sample, token: int, request: Request, eos: frozenset[int], logprob: Any = None) -> bool:
+    """Record a sampled token (with its `logprob` record, when it reports them); True when the sample
+    is finished: on EOS (not kept), when its stopper says so (the token kept; "stop" wins over
+    "length" on the last token), or at max_tokens. Its constraint hears every token it keeps."""
     if token in eos:
         sample.finish_reason = "stop"
         return True
     sample.generated.append(token)
+    if logprob is not None:
+        sample.logprobs.append(logprob)
+    if sample.constraint is not None:
+        sample.constraint.accept(token)
     if sample.stopper is not None and sample.stopper(token):
         sample.finish_reason = "stop"
         return True
@@ -197,22 +215,14 @@ def end_sample(request: Request, sample: Sample, reason: str, on_token: OnToken,
     progress(unplanned(sample, request))
 
 
-def draw_token(sample: Sample, row: np.ndarray, request: Request, sampling: Sampling) -> int:
-    """Sample the next token of `sample` from `row` `[V]` (its generator draws once); nothing recorded.
-
-    `sampling` is the engine's; a request that brings its own (`Request.sampling`) uses that.
-    """
-    sampling = request.sampling or sampling
-    return sample_token(row, sampling.temperature, sampling.top_p, sample.rng)
-
-
-def record_token(sample: Sample, token: int, request: Request, eos, stats: Stats) -> tuple[bool, int]:
-    """Record `token` as `sample`'s next: (finished, how far progress moves).
+def record_token(sample: Sample, token: int, request: Request, eos, stats: Stats, logprob: Any = None
+                 ) -> tuple[bool, int]:
+    """Record `token` (and its `logprob` record) as `sample`'s next: (finished, how far progress moves).
 
     A token counts as generated unless it is the EOS that stopped the sample; a finished sample
     also settles the planned tokens it will never generate.
     """
-    finished = take_token(sample, token, request, eos)
+    finished = take_token(sample, token, request, eos, logprob)
     if token not in eos:
         stats.generated_tokens += 1
     return finished, 1 + (unplanned(sample, request) if finished else 0)

@@ -11,8 +11,9 @@ import attrs
 from kvlayout.engines import ahead, seq_state
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.options import EngineOptions
-from kvlayout.engines.records import Request, Sample, draw_token, end_sample, record_token
-from kvlayout.engines.recovery import guarded_forward, host_logits
+from kvlayout.engines.records import Request, Sample, end_sample, record_token
+from kvlayout.engines.recovery import guarded_forward
+from kvlayout.engines.shaping import HostDraw, TokenLogprob
 from kvlayout.errors import CapacityError, ForwardFailed, Interrupted
 
 
@@ -165,7 +166,8 @@ class SeqEngine:
         on_device = done and ahead.drawn_on_device(self.pipeline, self.options.sampling, r, s, drawn is not None)
         fed = ahead.fed([(drawn, 0)]) if drawn is not None else tokens[cached : cached + k]
         decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) or drawn is not None else 0
-        read = (lambda logits: ahead.draw(logits, self.stats, k - decode, decode)) if on_device else host_logits
+        on_host = HostDraw([(r, s, 0)] if done else [], self.options.sampling)  # mid-prompt: nothing to draw
+        read = (lambda logits: ahead.draw(logits, self.stats, k - decode, decode)) if on_device else on_host.read
         # One row even mid-prompt: evaluating it (or queueing its drawn token) forces this step's cache writes.
         try:
             row = guarded_forward(self.model, self.cache, fed, positions, [k - 1], read)
@@ -201,16 +203,17 @@ class SeqEngine:
             g.drawn = row  # read by the next step, once its forward is queued
         elif done:
             # a collective when tensor-parallel
-            (token,) = self.options.agree([draw_token(s, row[0], r, self.options.sampling)])
-            self._take(g, token)
+            ((token, logprob),) = row.draw()
+            (token,) = self.options.agree([token])
+            self._take(g, token, logprob)
         self.stats.account(time.perf_counter() - t0, k - decode, decode)
         self.stats.note_held(self.control.length, self.control.length, 1)
 
-    def _take(self, g: Generating, token: int) -> bool:
-        """Record `token` as the sample's next: True when it finished the sample (then no longer
-        generating)."""
+    def _take(self, g: Generating, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Record `token` (and its `logprob` record) as the sample's next: True when it finished the
+        sample (then no longer generating)."""
         r, s = g.request, g.sample
-        finished, moved = record_token(s, token, r, self.options.eos, self.stats)
+        finished, moved = record_token(s, token, r, self.options.eos, self.stats, logprob)
         self.options.on_token(r, s, token)
         if not finished:
             g.tokens.append(token)

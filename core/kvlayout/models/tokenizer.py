@@ -11,6 +11,7 @@ missing (a 32000-id model decoding through bytes would "generate" nothing).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +45,10 @@ class ByteTokenizer:
 
     special_texts: tuple[str, ...] = ()  # no text encodes to a special id
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes `token` stands for: its byte, none for a special id."""
+        return bytes([token]) if 0 <= token < 256 else b""
+
     def encode_literal(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.encode(text, add_special_tokens)
 
@@ -65,6 +70,7 @@ class HFTokenizer:
         self.chat_template = chat_template
         self._bound: tuple[int, bytes] | None = None  # byte_level_bound's, taken on first use
         self._literal = None  # encode_literal's tokenizer, made on first use
+        self._byte_of: dict[str, int] | None = None  # token_bytes' table (GPT-2's for a byte-level BPE), on first use
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of `text`; special tokens written in it (`<|im_start|>`) are parsed as one id each.
@@ -83,6 +89,27 @@ class HFTokenizer:
     def special_texts(self) -> tuple[str, ...]:
         """The texts `encode` turns into a special id (`<|im_end|>`)."""
         return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
+    @property
+    def json_text(self) -> str:
+        """The tokenizer as tokenizer.json holds it (a grammar library builds its own view from it)."""
+        return self._tok.to_str()
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes `token` stands for, which may be part of a character (a byte-level BPE's
+        pieces, SentencePiece's `<0xE2>`): what a logprob reports beside the token's text. A
+        special token's is its text; an id outside the vocabulary has none."""
+        if self._byte_of is None:
+            spec = json.loads(self._tok.to_str())
+            self._byte_of = byte_alphabet() if "ByteLevel" in json.dumps(spec.get("decoder")) else {}
+        piece = self._tok.id_to_token(token)
+        if piece is None:
+            return b""
+        if self._byte_of and all(c in self._byte_of for c in piece):
+            return bytes(self._byte_of[c] for c in piece)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece's byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece writes a space as U+2581
 
     def encode_literal(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of `text` read as plain text: `<|im_end|>` written in it is the characters, not the
@@ -111,6 +138,14 @@ class HFTokenizer:
 LOSSLESS_SPLITS = {"ByteLevel", "Digits", "Punctuation", "Split"}
 
 
+def byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in a byte-level BPE's
+    vocabulary, to the byte. (tokenizers' ByteLevel.alphabet() lists the characters in no order.)"""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
 def byte_level_bound(spec: dict, vocab: dict[str, int]) -> tuple[int, bytes]:
     """For a byte-level BPE tokenizer (tokenizer.json `spec`): (L, D), L the UTF-8 length of its
     longest vocabulary entry or added token, D the bytes its vocabulary lacks. Each byte of a text
@@ -129,10 +164,7 @@ def byte_level_bound(spec: dict, vocab: dict[str, int]) -> tuple[int, bytes]:
     lossless = all(step.get("type") in LOSSLESS_SPLITS and step.get("behavior") != "Removed" for step in steps)
     if spec.get("normalizer") is not None or not (byte_level and lossless) or spec["model"].get("type") != "BPE":
         return 0, b""
-    # ByteLevel.alphabet() is GPT-2's byte-to-character table, in no order: rebuild which byte each stands for.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    char_of = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+    char_of = {b: c for c, b in byte_alphabet().items()}
     assert set(char_of.values()) == set(ByteLevel.alphabet())
     dropped = bytes(b for b, c in char_of.items() if c not in vocab)
     return max(len(token.encode("utf-8")) for token in vocab), dropped
@@ -149,6 +181,27 @@ def eos_ids_of(model_dir: Path, config_eos: Sequence[int] = ()) -> list[int]:
     if path.is_file():
         ids += token_ids(read_json_object(path).get("eos_token_id"), "eos_token_id", str(path))
     return list(dict.fromkeys(ids))
+
+
+def sampling_defaults(model_dir: Path | None) -> dict[str, float]:
+    """The sampling generation_config.json asks for (`temperature`, `top_p`, each when it names one),
+    as a server defaults to (vLLM's reading); {} without the file. ConfigError naming the file for a
+    value out of range."""
+    path = None if model_dir is None else Path(model_dir) / GENERATION_CONFIG
+    if path is None or not path.is_file():
+        return {}
+    config = read_json_object(path)
+    out = {}
+    for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ConfigError(f"{path}: {key} is {value!r}; expected a number in [{low}, {high}]")
+        out[key] = float(value)
+    if out.get("top_p") == 0.0:
+        raise ConfigError(f"{path}: top_p is 0; expected a number in (0, 1]")
+    return out
 
 
 def load_tokenizer(model_dir: Path, eos_ids: Sequence[int], vocab_size: int):

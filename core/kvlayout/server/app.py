@@ -170,7 +170,8 @@ class Handlers:
         # Encoding a long prompt takes a while (the tokenizer lets go of the GIL meanwhile): on a
         # thread, so other clients' streams and /health go on.
         if chat:
-            order = await asyncio.to_thread(parse_chat, body, service.limits, service.tokenizer, service.cfg.plain_chat)
+            order = await asyncio.to_thread(parse_chat, body, service.limits, service.tokenizer, service.cfg.plain_chat,
+                                            service.grammars)
         else:
             order = await asyncio.to_thread(parse_completion, body, service.limits, service.tokenizer)
         isolation = isolation_key(tenant_of(request), order.cache_salt)  # whose cached prefixes it may share
@@ -267,6 +268,7 @@ def not_json(name: str):
 async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[dict]:
     """The chunks of a streamed answer, as OpenAI sends them, then usage when asked for."""
     order, model = ticket.order, service.model_id
+    reported = Logprobs(order, service.tokenizer.token_bytes)
     if order.chat:  # each choice opens with the assistant's role, as OpenAI's stream does
         for i in range(order.n):
             yield shapes.chunk(True, rid, service.created, model, i, "", None, first=True)
@@ -278,8 +280,10 @@ async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[di
             yield shapes.error(f"generation failed: {event.error}", "server_error")
             return
         reason = event.finish_reason if event.finish_reason in ("stop", "length") else None
-        if event.text or reason:
-            yield shapes.chunk(order.chat, rid, service.created, model, event.index, event.text or None, reason)
+        logprobs = reported.of(event)
+        if event.text or reason or logprobs:
+            yield shapes.chunk(order.chat, rid, service.created, model, event.index, event.text or None, reason,
+                               logprobs=logprobs)
     refusal = cut_short(ticket)
     if refusal is not None:  # its error event, then [DONE]: the client knows it was cut short, and why
         yield shapes.error(refusal.message, refusal.kind, code=refusal.code)
@@ -353,6 +357,7 @@ async def whole(request: Request, ticket: Ticket, rid: str, service: Service) ->
     away has its request cancelled at once (between two of the engine's steps, as a stream's is)."""
     order = ticket.order
     texts, reasons, error = [""] * order.n, ["length"] * order.n, None
+    records: list[list] = [[] for _ in range(order.n)]  # each choice's logprob records
     gone = asyncio.ensure_future(client_gone(request))
     try:
         while True:
@@ -367,6 +372,7 @@ async def whole(request: Request, ticket: Ticket, rid: str, service: Service) ->
             if event is None:
                 break
             texts[event.index] += event.text
+            records[event.index] += event.logprobs
             if event.finish_reason is not None:
                 reasons[event.index] = event.finish_reason
             if event.finish_reason == "error":
@@ -381,8 +387,38 @@ async def whole(request: Request, ticket: Ticket, rid: str, service: Service) ->
         raise refusal
     if ticket.failed is not None or error is not None:
         raise BadRequest(f"generation failed: {ticket.failed or error}", status=500, kind="server_error")
-    body = shapes.completion(order.chat, rid, service.created, service.model_id, texts, reasons, usage_of(ticket))
+    logprobs = None
+    if order.logprobs is not None:
+        reported = Logprobs(order, service.tokenizer.token_bytes)
+        logprobs = [reported.of(Event(i, "", logprobs=tuple(r))) or reported.empty() for i, r in enumerate(records)]
+    body = shapes.completion(order.chat, rid, service.created, service.model_id, texts, reasons, usage_of(ticket),
+                             logprobs)
     return JSONResponse(body)
+
+
+class Logprobs:
+    """The logprobs objects of one answer's choices, as their records arrive (a stream's events,
+    or all at once); a legacy completion's text offsets run on from one event to the next."""
+
+    def __init__(self, order, token_bytes):
+        self.order, self.token_bytes = order, token_bytes
+        self.before = [b""] * order.n  # each choice's bytes so far (legacy text offsets count their characters)
+
+    def of(self, event: Event) -> dict | None:
+        """The logprobs object of `event`'s records; None when the request asked for none or it has none."""
+        if self.order.logprobs is None or not event.logprobs:
+            return None
+        if self.order.chat:
+            return shapes.chat_logprobs(event.logprobs, self.token_bytes)
+        out = shapes.text_logprobs(event.logprobs, self.token_bytes, self.before[event.index])
+        self.before[event.index] += b"".join(self.token_bytes(r.token) for r in event.logprobs)
+        return out
+
+    def empty(self) -> dict:
+        """A choice with no token (it ended on EOS at once): the object, empty."""
+        if self.order.chat:
+            return shapes.chat_logprobs((), self.token_bytes)
+        return shapes.text_logprobs((), self.token_bytes)
 
 
 async def client_gone(request: Request) -> None:

@@ -1,8 +1,10 @@
 """`kvlayout serve`'s TOML config: `run`'s sections, meaning what they mean there, plus [server].
 
-`[layout]`, `[cache]`, `[model]`, `[sampling]` and `[engine]` are read by the
-runner's own records (`runner.config.SECTIONS`); `[sampling]` gives the
-defaults a request overrides (`temperature`, `top_p`, `seed`). There are no
+`[layout]`, `[cache]`, `[model]` and `[engine]` are read by the runner's
+own records (`runner.config.SECTIONS`); `[sampling]` gives the defaults a
+request overrides (`temperature`, `top_p`, `seed`; `ServeSampling`: a
+temperature or top_p left out is the model's generation_config.json's, else
+OpenAI's 1.0). There are no
 `[[requests]]`: clients send them. `[server]` holds the limits a client
 meets as errors (429, 400, 413), each named by its key in the message.
 """
@@ -140,6 +142,36 @@ class ServerSection:
 
 
 @attrs.frozen
+class ServeSampling:
+    """[sampling] of `kvlayout serve`: the defaults of a request that names none. A temperature or
+    top_p left out is the model's (generation_config.json's, as vLLM reads it), else OpenAI's (1.0):
+    clients wanting greedy output send `temperature: 0`, or the server is given `temperature = 0`."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def __attrs_post_init__(self):
+        SamplingSection(**{k: v for k, v in attrs.asdict(self).items() if v is not None})  # run's checks
+
+    def resolved(self, model_defaults: Mapping[str, float]) -> ServeSampling:
+        """The defaults in force, every one set: these, else the model's, else OpenAI's."""
+        return ServeSampling(
+            temperature=pick(self.temperature, model_defaults.get("temperature"), OPENAI_TEMPERATURE),
+            top_p=pick(self.top_p, model_defaults.get("top_p"), OPENAI_TOP_P),
+            seed=self.seed,
+        )
+
+
+OPENAI_TEMPERATURE = OPENAI_TOP_P = 1.0  # OpenAI's defaults when neither the config nor the model gives one
+
+
+def pick(*values):
+    """The first value that is not None."""
+    return next(v for v in values if v is not None)
+
+
+@attrs.frozen
 class ServeConfig(LayoutAndModel):
     """What `kvlayout serve` runs: a layout, a cache, a model, default sampling, the engine, limits.
 
@@ -150,7 +182,7 @@ class ServeConfig(LayoutAndModel):
     layout: LayoutSection = LayoutSection()
     cache: CacheSection = CacheSection(capacity=16384, max_seqs=64)
     model: ModelSection = ModelSection(preset="smollm2", fallback="tiny")
-    sampling: SamplingSection = SamplingSection()
+    sampling: ServeSampling = ServeSampling()
     engine: EngineSection = EngineSection(prefill_chunk=256)
     server: ServerSection = ServerSection()
     source: str = attrs.field(default="<default>", eq=False)
@@ -186,7 +218,7 @@ class ServeConfig(LayoutAndModel):
     def from_mapping(
         cls, data: Mapping[str, Any], source: str = "<mapping>", base_dir: Path | None = None
     ) -> ServeConfig:
-        sections = {**SECTIONS, "server": ServerSection}
+        sections = {**SECTIONS, "sampling": ServeSampling, "server": ServerSection}
         reject_unknown(data, list(sections), f"{source}: config")
         kwargs = {
             name: read_section(section, data[name], name, source) for name, section in sections.items() if name in data

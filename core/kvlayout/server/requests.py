@@ -3,12 +3,15 @@
 OpenAI's fields, with OpenAI's meaning: `model`, `messages` (chat) or
 `prompt` (text, or token ids), `max_tokens` (`max_completion_tokens` on
 chat), `temperature`, `top_p`, `seed`, `n`, `stop`, `stream`,
-`stream_options.include_usage`; and vLLM's `cache_salt` (a non-empty string:
-only requests with the same salt, under the same API key, share cached
-prefixes; `Order.cache_salt`, server.service). Fields we cannot honour are accepted only at
-the value that means "off" (`presence_penalty: 0`, `logprobs: false`, ...):
-anything else is refused rather than silently ignored, as is a field we do
-not know. Fields that cannot change the answer are checked as OpenAI checks
+`stream_options.include_usage`, `presence_penalty`, `frequency_penalty`,
+`logit_bias`, `logprobs` (chat: with `top_logprobs`; legacy: the number of
+alternatives), chat's `response_format` (text, json_object, json_schema:
+compiled to a grammar the engine decodes under, kvlayout.grammar); and
+vLLM's `cache_salt` (a non-empty string: only requests with the same salt,
+under the same API key, share cached prefixes; `Order.cache_salt`,
+server.service). Fields we cannot honour are accepted only at the value that
+means "off" (`echo: false`, no `tools`, ...): anything else is refused rather
+than silently ignored, as is a field we do not know. Fields that cannot change the answer are checked as OpenAI checks
 them and then ignored: `user`, `metadata`, `service_tier`,
 `reasoning_effort` (none of our models reasons), `parallel_tool_calls`
 (without tools), `stream_options.include_obfuscation`, a message's `name`.
@@ -43,16 +46,10 @@ MAX_SEED = 2**63 - 1
 STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 # Fields accepted only with the value that asks for nothing we would have to do.
 NEUTRAL = {
-    "frequency_penalty": (0, 0.0, None),
-    "presence_penalty": (0, 0.0, None),
-    "logprobs": (False, None),
-    "top_logprobs": (None, 0),
-    "logit_bias": (None,),
     "user": None,  # any string: an end-user id OpenAI uses for abuse monitoring; nothing to do here
     "best_of": (None, 1),
     "echo": (False, None),
     "suffix": (None,),
-    "response_format": (None, {"type": "text"}),
     "tools": (None,),
     "tool_choice": (None, "none"),
     # With no tools (none are taken) there is no call to make in parallel or not.
@@ -72,13 +69,16 @@ IGNORED = {
     "reasoning_effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
 }
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on metadata
-COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options", "cache_salt")
-CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens")
+COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options", "cache_salt",
+          "presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
+CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format")
 TEXT_FIELDS = (*COMMON, "prompt")
-NEUTRAL_CHAT = ("frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias", "user",
-                "response_format", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
+NEUTRAL_CHAT = ("user", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
                 "reasoning_effort")
-NEUTRAL_TEXT = ("frequency_penalty", "presence_penalty", "logprobs", "logit_bias", "user", "best_of", "echo", "suffix")
+NEUTRAL_TEXT = ("user", "best_of", "echo", "suffix")
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs; the legacy logprobs: N is held to it too
+PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
+BIAS = 100.0  # a logit_bias value lies in [-100, 100]
 
 
 @attrs.frozen
@@ -111,12 +111,19 @@ class Order:
     include_usage: bool
     seeded: bool = False  # the request gave its seed: its samples are reproducible
     cache_salt: str | None = None  # vLLM's field: prefixes are shared only with requests of the same salt
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, amount), ids ascending
+    logprobs: int | None = None  # alternatives reported per token (chat's top_logprobs, legacy logprobs); None: off
+    grammar: Any = None  # response_format's grammar (kvlayout.grammar.Grammar); None: free text
 
 
-def parse_chat(body: Any, limits: Limits, tokenizer: Any, plain_chat: bool) -> Order:
-    """`POST /v1/chat/completions`'s body as an Order; BadRequest naming the field otherwise."""
+def parse_chat(body: Any, limits: Limits, tokenizer: Any, plain_chat: bool, grammars: Any = None) -> Order:
+    """`POST /v1/chat/completions`'s body as an Order; BadRequest naming the field otherwise.
+    `grammars` (kvlayout.grammar.Grammars) compiles a response_format; None: only "text" is taken."""
     body = _object(body)
     _known(body, CHAT_FIELDS, NEUTRAL_CHAT)
+    grammar = response_grammar(body.get("response_format"), grammars)
     messages = _messages(body.get("messages"))
     if "max_completion_tokens" in body and body.get("max_tokens") is not None:
         raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
@@ -139,7 +146,7 @@ def parse_chat(body: Any, limits: Limits, tokenizer: Any, plain_chat: bool) -> O
             if tokenizer.chat_template is None:
                 why += "; or send the text to /v1/completions"
             raise BadRequest(why, "messages") from None
-    return _order(body, limits, ids, "messages", limit_field, chat=True)
+    return attrs.evolve(_order(body, limits, ids, "messages", limit_field, chat=True), grammar=grammar)
 
 
 def parse_completion(body: Any, limits: Limits, tokenizer: Any) -> Order:
@@ -224,8 +231,97 @@ def _order(body: Mapping, limits: Limits, ids: list[int], prompt_field: str, lim
     seeded = body.get("seed") is not None
     return Order(
         chat, ids, max_tokens, n, _stop(body.get("stop")), temperature, top_p, seed, stream, include_usage, seeded,
-        _cache_salt(body.get("cache_salt")),
+        _cache_salt(body.get("cache_salt")), **shaping(body, limits.vocab_size, chat),
     )
+
+
+def shaping(body: Mapping, vocab_size: int, chat: bool) -> dict:
+    """The order's penalties, logit_bias and logprobs (engines.shaping), each checked as OpenAI checks it."""
+    return {
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -PENALTY, PENALTY),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -PENALTY, PENALTY),
+        "logit_bias": _logit_bias(body.get("logit_bias"), vocab_size),
+        "logprobs": _chat_logprobs(body) if chat else _text_logprobs(body),
+    }
+
+
+def _text_logprobs(body: Mapping) -> int | None:
+    """The legacy `logprobs`: how many alternatives to report per token (0-20); null or false: none."""
+    if body.get("logprobs") is False:  # what a client that means "none" may send
+        return None
+    return _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS, None)
+
+
+def _chat_logprobs(body: Mapping) -> int | None:
+    """Chat's `logprobs` (true: report them) and `top_logprobs` (how many alternatives, 0-20; it needs logprobs)."""
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise BadRequest(f"logprobs must be true or false, not {shown(asked)}", "logprobs")
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, None)
+    if top is not None and not asked:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if asked else None
+
+
+def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": amount in [-100, 100]}, as (id, amount) pairs in id order."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise BadRequest(f"logit_bias must be an object mapping token ids to numbers, not {shown(value)}",
+                         "logit_bias")
+    pairs = {}
+    for key, amount in value.items():
+        at = f"logit_bias.{key}"
+        if not re.fullmatch(r"0|[1-9][0-9]{0,9}", key) or int(key) >= vocab_size:
+            raise BadRequest(f"{at}: the key must be a token id in 0..{vocab_size - 1}", at)
+        pairs[int(key)] = finite_number(at, amount, lambda why, at=at: BadRequest(why, at), -BIAS, BIAS,
+                                        from_json=True)
+    return tuple(sorted(pairs.items()))
+
+
+def response_grammar(value: Any, grammars: Any) -> Any:
+    """The grammar a chat's response_format asks for: None for text (or none given), else
+    `grammars`' compilation of {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}}; BadRequest naming the part otherwise."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise BadRequest("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                         f"{{\"type\": \"json_schema\", \"json_schema\": ...}}, not {shown(value)}",
+                         "response_format")
+    extra = [k for k in value if k not in ("type", "json_schema" if kind == "json_schema" else "type")]
+    if extra:
+        raise BadRequest(f"response_format.{extra[0]}: unrecognized field", f"response_format.{extra[0]}")
+    if kind == "text":
+        return None
+    if grammars is None:
+        raise BadRequest(f"response_format {kind} is not available on this server", "response_format")
+    if kind == "json_object":
+        return grammars.any_json()
+    return _json_schema(value.get("json_schema"), grammars)
+
+
+def _json_schema(spec: Any, grammars: Any) -> Any:
+    at = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise BadRequest(f"{at} must be an object with name and schema, not {shown(spec)}", at)
+    unknown = [k for k in spec if k not in ("name", "schema", "strict", "description")]
+    if unknown:
+        raise BadRequest(f"{at}.{unknown[0]}: unrecognized field", f"{at}.{unknown[0]}")
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise BadRequest(f"{at}.name must be 1-64 letters, digits, _ or -, not {shown(name)}", f"{at}.name")
+    if not isinstance(spec.get("description", ""), str):
+        raise BadRequest(f"{at}.description must be a string", f"{at}.description")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise BadRequest(f"{at}.strict must be true or false, not {shown(strict)}", f"{at}.strict")
+    schema = spec.get("schema", {})  # OpenAI: absent, any JSON the model likes (an empty schema)
+    if not isinstance(schema, dict):
+        raise BadRequest(f"{at}.schema must be a JSON schema object, not {shown(schema)}", f"{at}.schema")
+    return grammars.json_schema(schema, bool(strict), param=f"{at}.schema")
 
 
 # -- the fields, one at a time
@@ -333,7 +429,7 @@ def _content(value: Any, at: str) -> str:
     raise BadRequest(f"{at} must be a string or an array of text parts, not {shown(value)}", at)
 
 
-def _integer(body: Mapping, key: str, default: int, low: int, high: int, limit_key: str | None) -> int:
+def _integer(body: Mapping, key: str, default: int | None, low: int, high: int, limit_key: str | None) -> int | None:
     """body[key], an integer in [low, high] (`high` is this server's `limit_key` when one is named);
     `default` when it is absent."""
     value = body.get(key)

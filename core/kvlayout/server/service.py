@@ -28,8 +28,11 @@ import numpy as np
 from kvlayout.distributed import World
 from kvlayout.engines.prefixes import PrefixCache
 from kvlayout.engines.records import Request, Sample, Sampling, ignore_tokens
+from kvlayout.errors import ConfigError
+from kvlayout.grammar import Grammars
+from kvlayout.models.tokenizer import sampling_defaults
 from kvlayout.registry import plugin_manager
-from kvlayout.runner.job import Job, prepare
+from kvlayout.runner.job import Job, model_source, prepare
 from kvlayout.server import cellmap
 from kvlayout.server.config import ServeConfig
 from kvlayout.server.observer import CellObserver
@@ -48,6 +51,7 @@ class Service:
     created: int
     notices: list[str]
     counter: Any = attrs.field(factory=itertools.count)
+    grammars: Any = None  # kvlayout.grammar.Grammars over the model's tokenizer: response_format's compiler
 
     def follow(self) -> None:
         """A tensor-parallel server's rank other than 0: replay rank 0's engine until it stops.
@@ -76,9 +80,13 @@ class Service:
         draws from its own index, so two unseeded requests do not sample alike. `isolation`: its
         prefix-cache tenant (server.auth.isolation_key: its API key's and cache_salt's hash)."""
         index = next(self.counter)
-        sampling = Sampling(order.temperature, order.top_p, order.seed)
+        sampling = Sampling(order.temperature, order.top_p, order.seed, order.presence_penalty,
+                            order.frequency_penalty, order.logit_bias, order.logprobs)
         key = [order.seed] if order.seeded else [order.seed, index]
         samples = [Sample(index, j, np.random.default_rng([*key, j])) for j in range(order.n)]
+        if order.grammar is not None:  # each sample walks the grammar on its own
+            for sample in samples:
+                sample.constraint = order.grammar.matcher()
         return Request(index, list(order.prompt), order.max_tokens, order.n, samples, sampling=sampling,
                        isolation=isolation)
 
@@ -114,8 +122,12 @@ def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -
     shape = attrs.asdict(cfg, filter=lambda a, v: a.name != "base_dir")
     world.same_everywhere(json.dumps(shape, sort_keys=True, default=str).encode(), "the server's config")
     job = prepare(cfg, loaded, world=world)
-    cfg = job.cfg  # the fallback's, when the config's model could not be had
+    # The fallback's config, when the config's model could not be had; its sampling defaults resolved
+    # (the config's, else the model's generation_config.json's, else OpenAI's): what requests default to.
+    cfg = job.cfg = attrs.evolve(job.cfg, sampling=job.cfg.sampling.resolved(sampling_defaults(model_source(job.cfg))))
     notices = list(job.notices)
+    notices.append(f"requests that name no temperature sample at {cfg.sampling.temperature:g} (top_p "
+                   f"{cfg.sampling.top_p:g}); send temperature 0, or set [sampling] temperature = 0, for greedy")
     if job.tokenizer.chat_template is None:
         notices.append(f"{job.model_name} has no chat template: chat messages are sent to it as plain text")
     batch = job.cache.as_batch_control()
@@ -157,4 +169,15 @@ def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -
         top_p=cfg.sampling.top_p,
         seed=cfg.sampling.seed,
     )
-    return Service(cfg, job, limits.model_id, limits, worker, int(time.time()), notices)
+    return Service(cfg, job, limits.model_id, limits, worker, int(time.time()), notices,
+                   grammars=grammars_for(job, notices))
+
+
+def grammars_for(job: Job, notices: list[str]) -> Grammars | None:
+    """response_format's compiler over the model's tokenizer (llguidance builds its view on the first
+    schema); None, said in `notices`, for a model it cannot constrain (no end-of-sequence id)."""
+    try:
+        return Grammars(job.tokenizer, job.args.vocab_size, job.tokenizer.eos_ids)
+    except ConfigError as exc:
+        notices.append(f"structured output (response_format json_object / json_schema) is off: {exc}")
+        return None

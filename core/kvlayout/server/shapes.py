@@ -9,7 +9,7 @@ tokens reused from cached cells rather than prefilled).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -22,36 +22,40 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def completion(
-    chat: bool, rid: str, created: int, model: str, texts: Sequence[str], reasons: Sequence[str], use: dict
+    chat: bool, rid: str, created: int, model: str, texts: Sequence[str], reasons: Sequence[str], use: dict,
+    logprobs: Sequence[dict | None] | None = None,
 ) -> dict:
-    """A whole answer: one choice per sample."""
+    """A whole answer: one choice per sample (with its logprobs object, `chat_logprobs` or
+    `text_logprobs`, when the request asked for them)."""
+    logprobs = logprobs or [None] * len(texts)
     if chat:
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": None}
-            for i, (t, r) in enumerate(zip(texts, reasons))
+            {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": lp}
+            for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))
         ]
     else:
         choices = [
-            {"index": i, "text": t, "finish_reason": r, "logprobs": None}
-            for i, (t, r) in enumerate(zip(texts, reasons))
+            {"index": i, "text": t, "finish_reason": r, "logprobs": lp}
+            for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))
         ]
     obj = "chat.completion" if chat else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": use}
 
 
 def chunk(chat: bool, rid: str, created: int, model: str, index: int, text: str | None, reason: str | None,
-          first: bool = False) -> dict:
-    """One stream event of choice `index`: new text (None: none), and its finish_reason when it ends.
+          first: bool = False, logprobs: dict | None = None) -> dict:
+    """One stream event of choice `index`: new text (None: none), and its finish_reason when it ends;
+    `logprobs`: the logprobs object of the tokens since the last event, when the request asked.
 
     A chat stream's first chunk of a choice carries `role: assistant`, as OpenAI's does."""
     if chat:
         delta: dict = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
@@ -68,3 +72,44 @@ def error(message: str, kind: str = "invalid_request_error", param: str | None =
 
 def models(model_id: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "kvlayout"}]}
+
+
+# -- logprobs (engines.shaping.TokenLogprob records, the tokens' bytes by `token_bytes`)
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text as OpenAI writes it: the UTF-8 it holds, or, when it holds part of a
+    character, `bytes:` and its bytes escaped (`bytes:\\xe2\\x80`)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def chat_logprobs(records: Sequence, token_bytes: Callable[[int], bytes]) -> dict:
+    """Chat's `logprobs` object: one entry per token, each with its top alternatives."""
+
+    def entry(token: int, logprob: float) -> dict:
+        raw = token_bytes(token)
+        return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
+
+    content = [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]} for r in records]
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(records: Sequence, token_bytes: Callable[[int], bytes], before: bytes = b"") -> dict:
+    """The legacy completion's `logprobs` object, its tokens following the text `before` holds: each
+    token's `text_offset` counts the characters completed before it. Two alternatives with one text
+    keep the likelier one's logprob."""
+    tokens, offsets = [], []
+    for r in records:
+        offsets.append(len(before.decode("utf-8", errors="replace")))
+        raw = token_bytes(r.token)
+        tokens.append(token_text(raw))
+        before += raw
+    top = [{} for _ in records]
+    for alternatives, r in zip(top, records):
+        for t, lp in r.top:
+            alternatives.setdefault(token_text(token_bytes(t)), lp)
+    return {"tokens": tokens, "token_logprobs": [r.logprob for r in records], "top_logprobs": top,
+            "text_offset": offsets}

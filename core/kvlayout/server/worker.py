@@ -72,6 +72,7 @@ class Event:
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple = ()  # the sample's engines.shaping.TokenLogprob records since its last event
 
 
 @attrs.define(eq=False)
@@ -89,6 +90,7 @@ class Ticket:
     deadline: float | None = None  # time.monotonic() by which the engine must have started it, or None
     timed_out: bool = False  # it waited past its deadline: dropped before it started
     shut_down: bool = False  # the server's shutdown ended it: answered shutting_down()
+    logged: list[int] = attrs.field(factory=list)  # per sample, its logprob records already posted
 
     @property
     def done(self) -> bool:
@@ -280,7 +282,13 @@ class Worker:
             return
         final = sample.finish_reason is not None
         text = ticket.texts[sample.index].take_new(final=final)
-        ticket.post(Event(sample.index, text, sample.finish_reason, sample.error))
+        logprobs = ()
+        if sample.logprobs:
+            if not ticket.logged:
+                ticket.logged = [0] * ticket.order.n
+            logprobs = tuple(sample.logprobs[ticket.logged[sample.index]:])
+            ticket.logged[sample.index] = len(sample.logprobs)
+        ticket.post(Event(sample.index, text, sample.finish_reason, sample.error, logprobs))
         if final:
             ticket.finished += 1
             if ticket.done:
