@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import llguidance
@@ -258,12 +258,21 @@ class Grammars:
             raise BadRequest(f"invalid JSON schema: {shorten(exc)} (NaN and Infinity are not JSON)", param) from None
         except TypeError as exc:  # a value no JSON has (the server never passes one)
             raise BadRequest(f"invalid JSON schema: {shorten(exc)}", param) from None
-        key = source  # strict or not, the same text is the same grammar
+        # strict or not, the same text is the same grammar
+        return self.cached(source, lambda: Grammar(self.compile(source, param), source, self))
+
+    def lark(self, source: str, param: str) -> Grammar:
+        """A grammar in llguidance's Lark syntax (a forced tool call: server.tools), compiled (from the
+        cache when it was seen); BadRequest(message, param) when llguidance cannot compile it."""
+        return self.cached("lark:" + source, lambda: Grammar(self.compile(source, param, lark=True), source, self))
+
+    def cached(self, key: str, make: Callable[[], Grammar]) -> Grammar:
+        """The grammar cached under `key`, else `make()`'s, kept (least recently used ones go)."""
         with self.lock:
             if key in self.cache:
                 self.cache.move_to_end(key)
                 return self.cache[key]
-        grammar = Grammar(self.compile(source, param), source, self)  # outside the lock: others go on meanwhile
+        grammar = make()  # outside the lock: others go on meanwhile
         with self.lock:
             grammar = self.cache.setdefault(key, grammar)  # a thread that compiled it first wins
             self.cache.move_to_end(key)
@@ -271,16 +280,19 @@ class Grammars:
                 self.cache.popitem(last=False)
         return grammar
 
-    def compile(self, source: str, param: str) -> llguidance.LLMatcher:
-        """A matcher at the start of `source`'s grammar; BadRequest saying what llguidance said."""
+    def compile(self, source: str, param: str, lark: bool = False) -> llguidance.LLMatcher:
+        """A matcher at the start of `source`'s grammar (a JSON schema's text, or Lark's with `lark`);
+        BadRequest saying what llguidance said."""
         tokenizer = self.ll_tokenizer()
+        what = "grammar" if lark else "JSON schema"
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=COMPILE_OPTIONS)
+            grammar = (llguidance.LLMatcher.grammar_from_lark(source) if lark
+                       else llguidance.LLMatcher.grammar_from_json_schema(source, defaults=COMPILE_OPTIONS))
         except ValueError as exc:
-            raise BadRequest(f"invalid JSON schema: {shorten(exc)}", param) from None
+            raise BadRequest(f"invalid {what}: {shorten(exc)}", param) from None
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise BadRequest(f"invalid JSON schema: {shorten(template.get_error())}", param)
+            raise BadRequest(f"invalid {what}: {shorten(template.get_error())}", param)
         return template
 
 

@@ -334,3 +334,25 @@ def test_sampled_forks_with_penalties_each_generate_what_they_generate_alone(kin
     for j, got in enumerate(forked.samples):
         (alone,) = run(kind, tiny, [request(tiny, 0, QUESTIONS[1], 8, sampling, n=2, sample_ids=[j])])
         assert_same_samples(got, alone.samples[0])
+
+
+# -- scoring the prompt (a legacy completion's echo with logprobs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_scored_prompt_holds_each_tokens_logprob_given_what_precedes_it_across_chunks(kind, tiny):
+    model = tiny[0]
+    r = request(tiny, 0, QUESTIONS[1], 3)  # longer than a chunk of 16: scored over several steps
+    plain = request(tiny, 1, QUESTIONS[1], 3)
+    r.score_prompt = 3
+    run(kind, tiny, [r, plain])
+    prompt = r.prompt
+    assert len(prompt) > 16 and len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
+    for p in range(1, len(prompt)):
+        expected = log_softmax(cache_free_logits(model, prompt[:p]))
+        got = r.prompt_logprobs[p]
+        assert got.token == prompt[p] and abs(got.logprob - expected[prompt[p]]) < TOLERANCE
+        assert [t for t, _ in got.top] == list(np.argsort(-expected, kind="stable")[:3])
+        assert np.allclose([lp for _, lp in got.top], np.sort(expected)[::-1][:3], atol=TOLERANCE)
+    assert r.samples[0].generated == plain.samples[0].generated  # scoring changes no token
+    assert plain.prompt_logprobs == []  # nobody asked

@@ -126,7 +126,7 @@ def test_fields_asking_for_nothing_are_accepted():
         (chat, {"messages": [{"role": "user"}]}, "messages[0].content", 400),
         (chat, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", 400),
         (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]", 400),
-        (chat, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls", 400),
+        (chat, {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, "messages[0].tool_calls", 400),
         (chat, {"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name", 400),
         (text, {"temperature": 10**400}, "temperature", 400),
         (text, {"top_p": -(10**400)}, "top_p", 400),
@@ -134,7 +134,8 @@ def test_fields_asking_for_nothing_are_accepted():
         (chat, {"max_tokens": 5, "max_completion_tokens": 5}, "max_completion_tokens", 400),
         (chat, {"max_completion_tokens": 99}, "max_completion_tokens", 400),
         (chat, {"prompt": "x"}, "prompt", 400),  # a text field on the chat endpoint
-        (chat, {"tools": [{"type": "function"}]}, "tools", 400),
+        (chat, {"tools": [{"type": "function"}]}, "tools[0].function", 400),
+        (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),  # no template: no tools
     ],
 )
 def test_a_bad_field_is_refused_naming_it(parse, body, param, status):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import attrs
 import mlx.core as mx
 
-from kvlayout.engines import ahead, cell_state
+from kvlayout.engines import ahead, cell_state, shaping
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.options import EngineOptions
 from kvlayout.engines.prefixes import PrefixCache
@@ -159,14 +159,17 @@ class CellEngine:
         on_device = [self._draws_ahead(s) for s in feed.completing]
         host = [i for i, d in enumerate(on_device) if not d]
         device = [i for i, d in enumerate(on_device) if d]
-        # At least one row even when no prompt completes: evaluating it forces the cache writes.
-        row_ids = feed.rows or [feed.width - 1]
+        # At least one row even when no prompt completes: evaluating it forces the cache writes. The rows
+        # of prompts being scored (echo with logprobs) come after the drawing rows.
+        row_ids = feed.rows + feed.scored_rows if feed.scored_rows else (feed.rows or [feed.width - 1])
 
         # Every sample of a sequence completing on the host draws from that sequence's row of the host rows.
         hosted = [feed.completing[i] for i in host]
         on_host = HostDraw([(s.request, x, j) for j, s in enumerate(hosted) for x in s.samples], self.options.sampling)
 
         def read(logits):  # [R, V]: queue the device draws, then wait for the host's rows (if any)
+            if feed.scored_rows:
+                logits = feed.score(logits)  # the drawing rows left
             if not device:
                 return None, on_host.read(logits)
             drawn = ahead.draw(logits, self.stats, feed.prefill, feed.decode,
@@ -263,6 +266,17 @@ class Feed:
     prefill: int = 0
     decode: int = 0
     width: int = 0
+    # Prompts scored this step (Request.score_prompt): (request, first position, positions), their rows in order.
+    scored: list[tuple[Request, int, int]] = attrs.field(factory=list)
+    scored_rows: list[int] = attrs.field(factory=list)
+
+    def score(self, logits: mx.array) -> mx.array:
+        """Record the scored prompts' logprobs from their rows, at the end of `logits` `[R, V]`; the rows before."""
+        at = len(self.rows)
+        for request, start, count in self.scored:
+            shaping.score_prompt(request, start, logits[at : at + count])
+            at += count
+        return logits[: len(self.rows)]
 
     @classmethod
     def of(cls, plan: Plan) -> Feed:
@@ -274,6 +288,10 @@ class Feed:
             else:
                 f.pieces.append(s.tokens[s.cached : s.cached + k])
             f.positions += range(s.cached, s.cached + k)
+            scored = 0 if s.request.score_prompt is None else min(k, len(s.request.prompt) - 1 - s.cached)
+            if scored > 0:  # each of these positions' logits scores the prompt's next token
+                f.scored.append((s.request, s.cached, scored))
+                f.scored_rows += range(f.width, f.width + scored)
             f.width += k
             if k == s.pending:
                 f.rows.append(f.width - 1)

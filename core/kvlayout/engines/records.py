@@ -92,6 +92,11 @@ class Request:
     cached_tokens: int = 0
     started: bool = False
     isolation: str = ""  # prefix-cache tenant: only requests with the same key share kept prefixes
+    # Score the prompt (a legacy completion's echo with logprobs): None, not asked; else the alternatives
+    # per token. `prompt_logprobs` then holds, per prompt position, its token's TokenLogprob given what
+    # precedes it (None for the first, which nothing precedes); the prompt is prefilled, never reused.
+    score_prompt: int | None = None
+    prompt_logprobs: list = attrs.field(factory=list, repr=False)
 
 
 @attrs.define

@@ -185,7 +185,8 @@ class Scheduler:
             w = self.queue[0]
             if not within_cap(self.ids_held(), len(w.samples), self.max_samples):
                 break  # checked first: a request that waits evicts nothing
-            hit = self.reuse_for(w.tokens, w.request.isolation)
+            # A prompt to score is prefilled whole: cells reused from elsewhere would give no logits.
+            hit = None if w.request.score_prompt is not None else self.reuse_for(w.tokens, w.request.isolation)
             if hit is WAIT:
                 break  # what it shares with a prefill is not all in yet: wait rather than prefill it again
             # Nothing is evicted before the budget check: a request that waits must not empty the cache.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -13,7 +13,7 @@ from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.options import EngineOptions
 from kvlayout.engines.records import Request, Sample, end_sample, record_token
 from kvlayout.engines.recovery import guarded_forward
-from kvlayout.engines.shaping import HostDraw, TokenLogprob
+from kvlayout.engines.shaping import HostDraw, TokenLogprob, score_prompt
 from kvlayout.errors import CapacityError, ForwardFailed, Interrupted
 
 
@@ -167,10 +167,10 @@ class SeqEngine:
         fed = ahead.fed([(drawn, 0)]) if drawn is not None else tokens[cached : cached + k]
         decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) or drawn is not None else 0
         on_host = HostDraw([(r, s, 0)] if done else [], self.options.sampling)  # mid-prompt: nothing to draw
-        read = (lambda logits: ahead.draw(logits, self.stats, k - decode, decode)) if on_device else on_host.read
-        # One row even mid-prompt: evaluating it (or queueing its drawn token) forces this step's cache writes.
+        draw = (lambda logits: ahead.draw(logits, self.stats, k - decode, decode)) if on_device else on_host.read
+        rows, read = scoring(r, cached, k, draw)
         try:
-            row = guarded_forward(self.model, self.cache, fed, positions, [k - 1], read)
+            row = guarded_forward(self.model, self.cache, fed, positions, rows, read)
         except Interrupted:
             self._realign(cached)
             raise
@@ -221,3 +221,19 @@ class SeqEngine:
         if finished:
             self.generating = None
         return finished
+
+
+def scoring(r: Request, cached: int, k: int, draw: Callable) -> tuple[list[int], Callable]:
+    """The rows a step of `k` tokens from `cached` reads, and how: its last row through `draw`, after
+    the rows of prompt positions it scores (Request.score_prompt; each position's logits score the
+    prompt's next token). One row even mid-prompt: evaluating it (or queueing its drawn token)
+    forces the step's cache writes."""
+    scored = 0 if r.score_prompt is None else min(k, len(r.prompt) - 1 - cached)
+    if scored <= 0:
+        return [k - 1], draw
+
+    def read(logits):  # [scored + 1, V]: the scored rows, then the step's last
+        score_prompt(r, cached, logits[:scored])
+        return draw(logits[-1:])
+
+    return [*range(scored), k - 1], read

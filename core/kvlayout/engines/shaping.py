@@ -183,3 +183,28 @@ def token_logprob(logprobs: np.ndarray, token: int, top: int) -> TokenLogprob:
         head = sorted(np.concatenate([above, ties]).tolist(), key=lambda t: (-logprobs[t], t))
         alternatives = tuple((t, float(logprobs[t])) for t in head)
     return TokenLogprob(token, float(logprobs[token]), alternatives)
+
+
+def score_prompt(request: Request, start: int, logits: mx.array) -> None:
+    """Record in `request.prompt_logprobs` the logprobs of its prompt tokens `start + 1 ...` from the
+    logits `[E, V]` of positions `start ...` (each row predicts the next position's token), with
+    `request.score_prompt` alternatives each. Taken on the device: only `[E, top]` reaches the host."""
+    prompt, top = request.prompt, request.score_prompt
+    if not request.prompt_logprobs:
+        request.prompt_logprobs = [None] * len(prompt)
+    e = logits.shape[0]
+    x = logits.astype(mx.float32)
+    norm = mx.logsumexp(x, axis=-1, keepdims=True)  # [E, 1]
+    nxt = mx.array(prompt[start + 1 : start + 1 + e], dtype=mx.int32)[:, None]  # [E, 1]
+    out = [mx.take_along_axis(x, nxt, axis=-1) - norm]
+    if top:
+        ids = mx.argpartition(-x, kth=top - 1, axis=-1)[:, :top]  # [E, top], in no order
+        out += [ids, mx.take_along_axis(x, ids, axis=-1) - norm]
+    mx.eval(out)
+    chosen = np.array(out[0])[:, 0]
+    ids, values = (np.array(out[1]).tolist(), np.array(out[2]).tolist()) if top else ((), ())
+    for i in range(e):
+        alternatives: tuple[tuple[int, float], ...] = ()
+        if top:
+            alternatives = tuple(sorted(zip(ids[i], values[i]), key=lambda p: (-p[1], p[0])))
+        request.prompt_logprobs[start + 1 + i] = TokenLogprob(prompt[start + 1 + i], float(chosen[i]), alternatives)

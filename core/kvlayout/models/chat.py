@@ -45,11 +45,16 @@ class ChatTemplate:
         self.specials = dict(specials)
         self.origin = origin
 
-    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The template's text for `messages`; `tools` (OpenAI's function tools) go to the template's
+        `tools`, as transformers' apply_chat_template(tools=...) passes them (left out when None)."""
+        context = {} if tools is None else {"tools": [dict(t) for t in tools]}
         try:
             template = compile_template(self.source)
             return template.render(
-                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **self.specials
+                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **self.specials,
+                **context,
             )
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(
@@ -62,13 +67,14 @@ class ChatTemplate:
                 f"{self.origin}: the chat template failed on the messages ({type(exc).__name__}: {one_line(exc)})"
             ) from None
 
-    def render_parts(self, messages: Sequence[Mapping[str, str]], rendered: str) -> list[tuple[str, bool]] | None:
-        """`rendered` (this template's text for `messages`) cut into the template's own text and the
-        messages' contents, in order: (text, is_content). Found by rendering again with a marker in
-        place of each content; None when the template changes a content (trims it, say) so that the
-        markers do not give back `rendered`."""
+    def render_parts(self, messages: Sequence[Mapping[str, Any]], rendered: str,
+                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[str, bool]] | None:
+        """`rendered` (this template's text for `messages` and `tools`) cut into the template's own text
+        and the messages' contents, in order: (text, is_content). Found by rendering again with a
+        marker in place of each content; None when the template changes a content (trims it, say) so
+        that the markers do not give back `rendered`."""
         marked = [{**m, "content": f"{CONTENT_MARK}{i}{CONTENT_MARK}"} for i, m in enumerate(messages)]
-        pieces = self.render(marked).split(CONTENT_MARK)
+        pieces = self.render(marked, tools=tools).split(CONTENT_MARK)
         parts = []
         for k, piece in enumerate(pieces):
             if k % 2 == 0:

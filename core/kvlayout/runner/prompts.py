@@ -62,13 +62,13 @@ def build_prompt(i: int, spec: RequestSpec, tok: Any, plain_chat: bool) -> tuple
     return Prompt(ids, text, messages), False
 
 
-def encode_chat(text: str, messages: list[dict], tok: Any) -> list[int]:
-    """The ids of `text`, the template's rendering of `messages`: its markup's special tokens parsed,
-    the messages' contents read literally (the module docstring)."""
+def encode_chat(text: str, messages: list[dict], tok: Any, tools: list[dict] | None = None) -> list[int]:
+    """The ids of `text`, the template's rendering of `messages` (and `tools`): its markup's special
+    tokens parsed, the messages' contents read literally (the module docstring)."""
     specials = tok.special_texts
     if not any(s in m["content"] for m in messages for s in specials):
         return tok.encode(text, add_special_tokens=False)
-    parts = tok.chat_template.render_parts(messages, text)
+    parts = tok.chat_template.render_parts(messages, text, tools)
     if parts is None:
         raise ConfigError(
             "a message's content holds a special token's text (e.g. <|im_end|>) and the chat template changes "

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -38,12 +39,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvlayout.engines.shaping import TokenLogprob
 from kvlayout.errors import BadRequest, KVLayoutError, one_line
 from kvlayout.server import cellmap, monitor, shapes
 from kvlayout.server.auth import ApiKeys, isolation_key, tenant_of
 from kvlayout.server.hosts import HostCheck
 from kvlayout.server.requests import parse_chat, parse_completion
 from kvlayout.server.service import Service
+from kvlayout.server.tools import ToolCallReader
 from kvlayout.server.worker import Event, Ticket, new_ticket, queue_timed_out, shutting_down
 
 FRAME_POLL_S = 0.05  # how often a /cells stream looks for a new frame
@@ -269,6 +272,7 @@ async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[di
     """The chunks of a streamed answer, as OpenAI sends them, then usage when asked for."""
     order, model = ticket.order, service.model_id
     reported = Logprobs(order, service.tokenizer.token_bytes)
+    calls = Calls(order)
     if order.chat:  # each choice opens with the assistant's role, as OpenAI's stream does
         for i in range(order.n):
             yield shapes.chunk(True, rid, service.created, model, i, "", None, first=True)
@@ -280,10 +284,12 @@ async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[di
             yield shapes.error(f"generation failed: {event.error}", "server_error")
             return
         reason = event.finish_reason if event.finish_reason in ("stop", "length") else None
+        event = reported.echoed(event, ticket.request)  # a choice's first event opens with the prompt (echo)
         logprobs = reported.of(event)
-        if event.text or reason or logprobs:
-            yield shapes.chunk(order.chat, rid, service.created, model, event.index, event.text or None, reason,
-                               logprobs=logprobs)
+        text, new_calls, reason = calls.read(event.index, event.text, reason)
+        if text or reason or logprobs or new_calls:
+            yield shapes.chunk(order.chat, rid, service.created, model, event.index, text or None, reason,
+                               logprobs=logprobs, tool_calls=new_calls)
     refusal = cut_short(ticket)
     if refusal is not None:  # its error event, then [DONE]: the client knows it was cut short, and why
         yield shapes.error(refusal.message, refusal.kind, code=refusal.code)
@@ -387,13 +393,46 @@ async def whole(request: Request, ticket: Ticket, rid: str, service: Service) ->
         raise refusal
     if ticket.failed is not None or error is not None:
         raise BadRequest(f"generation failed: {ticket.failed or error}", status=500, kind="server_error")
+    reported = Logprobs(order, service.tokenizer.token_bytes)
+    echoed = [reported.echoed(Event(i, t, logprobs=tuple(r)), ticket.request) for i, (t, r) in
+              enumerate(zip(texts, records))]
     logprobs = None
     if order.logprobs is not None:
-        reported = Logprobs(order, service.tokenizer.token_bytes)
-        logprobs = [reported.of(Event(i, "", logprobs=tuple(r))) or reported.empty() for i, r in enumerate(records)]
-    body = shapes.completion(order.chat, rid, service.created, service.model_id, texts, reasons, usage_of(ticket),
-                             logprobs)
+        logprobs = [reported.of(e) or reported.empty() for e in echoed]
+    calls = Calls(order)
+    read = [calls.read(i, e.text, r) for i, (e, r) in enumerate(zip(echoed, reasons))]
+    body = shapes.completion(order.chat, rid, service.created, service.model_id, [t for t, _, _ in read],
+                             [r for _, _, r in read], usage_of(ticket), logprobs, calls.made())
     return JSONResponse(body)
+
+
+class Calls:
+    """Each choice's text read for tool calls (server.tools.ToolCallReader) when the chat's tools allow
+    them; the text as it is otherwise."""
+
+    def __init__(self, order):
+        tools = order.tools
+        live = tools is not None and tools.calls_allowed
+        self.readers = [ToolCallReader(tools.names) for _ in range(order.n)] if live else None
+
+    def read(self, index: int, text: str, reason: str | None) -> tuple[str, list[dict] | None, str | None]:
+        """(content to send, the calls that closed meanwhile as a stream's deltas, each with its index
+        among the choice's calls (None: none), finish_reason) for `text`, the next piece of choice
+        `index`; `reason` set: its last. A reply that called a tool and stopped ends with
+        "tool_calls", as OpenAI's does."""
+        if self.readers is None:
+            return text, None, reason
+        reader = self.readers[index]
+        content = reader.feed(text) + (reader.finish() if reason is not None else "")
+        fresh = reader.new_calls()
+        first = len(reader.calls) - len(fresh)
+        if reason == "stop" and reader.calls:
+            reason = "tool_calls"
+        return content, [{"index": first + k, **call} for k, call in enumerate(fresh)] or None, reason
+
+    def made(self) -> list[list[dict]] | None:
+        """Each choice's calls, once its text was read whole (None without tools)."""
+        return None if self.readers is None else [reader.calls for reader in self.readers]
 
 
 class Logprobs:
@@ -403,6 +442,20 @@ class Logprobs:
     def __init__(self, order, token_bytes):
         self.order, self.token_bytes = order, token_bytes
         self.before = [b""] * order.n  # each choice's bytes so far (legacy text offsets count their characters)
+        self.opened = [False] * order.n  # echo: the choice's text has opened with the prompt
+
+    def echoed(self, event: Event, request) -> Event:
+        """`event` as a choice's first event goes out when the request echoes its prompt: the prompt's
+        text before its own, and the prompt's logprobs (its first token has none) before its records.
+        An order of max_tokens 0 shows none of the token its engine request generated."""
+        if self.order.max_tokens == 0:
+            event = attrs.evolve(event, text="", logprobs=())
+        if self.order.echo is None or self.opened[event.index]:
+            return event
+        self.opened[event.index] = True
+        prompt = tuple(request.prompt_logprobs) or (None,) * len(request.prompt)
+        records = (TokenLogprob(request.prompt[0], None), *prompt[1:]) + tuple(event.logprobs)
+        return attrs.evolve(event, text=self.order.echo + event.text, logprobs=records)
 
     def of(self, event: Event) -> dict | None:
         """The logprobs object of `event`'s records; None when the request asked for none or it has none."""
@@ -440,7 +493,7 @@ async def next_event_unless(ticket: Ticket, gone: asyncio.Future) -> Event | Non
 
 def usage_of(ticket: Ticket) -> dict:
     r = ticket.request
-    completion = sum(len(s.generated) for s in r.samples)
+    completion = sum(len(s.generated) for s in r.samples) if ticket.order.max_tokens else 0  # 0: echo only
     return shapes.usage(len(r.prompt), completion, r.cached_tokens)
 
 

@@ -42,6 +42,8 @@ def request_record(request: Request) -> dict:
         "rngs": [sample.rng.bit_generator.state for sample in request.samples],
         "stop": [list(getattr(sample.stopper, "stop", ())) for sample in request.samples],
         "isolation": request.isolation,  # the followers' prefix caches must share exactly as rank 0's does
+        # A scored prompt's forwards read every prompt row (Request.score_prompt): every rank's must be the same.
+        "score_prompt": request.score_prompt,
     }
 
 
@@ -56,7 +58,7 @@ def rebuild_request(record: dict, decode: Callable) -> Request:
         samples.append(sample)
     sampling = None if record["sampling"] is None else Sampling(*record["sampling"])
     return Request(record["index"], record["prompt"], record["max_tokens"], record["n"], samples, sampling=sampling,
-                   isolation=record["isolation"])
+                   isolation=record["isolation"], score_prompt=record["score_prompt"])
 
 
 class Leading:

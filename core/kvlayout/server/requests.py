@@ -5,16 +5,22 @@ OpenAI's fields, with OpenAI's meaning: `model`, `messages` (chat) or
 chat), `temperature`, `top_p`, `seed`, `n`, `stop`, `stream`,
 `stream_options.include_usage`, `presence_penalty`, `frequency_penalty`,
 `logit_bias`, `logprobs` (chat: with `top_logprobs`; legacy: the number of
-alternatives), chat's `response_format` (text, json_object, json_schema:
-compiled to a grammar the engine decodes under, kvlayout.grammar); and
-vLLM's `cache_salt` (a non-empty string: only requests with the same salt,
-under the same API key, share cached prefixes; `Order.cache_salt`,
-server.service). Fields we cannot honour are accepted only at the value that
-means "off" (`echo: false`, no `tools`, ...): anything else is refused rather
-than silently ignored, as is a field we do not know. Fields that cannot change the answer are checked as OpenAI checks
-them and then ignored: `user`, `metadata`, `service_tier`,
-`reasoning_effort` (none of our models reasons), `parallel_tool_calls`
-(without tools), `stream_options.include_obfuscation`, a message's `name`.
+alternatives), the legacy `echo` (the prompt before the answer; with
+logprobs, the prompt's own, as lm-evaluation-harness's loglikelihood asks),
+chat's `response_format` (text, json_object, json_schema: compiled to a
+grammar the engine decodes under, kvlayout.grammar), chat's `tools`,
+`tool_choice` and `parallel_tool_calls` with tool calls and results in the
+history (server.tools: rendered by a template that teaches `<tool_call>`
+blocks; a forced choice compiled to a grammar too); and vLLM's `cache_salt`
+(a non-empty string: only requests with the same salt, under the same API
+key, share cached prefixes; `Order.cache_salt`, server.service). Fields we
+cannot honour are accepted only at the value that means "off" (`best_of:
+1`, no `suffix`): anything else is refused rather than silently ignored, as
+is a field we do not know. Fields that cannot change the answer are checked
+as OpenAI checks them and then ignored: `user`, `metadata`, `service_tier`,
+`reasoning_effort` (none of our models reasons),
+`stream_options.include_obfuscation`, a message's `name`, the empty fields
+the OpenAI SDK echoes of an answer's message (`refusal: null`...).
 Every refusal is a `BadRequest` naming the field (`param`), which
 the app answers with OpenAI's error object; nothing of the server changes.
 
@@ -39,7 +45,8 @@ from kvlayout.checks import finite_number, int_scalar, shown
 from kvlayout.errors import BadRequest, ConfigError
 from kvlayout.models.chat import ROLES
 from kvlayout.runner.config import Message, RequestSpec
-from kvlayout.runner.prompts import build_prompt, plain_text
+from kvlayout.runner.prompts import build_prompt, encode_chat, plain_text
+from kvlayout.server.tools import Tools, carries_tools, detects, parse_tools, template_message, tool_call_grammar
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_SEED = 2**63 - 1
@@ -48,12 +55,7 @@ STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 NEUTRAL = {
     "user": None,  # any string: an end-user id OpenAI uses for abuse monitoring; nothing to do here
     "best_of": (None, 1),
-    "echo": (False, None),
     "suffix": (None,),
-    "tools": (None,),
-    "tool_choice": (None, "none"),
-    # With no tools (none are taken) there is no call to make in parallel or not.
-    "parallel_tool_calls": (None, True, False),
     # OpenAI keeps a stored completion for reading back later; this server keeps none (no route to read one
     # back), so asking for it is refused rather than answered as if it were kept.
     "store": (None, False),
@@ -71,11 +73,13 @@ IGNORED = {
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on metadata
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "n", "stop", "stream", "stream_options", "cache_salt",
           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
-CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format")
-TEXT_FIELDS = (*COMMON, "prompt")
-NEUTRAL_CHAT = ("user", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
-                "reasoning_effort")
-NEUTRAL_TEXT = ("user", "best_of", "echo", "suffix")
+CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+               "parallel_tool_calls")
+TEXT_FIELDS = (*COMMON, "prompt", "echo")
+NEUTRAL_CHAT = ("user", "store", "metadata", "service_tier", "reasoning_effort")
+NEUTRAL_TEXT = ("user", "best_of", "suffix")
+ECHOED_EMPTY = {"tool_calls": (None, []), "function_call": (None,), "refusal": (None,), "audio": (None,),
+                "annotations": (None, [])}
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs; the legacy logprobs: N is held to it too
 PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
 BIAS = 100.0  # a logit_bias value lies in [-100, 100]
@@ -115,7 +119,10 @@ class Order:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, amount), ids ascending
     logprobs: int | None = None  # alternatives reported per token (chat's top_logprobs, legacy logprobs); None: off
-    grammar: Any = None  # response_format's grammar (kvlayout.grammar.Grammar); None: free text
+    grammar: Any = None  # response_format's or a forced tool call's grammar (kvlayout.grammar.Grammar); None: free
+    tools: Any = None  # the chat's tools (server.tools.Tools): its replies are read for calls; None: none given
+    echo: str | None = None  # the legacy echo: the prompt's text, written before each answer; None: not asked
+    # max_tokens 0 (only with echo): the engine generates one token, which the answer leaves out (app.Logprobs)
 
 
 def parse_chat(body: Any, limits: Limits, tokenizer: Any, plain_chat: bool, grammars: Any = None) -> Order:
@@ -124,10 +131,23 @@ def parse_chat(body: Any, limits: Limits, tokenizer: Any, plain_chat: bool, gram
     body = _object(body)
     _known(body, CHAT_FIELDS, NEUTRAL_CHAT)
     grammar = response_grammar(body.get("response_format"), grammars)
-    messages = _messages(body.get("messages"))
+    tools = parse_tools(body)
     if "max_completion_tokens" in body and body.get("max_tokens") is not None:
         raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     limit_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    raw = body.get("messages")
+    # tool_choice "none" and no calls in the history: the tools cannot change the answer; no template reads them.
+    if (tools is not None and tools.calls_allowed) or (isinstance(raw, list) and any(carries_tools(m) for m in raw)):
+        ids = _tool_chat_ids(raw, tools, tokenizer, limits)
+        grammar = forced_call(tools, grammar, grammars)
+    else:
+        ids = _chat_ids(_messages(raw), tokenizer, limits, plain_chat)
+    order = _order(body, limits, ids, "messages", limit_field, chat=True)
+    return attrs.evolve(order, grammar=grammar, tools=tools)
+
+
+def _chat_ids(messages: tuple[Message, ...], tokenizer: Any, limits: Limits, plain_chat: bool) -> list[int]:
+    """The prompt of a chat without tools: rendered by the model's template, or its contents joined."""
     spec = RequestSpec(messages=messages, where="request")
     if tokenizer.chat_template is None and plain_chat:
         # The model has no template (the server said so as it started): the contents, joined.
@@ -146,7 +166,44 @@ def parse_chat(body: Any, limits: Limits, tokenizer: Any, plain_chat: bool, gram
             if tokenizer.chat_template is None:
                 why += "; or send the text to /v1/completions"
             raise BadRequest(why, "messages") from None
-    return attrs.evolve(_order(body, limits, ids, "messages", limit_field, chat=True), grammar=grammar)
+    return ids
+
+
+def _tool_chat_ids(value: Any, tools: Tools | None, tokenizer: Any, limits: Limits) -> list[int]:
+    """The prompt of a chat with tools, or with tool calls and results in its history: the messages
+    (server.tools.template_message for those) and the tools rendered by a template that teaches the
+    call format the server reads; BadRequest for any other model. tool_choice "none" leaves the tools out."""
+    template = tokenizer.chat_template
+    if template is None or not detects(template.source):
+        raise BadRequest("this model's chat template does not teach tool calls in a format this server reads "
+                         "(<tool_call> blocks, as Qwen's and Hermes' templates write them); send the chat "
+                         "without tools", "tools" if tools is not None else "messages")
+    if not isinstance(value, list) or not value:
+        _messages(value)  # its refusal
+    messages = [template_message(m, f"messages[{i}]") if carries_tools(m) else
+                attrs.asdict(_messages([m], first=i)[0]) for i, m in enumerate(value)]
+    definitions = list(tools.definitions) if tools is not None and tools.calls_allowed else None
+    try:
+        text = template.render(messages, tools=definitions)
+        _could_fit(text, tokenizer, limits, "messages")
+        return encode_chat(text, messages, tokenizer, definitions)
+    except ConfigError as exc:
+        raise BadRequest(str(exc), "messages") from None
+
+
+def forced_call(tools: Tools | None, grammar: Any, grammars: Any) -> Any:
+    """The grammar of a reply tool_choice forces to be calls ("required", a named function), else `grammar`
+    (response_format's). BadRequest when both would constrain it, or when the server has no grammars."""
+    source = None if tools is None else tool_call_grammar(tools)
+    if source is None:
+        return grammar
+    if grammar is not None:
+        raise BadRequest("tool_choice forces a tool call and response_format a JSON answer; ask for one of them",
+                         "tool_choice")
+    if grammars is None:
+        raise BadRequest(f"tool_choice {tools.choice} needs structured output, which is off on this server",
+                         "tool_choice")
+    return grammars.lark(source, "tools")
 
 
 def parse_completion(body: Any, limits: Limits, tokenizer: Any) -> Order:
@@ -170,7 +227,15 @@ def parse_completion(body: Any, limits: Limits, tokenizer: Any) -> Order:
         raise BadRequest(
             f"prompt must be a non-empty string or a non-empty array of token ids, not {shown(prompt)}", "prompt"
         )
-    return _order(body, limits, ids, "prompt", "max_tokens", chat=False)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise BadRequest(f"echo must be true or false, not {shown(echo)}", "echo")
+    # max_tokens 0 with echo scores the prompt and generates nothing (what scoring clients send): the
+    # engine draws the one token the prompt's last logits give anyway, and the answer leaves it out.
+    score_only = echo is True and body.get("max_tokens") == 0 and type(body.get("max_tokens")) is int
+    order = _order({**body, "max_tokens": 1} if score_only else body, limits, ids, "prompt", "max_tokens", chat=False)
+    text = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if echo else None
+    return attrs.evolve(order, echo=text, max_tokens=0 if score_only else order.max_tokens)
 
 
 def _could_fit(text: str, tokenizer: Any, limits: Limits, field: str) -> None:
@@ -385,17 +450,20 @@ def _metadata(value: Any) -> None:
                              f"{shown(v)}", f"metadata.{k}")
 
 
-def _messages(value: Any) -> tuple[Message, ...]:
+def _messages(value: Any, first: int = 0) -> tuple[Message, ...]:
+    """The messages of a chat (`first`: the index of value[0] in the request's, for the refusals' paths)."""
     if not isinstance(value, list) or not value:
         raise BadRequest(
             f"messages must be a non-empty array of {{role, content}} objects, not {shown(value)}", "messages"
         )
     out = []
-    for i, m in enumerate(value):
+    for i, m in enumerate(value, first):
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"{at} must be an object with role and content, not {shown(m)}", at)
-        unknown = [k for k in m if k not in ("role", "content", "name")]
+        # What the OpenAI SDK echoes of an answer's message (model_dump) is taken at its empty value.
+        unknown = [k for k in m if k not in ("role", "content", "name")
+                   and not (k in ECHOED_EMPTY and m[k] in ECHOED_EMPTY[k])]
         if unknown:
             raise BadRequest(f"{at}.{unknown[0]}: unrecognized message field", f"{at}.{unknown[0]}")
         # A participant's name (OpenAI's, on any role we take): checked, then dropped. It cannot change the

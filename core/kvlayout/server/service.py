@@ -87,8 +87,10 @@ class Service:
         if order.grammar is not None:  # each sample walks the grammar on its own
             for sample in samples:
                 sample.constraint = order.grammar.matcher()
-        return Request(index, list(order.prompt), order.max_tokens, order.n, samples, sampling=sampling,
-                       isolation=isolation)
+        score = order.logprobs if order.echo is not None else None  # echo with logprobs: the prompt's own too
+        # max_tokens 0 (echo: the prompt scored, nothing generated): the one token its last logits give, left out
+        return Request(index, list(order.prompt), max(order.max_tokens, 1), order.n, samples, sampling=sampling,
+                       isolation=isolation, score_prompt=score)
 
 
 def model_id_of(cfg: ServeConfig) -> str:

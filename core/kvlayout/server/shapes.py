@@ -23,15 +23,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 def completion(
     chat: bool, rid: str, created: int, model: str, texts: Sequence[str], reasons: Sequence[str], use: dict,
-    logprobs: Sequence[dict | None] | None = None,
+    logprobs: Sequence[dict | None] | None = None, tool_calls: Sequence[list[dict] | None] | None = None,
 ) -> dict:
     """A whole answer: one choice per sample (with its logprobs object, `chat_logprobs` or
-    `text_logprobs`, when the request asked for them)."""
+    `text_logprobs`, when the request asked for them; a chat choice with its `tool_calls`, when it
+    made some: its content then null when it wrote nothing else)."""
     logprobs = logprobs or [None] * len(texts)
+    tool_calls = tool_calls or [None] * len(texts)
     if chat:
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": lp}
-            for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))
+            {"index": i, "message": message(t, calls), "finish_reason": r, "logprobs": lp}
+            for i, (t, r, lp, calls) in enumerate(zip(texts, reasons, logprobs, tool_calls))
         ]
     else:
         choices = [
@@ -42,16 +44,28 @@ def completion(
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": use}
 
 
+def message(text: str, calls: list[dict] | None) -> dict:
+    """A chat choice's message: its text, and its tool calls when it made some (then its content is
+    null unless it wrote something beside them)."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": calls}
+
+
 def chunk(chat: bool, rid: str, created: int, model: str, index: int, text: str | None, reason: str | None,
-          first: bool = False, logprobs: dict | None = None) -> dict:
+          first: bool = False, logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     """One stream event of choice `index`: new text (None: none), and its finish_reason when it ends;
-    `logprobs`: the logprobs object of the tokens since the last event, when the request asked.
+    `logprobs`: the logprobs object of the tokens since the last event, when the request asked;
+    `tool_calls`: the calls completed since the last event, each whole in one delta (with its index
+    among the choice's calls, as OpenAI's deltas number them).
 
     A chat stream's first chunk of a choice carries `role: assistant`, as OpenAI's does."""
     if chat:
         delta: dict = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
@@ -107,7 +121,7 @@ def text_logprobs(records: Sequence, token_bytes: Callable[[int], bytes], before
         raw = token_bytes(r.token)
         tokens.append(token_text(raw))
         before += raw
-    top = [{} for _ in records]
+    top: list[dict | None] = [{} if r.logprob is not None else None for r in records]  # an echoed first token: None
     for alternatives, r in zip(top, records):
         for t, lp in r.top:
             alternatives.setdefault(token_text(token_bytes(t)), lp)
