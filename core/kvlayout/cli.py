@@ -515,6 +515,8 @@ def serve_config(args: argparse.Namespace):
     # own address is let in, hosts.HostCheck), and 0.0.0.0 is no name a client should give.
     named = [args.host] if is_host_name(args.host) and not args.host.replace(".", "").isdigit() else []
     cfg = cfg.with_allowed_hosts([*args.allowed_host, *named]).with_cors_origins(args.cors_origin)
+    if args.prefix_store is not None:  # from the current directory, as a path on the command line is
+        cfg = cfg.with_prefix_store(str(Path(args.prefix_store).expanduser().resolve()))
     return cfg.with_api_keys(read_keys(args.api_key, args.api_key_file, os.environ.get("KVLAYOUT_API_KEY")))
 
 
@@ -728,6 +730,11 @@ def _add_serve_command(sub) -> None:
         "--cors-origin", action="append", default=[], metavar="ORIGIN",
         help="let web pages of ORIGIN (http(s)://host[:port], or * for any) call the server from a browser "
         "(repeatable; also server.cors_origins). Without it no CORS header is sent, so other sites' pages cannot",
+    )
+    server.add_argument(
+        "--prefix-store", type=given, metavar="DIR",
+        help="keep prefixes the cells evict, and all of them at shutdown, in DIR, and load them again for prompts "
+        "that start with them, across restarts (also server.prefix_store; budget: server.prefix_store_bytes)",
     )
     _add_blas_flag(server)
     server.set_defaults(func=_serve)

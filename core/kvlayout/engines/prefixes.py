@@ -36,6 +36,12 @@ already covers is not kept. Eviction is least recently used first, and is
 still owns stay, so eviction never touches what a live sequence reads.
 The engine evicts when live work needs ids or cells, and, to keep a newly
 prefilled prompt when ids are short, the least recently used entry.
+
+With a store (engines.prefix_store, a server's `--prefix-store DIR`), an
+evicted entry is written to disk first, and `flush` writes them all (the
+server stopping); `find` loads a stored prefix that shares more with the new
+tokens than the cells can lend into fresh cells (`load_seq`: through the
+placement hook, as a step is placed), keeps it as an entry, and finds again.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -78,12 +85,14 @@ class PrefixCache:
     (it releases them with `seq_rm`); the engine hands it ids to keep.
     """
 
-    def __init__(self, control, block: int = DEFAULT_BLOCK):
+    def __init__(self, control, block: int = DEFAULT_BLOCK, store: Any = None):
         self.bc, self.block = control, int_scalar("PrefixCache.block", block, ConfigError, minimum=1)
+        self.store = store  # an engines.prefix_store.PrefixStore: entries outlive the cells (None: they do not)
         self.entries: dict[int, Entry] = {}
         self.index: dict[int, set[int]] = collections.defaultdict(set)
         self.clock = itertools.count(1)
         self.lookups = self.hits = self.reused_tokens = self.evictions = 0
+        self.loaded = 0  # entries taken into the cells from the store: each a verb on the table
 
     def __len__(self) -> int:
         """Ids the entries hold."""
@@ -104,10 +113,34 @@ class PrefixCache:
 
     # -- finding
 
-    def find(self, tokens: Sequence[int], limit: int, isolation: str = "") -> Hit | None:
+    def find(self, tokens: Sequence[int], limit: int, isolation: str = "", room: int | None = None) -> Hit | None:
         """The longest reuse for `tokens` among `isolation`'s entries, at most `limit` of them (a
         sequence must feed at least one token to get logits); None when no entry shares a whole first
-        block. An entry is reused only as far as the cache can continue it (`usable`)."""
+        block. An entry is reused only as far as the cache can continue it (`usable`). With a store,
+        a stored prefix sharing more than the cells do is loaded into them first, as an entry, when it
+        takes at most `room` cells (None: as many as are free; the placement says when they are not)."""
+        hit = self.find_in_cells(tokens, limit, isolation)
+        held = 0 if hit is None else hit.length
+        if self.store is not None and self.load_better(tokens, limit, isolation, held, room):
+            hit = self.find_in_cells(tokens, limit, isolation)
+        return hit
+
+    def load_better(self, tokens: Sequence[int], limit: int, isolation: str, held: int, room: int | None) -> bool:
+        """Load the stored prefix of `isolation` sharing the most with `tokens` (at most `limit`) into the
+        cells as an entry, when it shares more than the `held` tokens the cells can lend and fits in
+        `room` cells: whether it did."""
+        best = self.store.best(tokens, limit, isolation)
+        if best is None or best[1] <= held or (room is not None and len(best[0].tokens) > room):
+            return False
+        stored = best[0]
+        seq_id = self.store.load(stored)  # None: no room in the cells (nothing changed), or a damaged file
+        if seq_id is None:
+            return False
+        self.loaded += 1
+        return self.keep(seq_id, stored.tokens, None, isolation=isolation)
+
+    def find_in_cells(self, tokens: Sequence[int], limit: int, isolation: str = "") -> Hit | None:
+        """`find` among the entries the cells hold."""
         depths = self._holders(tokens, limit, isolation)
         for holders in reversed(depths):  # the deepest first: its holders share the most whole blocks
             # The longest usable exact match among them (the most recently used on a tie); none usable
@@ -197,13 +230,24 @@ class PrefixCache:
         self.bc.seq_rm(seq_id)
 
     def evict(self, spare: int | None = None) -> bool:
-        """Drop the least recently used entry other than `spare`: True, or False when there is none."""
+        """Drop the least recently used entry other than `spare` (written to the store first, when there
+        is one): True, or False when there is none."""
         victims = [i for i in self.entries if i != spare]
         if not victims:
             return False
-        self.drop(min(victims, key=lambda i: self.entries[i].used))
+        victim = min(victims, key=lambda i: self.entries[i].used)
+        if self.store is not None:
+            entry = self.entries[victim]
+            self.store.put(victim, entry.tokens, entry.isolation)  # a failure is the store's to say; evicted anyway
+        self.drop(victim)
         self.evictions += 1
         return True
+
+    def flush(self) -> int:
+        """Write every entry to the store (the server stopping): how many it holds now. 0 without a store."""
+        if self.store is None:
+            return 0
+        return sum(self.store.put(i, e.tokens, e.isolation) for i, e in list(self.entries.items()))
 
     def forget(self) -> None:
         """The cache was cleared under the entries: forget them (their ids are gone already)."""
@@ -211,7 +255,7 @@ class PrefixCache:
         self.index.clear()
 
     def snapshot(self) -> dict:
-        return {
+        out = {
             "entries": len(self.entries),
             "tokens": self.tokens,
             "lookups": self.lookups,
@@ -219,6 +263,9 @@ class PrefixCache:
             "reused_tokens": self.reused_tokens,
             "evictions": self.evictions,
         }
+        if self.store is not None:
+            out["store"] = self.store.snapshot()
+        return out
 
 
 def chain_seed(isolation: str) -> int:

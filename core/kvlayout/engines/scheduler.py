@@ -186,7 +186,9 @@ class Scheduler:
             if not within_cap(self.ids_held(), len(w.samples), self.max_samples):
                 break  # checked first: a request that waits evicts nothing
             # A prompt to score is prefilled whole: cells reused from elsewhere would give no logits.
-            hit = None if w.request.score_prompt is not None else self.reuse_for(w.tokens, w.request.isolation)
+            # A stored prefix is loaded only into cells the step's declared plan leaves free.
+            room = self.bc.free_cells - sum(k for _, k in plan)
+            hit = None if w.request.score_prompt is not None else self.reuse_for(w.tokens, w.request.isolation, room)
             if hit is WAIT:
                 break  # what it shares with a prefill is not all in yet: wait rather than prefill it again
             # Nothing is evicted before the budget check: a request that waits must not empty the cache.
@@ -330,15 +332,19 @@ class Scheduler:
 
     # -- the prefix cache (engines.prefixes)
 
-    def reuse_for(self, tokens: list[int], isolation: str = "") -> Hit | None | object:
+    def reuse_for(self, tokens: list[int], isolation: str = "", room: int | None = None) -> Hit | None | object:
         """The cells a sequence of `tokens` may start from: a kept prefix, or a prompt still
         prefilling that shares at least a block more (as far as it is in; WAIT while that is not
         all of what it shares); None for nothing. Clients sending one system prompt at once: the
         first prefills it, the others clone it as far as it is in, or wait. Only sequences of
-        the same `isolation` key (Request.isolation) lend their cells."""
+        the same `isolation` key (Request.isolation) lend their cells. A prefix kept on disk
+        (engines.prefix_store) is loaded into at most `room` free cells (PrefixCache.find)."""
         if self.prefixes is None or len(tokens) < 2:
             return None
-        hit = self.prefixes.find(tokens, len(tokens) - 1, isolation)  # at least one token is fed: its logits
+        loaded = self.prefixes.loaded
+        hit = self.prefixes.find(tokens, len(tokens) - 1, isolation, room)  # at least one token is fed: its logits
+        if self.prefixes.loaded != loaded:
+            self._stale = True  # a stored prefix was placed in the cells: a verb after the declaration
         # The prompt still prefilling that shares most, when that is at least a block more.
         best, most = None, reused(hit) + self.prefixes.block - 1
         for s in self.running:

@@ -96,6 +96,11 @@ class ServerSection:
     `cors_origins`: origins whose web pages may call the server from the
     browser (`*`: any); none by default, and then no CORS header is sent.
     `--cors-origin` adds to them.
+    `prefix_store`: a directory kept prefixes are written to when the cells
+    evict them and when the server stops, and loaded from when a prompt
+    starts with one (engines.prefix_store; a relative path is the config
+    file's; `--prefix-store` sets it); None: they live in the cells only.
+    `prefix_store_bytes`: its budget, least recently used entries going first.
     """
 
     queue: int = 64
@@ -113,6 +118,8 @@ class ServerSection:
                                             converter=lambda v: tuple(v) if isinstance(v, list) else v)
     cors_origins: tuple[str, ...] = attrs.field(default=(),
                                                 converter=lambda v: tuple(v) if isinstance(v, list) else v)
+    prefix_store: str | None = None
+    prefix_store_bytes: int = 4 << 30  # 4 GiB: SmolLM2-135M's float32 K/V is 90 KiB a token, ~45k tokens
 
     def __attrs_post_init__(self):
         int_scalar("server.queue", self.queue, ConfigError, 0, numpy=False)
@@ -132,6 +139,9 @@ class ServerSection:
             if finite_number(f"server.{key}", value, ConfigError) <= 0:
                 raise ConfigError(f"server.{key}={value!r}: expected a number of seconds > 0")
         int_scalar("server.max_connections", self.max_connections, ConfigError, 1, numpy=False)
+        if self.prefix_store is not None and not (isinstance(self.prefix_store, str) and self.prefix_store.strip()):
+            raise ConfigError(f"server.prefix_store={self.prefix_store!r}: expected a directory's path")
+        int_scalar("server.prefix_store_bytes", self.prefix_store_bytes, ConfigError, 1, numpy=False)
         if not (isinstance(self.api_keys, tuple) and all(is_api_key(k) for k in self.api_keys)):
             raise ConfigError("server.api_keys: expected a list of non-empty strings of printable ASCII without "
                               "spaces (the keys are not shown here)")
@@ -208,6 +218,18 @@ class ServeConfig(LayoutAndModel):
         """`--api-key`, `--api-key-file` and KVLAYOUT_API_KEY's keys, added to `server.api_keys`."""
         server = attrs.evolve(self.server, api_keys=(*self.server.api_keys, *keys))
         return attrs.evolve(self, server=server)
+
+    def with_prefix_store(self, directory: str | None) -> ServeConfig:
+        """`--prefix-store DIR` in place of `server.prefix_store` (None: the config's stays)."""
+        if directory is None:
+            return self
+        return attrs.evolve(self, server=attrs.evolve(self.server, prefix_store=directory))
+
+    def prefix_store_dir(self) -> Path | None:
+        """The prefix store's directory; a relative path is taken from the config file's directory."""
+        if self.server.prefix_store is None:
+            return None
+        return (self.base_dir / Path(self.server.prefix_store).expanduser()).resolve()
 
     def with_cors_origins(self, origins) -> ServeConfig:
         """`--cors-origin ORIGIN`s, added to `server.cors_origins`."""

@@ -89,6 +89,19 @@ class Collector:
             ("kvlayout_failed_steps", "Steps that raised out of the engine", s["failed_steps"]),
             ("kvlayout_aborted_steps", "Cell steps aborted (abort_step)", s["aborted_steps"]),
         ]
+        store = (s["prefix_cache"] or {}).get("store")
+        if store is not None:  # server.prefix_store: its entries and bytes now, what it did since the start
+            yield GaugeMetricFamily("kvlayout_prefix_store_entries", "Prefixes kept on disk", value=store["entries"])
+            yield GaugeMetricFamily("kvlayout_prefix_store_bytes", "Bytes of the prefixes kept on disk",
+                                    value=store["bytes"])
+            counters += [
+                ("kvlayout_prefix_store_hits", "Stored prefixes loaded into cells instead of prefilled", store["hits"]),
+                ("kvlayout_prefix_store_load_failures", "Stored prefixes that could not be loaded",
+                 store["loads_failed"]),
+                ("kvlayout_prefix_store_writes", "Prefixes written to disk", store["writes"]),
+                ("kvlayout_prefix_store_write_failures", "Prefixes that could not be written", store["write_failures"]),
+                ("kvlayout_prefix_store_evictions", "Stored prefixes deleted for the budget", store["evictions"]),
+            ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
 

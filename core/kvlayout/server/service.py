@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import signal
 import time
 from typing import Any
@@ -26,6 +27,7 @@ import attrs
 import numpy as np
 
 from kvlayout.distributed import World
+from kvlayout.engines.prefix_store import PrefixStore
 from kvlayout.engines.prefixes import PrefixCache
 from kvlayout.engines.records import Request, Sample, Sampling, ignore_tokens
 from kvlayout.errors import ConfigError
@@ -39,6 +41,8 @@ from kvlayout.server.observer import CellObserver
 from kvlayout.server.replica import Leading, follow
 from kvlayout.server.requests import Limits, Order
 from kvlayout.server.worker import Worker
+
+logger = logging.getLogger("kvlayout.server")
 
 
 @attrs.define(eq=False)
@@ -135,7 +139,8 @@ def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -
     batch = job.cache.as_batch_control()
     control = batch if batch is not None else job.cache.as_control()
     s = cfg.server
-    prefixes = PrefixCache(batch) if batch is not None and s.prefix_cache else None
+    prefixes = PrefixCache(batch, store=prefix_store_for(cfg, job, notices)) if batch is not None and s.prefix_cache \
+        else None
 
     def clear() -> None:  # after a step that raised: the cache emptied, the kept prefixes with it
         control.clear()
@@ -173,6 +178,36 @@ def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -
     )
     return Service(cfg, job, limits.model_id, limits, worker, int(time.time()), notices,
                    grammars=grammars_for(job, notices))
+
+
+def store_identity(cfg: ServeConfig, job: Job) -> dict:
+    """What a stored prefix is valid for: the model (its files' hashes: weights, tokenizer, chat template;
+    a preset's name, seed and dtype), the layout, the K/V dtype and quantization group."""
+    from kvlayout.runner import resume
+
+    source = model_source(job.cfg)
+    return {
+        "model": {"preset": cfg.model.preset, "seed": cfg.model.seed, "dtype": cfg.model.dtype,
+                  "files": None if source is None else resume.model_files(source)},
+        "layout": cfg.layout.key,
+        "kv_dtype": job.kv_dtype,
+        "kv_group_size": job.cache.config.kv_group_size,
+    }
+
+
+def prefix_store_for(cfg: ServeConfig, job: Job, notices: list[str]) -> PrefixStore | None:
+    """The prefix store `server.prefix_store` names (None: none), over the job's cache; what it has to say
+    (a directory it cannot write, entries of another model) goes to the server's log, one line each."""
+    directory = cfg.prefix_store_dir()
+    if directory is None:
+        return None
+    if not hasattr(job.cache, "load_seq"):
+        notices.append(f"server.prefix_store is off: the layout {cfg.layout.key} cannot save one sequence")
+        return None
+    store = PrefixStore(directory, cfg.server.prefix_store_bytes, store_identity(cfg, job), job.cache,
+                        lambda line: logger.warning("kvlayout: prefix store: %s", line))
+    notices.append(f"prefixes are kept in {directory} too ({store.snapshot()['entries']} stored)")
+    return store
 
 
 def grammars_for(job: Job, notices: list[str]) -> Grammars | None:

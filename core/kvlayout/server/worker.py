@@ -239,6 +239,8 @@ class Worker:
             for verb, ticket in commands:
                 if verb == "stop":
                     self.cancel_all("the server is shutting down", cancel_in_engine=True)
+                    if self.prefixes is not None:
+                        self.prefixes.flush()  # a prefix store keeps what the cells held (a no-op without one)
                     self.publish()
                     self.stopped()
                     return
