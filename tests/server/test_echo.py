@@ -12,44 +12,17 @@ The generated part is checked against the same request without echo (its logprob
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import mlx.nn as nn
-import mlx_lm.utils as mlx_lm_utils  # the independent oracle
 import numpy as np
 import openai
 import pytest
 
-from tests.server.conftest import serving
-from tests.server.test_logprobs import (
-    PROMPT,
-    PROMPT_IDS,
-    TOLERANCE,
-    byte_id,
-    mlx_lm_logprobs,
-    served,
-    top_ids,
-    write_llama,
-)
+from tests.server.test_logprobs import PROMPT, PROMPT_IDS, TOLERANCE, byte_id, llama_fixtures, mlx_lm_logprobs, top_ids
 
 STEPS = 3
 TOP = 2
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return write_llama(tmp_path_factory.mktemp("echo") / "llama")
-
-
-@pytest.fixture(scope="module")
-def oracle(checkpoint) -> nn.Module:
-    return mlx_lm_utils.load_model(checkpoint)[0]
-
-
-@pytest.fixture(scope="module")
-def live(checkpoint):
-    with serving(served(checkpoint), {"model": {"path": str(checkpoint)}, "cache": {"capacity": 2048}}) as server:
-        yield server
+checkpoint, oracle, live = llama_fixtures("echo")
 
 
 def complete(live, **kw):

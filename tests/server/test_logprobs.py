@@ -74,20 +74,27 @@ def byte_id(token: str) -> int:
     return raw[0]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return write_llama(tmp_path_factory.mktemp("logprobs") / "llama")
+def llama_fixtures(name: str):
+    """A module's fixtures over its own checkpoint: (checkpoint, oracle: mlx-lm's model on it, live: a
+    server of it). Assigned to those names in a test module, pytest takes them as that module's."""
+
+    @pytest.fixture(scope="module")
+    def checkpoint(tmp_path_factory) -> Path:
+        return write_llama(tmp_path_factory.mktemp(name) / "llama")
+
+    @pytest.fixture(scope="module")
+    def oracle(checkpoint) -> nn.Module:
+        return mlx_lm_utils.load_model(checkpoint)[0]
+
+    @pytest.fixture(scope="module")
+    def live(checkpoint):
+        with serving(served(checkpoint), {"model": {"path": str(checkpoint)}, "cache": {"capacity": 2048}}) as server:
+            yield server
+
+    return checkpoint, oracle, live
 
 
-@pytest.fixture(scope="module")
-def oracle(checkpoint) -> nn.Module:
-    return mlx_lm_utils.load_model(checkpoint)[0]
-
-
-@pytest.fixture(scope="module")
-def live(checkpoint):
-    with serving(served(checkpoint), {"model": {"path": str(checkpoint)}, "cache": {"capacity": 2048}}) as server:
-        yield server
+checkpoint, oracle, live = llama_fixtures("logprobs")
 
 
 def chat(live, **kw):
