@@ -83,7 +83,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_mlx_lm_does(live, oracle):
 def test_max_tokens_zero_with_echo_answers_only_the_prompt(live, oracle):
     answer = complete(live, prompt=PROMPT, max_tokens=0, logprobs=1, echo=True)
     choice = answer.choices[0]
-    assert choice.text == PROMPT
+    assert choice.text == PROMPT and choice.finish_reason == "length"  # as OpenAI's: no token was asked for
     assert [byte_id(t) for t in choice.logprobs.tokens] == PROMPT_IDS
     assert answer.usage.completion_tokens == 0 and answer.usage.prompt_tokens == len(PROMPT_IDS)
     rows = oracle_rows(oracle, PROMPT_IDS)

@@ -63,6 +63,14 @@ def test_max_tokens_by_default_shrinks_to_the_room_the_prompt_leaves():
     assert text(prompt="x" * 90, n=2).max_tokens == 5
 
 
+def test_an_assistant_message_an_sdk_echoes_with_empty_tool_calls_is_plain_history():
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello", "tool_calls": [], "refusal": None, "annotations": []},
+                {"role": "user", "content": "again"}]
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    assert chat(messages=messages).prompt == chat(messages=plain).prompt
+
+
 def test_fields_asking_for_nothing_are_accepted():
     text(presence_penalty=0, frequency_penalty=0.0, logprobs=False, user="u", echo=False, best_of=1, logit_bias=None)
     chat(response_format={"type": "text"}, tool_choice="none", store=False, metadata={"a": "b"})

@@ -151,6 +151,68 @@ def parse_meta(path: Path, text: str) -> dict:
     return meta
 
 
+class StoredIndex:
+    """The stored entries a store knows, found by their tokens: a hash chain over blocks of `block` tokens
+    (block i's key hashes block i-1's and the block's tokens, block 0's seeded by the isolation key, as
+    engines.prefixes indexes cells), with LRU stamps and the bytes they hold."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self.entries: dict[str, _Entry] = {}
+        self.index: dict[int, set[str]] = {}
+        self.clock = itertools.count(1)
+        self.bytes = 0
+
+    def stamp(self) -> int:
+        """The next use's LRU stamp."""
+        return next(self.clock)
+
+    def chain(self, tokens: Sequence[int], blocks: int, isolation: str) -> list[int]:
+        """Keys of the first `blocks` whole blocks, seeded by `isolation`: one key names a whole prefix
+        of one isolation key. In-process hashes: the index is rebuilt at every start."""
+        keys, key, b = [], hash(("isolation", isolation)), self.block
+        for i in range(blocks):
+            key = hash((key, tuple(tokens[i * b : (i + 1) * b])))
+            keys.append(key)
+        return keys
+
+    def add(self, stored: Stored, seq_name: str) -> None:
+        chain = self.chain(stored.tokens, len(stored.tokens) // self.block, stored.isolation)
+        self.entries[stored.key] = _Entry(stored, seq_name, self.stamp(), chain)
+        for k in chain:
+            self.index.setdefault(k, set()).add(stored.key)
+        self.bytes += stored.nbytes
+
+    def forget(self, key: str) -> _Entry | None:
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return None
+        for k in entry.chain:
+            holders = self.index[k]
+            holders.discard(key)
+            if not holders:
+                del self.index[k]
+        self.bytes -= entry.stored.nbytes
+        return entry
+
+    def best(self, tokens: tuple[int, ...], isolation: str) -> tuple[Stored, int] | None:
+        """PrefixStore.best over `tokens`, cut to their limit already."""
+        depths = []
+        for k in self.chain(tokens, len(tokens) // self.block, isolation):
+            holders = self.index.get(k)
+            if not holders:
+                break
+            depths.append(holders)
+        for holders in reversed(depths):  # the deepest first: its holders share the most whole blocks
+            found = [(common_length(e.stored.tokens, tokens), e.used, key)
+                     for key in holders if (e := self.entries[key]).stored.isolation == isolation]
+            found = [f for f in found if f[0] >= self.block]  # a hash collision matches less
+            if found:
+                length, _, key = max(found)
+                return self.entries[key].stored, length
+        return None
+
+
 class PrefixStore:
     """Stored prefixes in `directory`, at most `budget_bytes` of seq files, for `identity` (see the module).
 
@@ -165,10 +227,8 @@ class PrefixStore:
         self.budget_bytes = int_scalar("prefix store budget_bytes", budget_bytes, ConfigError, minimum=0)
         self.block = int_scalar("prefix store block", block, ConfigError, minimum=1)
         self.identity = identity_hash(identity)
-        self.entries: dict[str, _Entry] = {}
-        self.index: dict[int, set[str]] = {}
-        self.clock = itertools.count(1)
-        self.bytes = self.hits = self.loads_failed = self.writes = self.write_failures = 0
+        self.known = StoredIndex(self.block)  # the entries of this identity, by their tokens
+        self.hits = self.loads_failed = self.writes = self.write_failures = 0
         self.evictions = self.skipped = 0
         self.warned: set[str] = set()  # the kinds of write failure said already
         self.enabled = self._open_directory()
@@ -232,7 +292,7 @@ class PrefixStore:
             return
         except OSError:
             return
-        self._add(Stored(path.name[:64], tuple(meta["tokens"]), meta["isolation"], nbytes), meta["seq"])
+        self.known.add(Stored(path.name[:64], tuple(meta["tokens"]), meta["isolation"], nbytes), meta["seq"])
 
     def _say_skipped(self, foreign: int, damaged: list) -> None:
         """One line for the foreign entries; one per damaged meta (removed), at most SHOWN_DAMAGED, then a count."""
@@ -260,39 +320,9 @@ class PrefixStore:
             except OSError:  # gone already, or not ours to remove: left
                 pass
 
-    # -- the index
-
-    def _chain(self, tokens: Sequence[int], blocks: int, isolation: str) -> list[int]:
-        """Keys of the first `blocks` whole blocks, seeded by `isolation`: one key names a whole prefix
-        of one isolation key. In-process hashes: the index is rebuilt at every start."""
-        keys, key, b = [], hash(("isolation", isolation)), self.block
-        for i in range(blocks):
-            key = hash((key, tuple(tokens[i * b : (i + 1) * b])))
-            keys.append(key)
-        return keys
-
-    def _add(self, stored: Stored, seq_name: str) -> None:
-        chain = self._chain(stored.tokens, len(stored.tokens) // self.block, stored.isolation)
-        self.entries[stored.key] = _Entry(stored, seq_name, next(self.clock), chain)
-        for k in chain:
-            self.index.setdefault(k, set()).add(stored.key)
-        self.bytes += stored.nbytes
-
-    def _forget(self, key: str) -> _Entry | None:
-        entry = self.entries.pop(key, None)
-        if entry is None:
-            return None
-        for k in entry.chain:
-            holders = self.index[k]
-            holders.discard(key)
-            if not holders:
-                del self.index[k]
-        self.bytes -= entry.stored.nbytes
-        return entry
-
     def _touch(self, entry: _Entry) -> None:
         """Most recently used now, here and (the meta's mtime) for the next start."""
-        entry.used = next(self.clock)
+        entry.used = self.known.stamp()
         try:
             os.utime(self.directory / f"{entry.stored.key}.json")
         except OSError:  # gone (another store evicted it): the next load says so
@@ -303,27 +333,13 @@ class PrefixStore:
     def best(self, tokens: Sequence[int], limit: int, isolation: str) -> tuple[Stored, int] | None:
         """The entry of `isolation` sharing the most leading tokens with `tokens[:limit]` (at least one
         whole block; the most recently used on a tie), and how many; None when there is none."""
-        tokens = tuple(int(t) for t in tokens[: max(int(limit), 0)])
-        depths = []
-        for k in self._chain(tokens, len(tokens) // self.block, isolation):
-            holders = self.index.get(k)
-            if not holders:
-                break
-            depths.append(holders)
-        for holders in reversed(depths):  # the deepest first: its holders share the most whole blocks
-            found = [(common_length(e.stored.tokens, tokens), e.used, key)
-                     for key in holders if (e := self.entries[key]).stored.isolation == isolation]
-            found = [f for f in found if f[0] >= self.block]  # a hash collision matches less
-            if found:
-                length, _, key = max(found)
-                return self.entries[key].stored, length
-        return None
+        return self.known.best(tuple(int(t) for t in tokens[: max(int(limit), 0)]), isolation)
 
     def load(self, stored: Stored) -> int | None:
         """`stored`'s sequence placed in the cache: its new seq id. None when the cache has no room (the
         entry stays), or when the file cannot be loaded (said in one line; the entry is forgotten and
         its files removed)."""
-        entry = self.entries.get(stored.key)
+        entry = self.known.entries.get(stored.key)
         if entry is None:  # forgotten since `best` found it
             return None
         path = self.directory / entry.seq_name
@@ -332,7 +348,7 @@ class PrefixStore:
         except (StateError, OSError) as exc:
             self.loads_failed += 1
             self.warn(f"cannot load a stored prefix, forgetting it: {self._naming(path, exc)}")
-            self._forget(stored.key)
+            self.known.forget(stored.key)
             self._remove_files(stored.key, entry.seq_name)
             return None
         if seq_id is not None:
@@ -355,8 +371,8 @@ class PrefixStore:
 
     def snapshot(self) -> dict:
         return {
-            "entries": len(self.entries),
-            "bytes": self.bytes,
+            "entries": len(self.known.entries),
+            "bytes": self.known.bytes,
             "budget_bytes": self.budget_bytes,
             "hits": self.hits,
             "loads_failed": self.loads_failed,
@@ -370,12 +386,12 @@ class PrefixStore:
 
     def _already_stored(self, key: str) -> bool:
         """Whether `key` is stored (by this store, or another on the directory: then taken): touched."""
-        entry = self.entries.get(key)
+        entry = self.known.entries.get(key)
         meta_path = self.directory / f"{key}.json"
         if entry is not None and meta_path.exists():
             self._touch(entry)
             return True
-        self._forget(key)  # evicted by another store meanwhile, if it was known
+        self.known.forget(key)  # evicted by another store meanwhile, if it was known
         return self._adopt(meta_path)
 
     def _adopt(self, meta_path: Path) -> bool:
@@ -390,8 +406,8 @@ class PrefixStore:
         if nbytes > self.budget_bytes:
             return False
         key = meta_path.name[:64]
-        self._add(Stored(key, tuple(meta["tokens"]), meta["isolation"], nbytes), meta["seq"])
-        self._touch(self.entries[key])
+        self.known.add(Stored(key, tuple(meta["tokens"]), meta["isolation"], nbytes), meta["seq"])
+        self._touch(self.known.entries[key])
         self._evict_to_budget(spare=key)
         return True
 
@@ -417,7 +433,7 @@ class PrefixStore:
         if not published:  # another store published the same entry first: take theirs
             _unlink_quietly(seq_path)
             return self._adopt(self.directory / f"{key}.json")
-        self._add(Stored(key, tokens, isolation, nbytes), seq_name)
+        self.known.add(Stored(key, tokens, isolation, nbytes), seq_name)
         self.writes += 1
         self._evict_to_budget(spare=key)
         return True
@@ -459,11 +475,11 @@ class PrefixStore:
 
     def _evict_to_budget(self, spare: str) -> None:
         """Remove least recently used entries other than `spare` until the bytes fit the budget."""
-        while self.bytes > self.budget_bytes:
-            victims = [k for k in self.entries if k != spare]
+        while self.known.bytes > self.budget_bytes:
+            victims = [k for k in self.known.entries if k != spare]
             if not victims:
                 return
-            entry = self._forget(min(victims, key=lambda k: self.entries[k].used))
+            entry = self.known.forget(min(victims, key=lambda k: self.known.entries[k].used))
             self._remove_files(entry.stored.key, entry.seq_name)
             self.evictions += 1
 

@@ -127,10 +127,12 @@ class PrefixCache:
 
     def load_better(self, tokens: Sequence[int], limit: int, isolation: str, held: int, room: int | None) -> bool:
         """Load the stored prefix of `isolation` sharing the most with `tokens` (at most `limit`) into the
-        cells as an entry, when it shares more than the `held` tokens the cells can lend and fits in
-        `room` cells: whether it did."""
+        cells as an entry, when it shares more than the `held` tokens the cells can lend, at least half
+        of its own (the whole sequence is read) and fits in `room` cells: whether it did."""
         best = self.store.best(tokens, limit, isolation)
         if best is None or best[1] <= held or (room is not None and len(best[0].tokens) > room):
+            return False
+        if 2 * best[1] < len(best[0].tokens):  # a whole long chat read in to lend its first blocks: not worth it
             return False
         stored = best[0]
         seq_id = self.store.load(stored)  # None: no room in the cells (nothing changed), or a damaged file

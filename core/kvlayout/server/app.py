@@ -283,8 +283,8 @@ async def stream(ticket: Ticket, rid: str, service: Service) -> AsyncIterator[di
         if event.finish_reason == "error":
             yield shapes.error(f"generation failed: {event.error}", "server_error")
             return
-        reason = event.finish_reason if event.finish_reason in ("stop", "length") else None
         event = reported.echoed(event, ticket.request)  # a choice's first event opens with the prompt (echo)
+        reason = event.finish_reason if event.finish_reason in ("stop", "length") else None
         logprobs = reported.of(event)
         text, new_calls, reason = calls.read(event.index, event.text, reason)
         if text or reason or logprobs or new_calls:
@@ -394,8 +394,9 @@ async def whole(request: Request, ticket: Ticket, rid: str, service: Service) ->
     if ticket.failed is not None or error is not None:
         raise BadRequest(f"generation failed: {ticket.failed or error}", status=500, kind="server_error")
     reported = Logprobs(order, service.tokenizer.token_bytes)
-    echoed = [reported.echoed(Event(i, t, logprobs=tuple(r)), ticket.request) for i, (t, r) in
-              enumerate(zip(texts, records))]
+    echoed = [reported.echoed(Event(i, t, reason, logprobs=tuple(r)), ticket.request) for i, (t, r, reason) in
+              enumerate(zip(texts, records, reasons))]
+    reasons = [e.finish_reason for e in echoed]
     logprobs = None
     if order.logprobs is not None:
         logprobs = [reported.of(e) or reported.empty() for e in echoed]
@@ -448,8 +449,9 @@ class Logprobs:
         """`event` as a choice's first event goes out when the request echoes its prompt: the prompt's
         text before its own, and the prompt's logprobs (its first token has none) before its records.
         An order of max_tokens 0 shows none of the token its engine request generated."""
-        if self.order.max_tokens == 0:
-            event = attrs.evolve(event, text="", logprobs=())
+        if self.order.max_tokens == 0:  # the token the engine drew is nobody's; it ends by length, as OpenAI's
+            ended = "length" if event.finish_reason == "stop" else event.finish_reason
+            event = attrs.evolve(event, text="", logprobs=(), finish_reason=ended)
         if self.order.echo is None or self.opened[event.index]:
             return event
         self.opened[event.index] = True

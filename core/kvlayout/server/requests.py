@@ -234,7 +234,9 @@ def parse_completion(body: Any, limits: Limits, tokenizer: Any) -> Order:
     # engine draws the one token the prompt's last logits give anyway, and the answer leaves it out.
     score_only = echo is True and body.get("max_tokens") == 0 and type(body.get("max_tokens")) is int
     order = _order({**body, "max_tokens": 1} if score_only else body, limits, ids, "prompt", "max_tokens", chat=False)
-    text = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if echo else None
+    # The prompt as its tokens spell it (a BOS the tokenizer adds included), so that the echoed text and the
+    # prompt tokens' logprobs and text offsets agree.
+    text = b"".join(tokenizer.token_bytes(t) for t in ids).decode("utf-8", errors="replace") if echo else None
     return attrs.evolve(order, echo=text, max_tokens=0 if score_only else order.max_tokens)
 
 

@@ -166,18 +166,18 @@ def prepare_service(cfg: ServeConfig, loaded=None, world: World | None = None) -
     )
     if observer is not None:  # registered last: nothing that can fail after it leaves it behind
         plugin_manager().register(observer, name=observer.name)
-    limits = Limits(
-        model_id=model_id_of(cfg),
-        capacity=cfg.cache.capacity,
-        max_tokens=s.max_tokens,
-        max_n=s.max_sequences,
-        vocab_size=job.args.vocab_size,
-        temperature=cfg.sampling.temperature,
-        top_p=cfg.sampling.top_p,
-        seed=cfg.sampling.seed,
-    )
+    limits = limits_of(cfg, job)
     return Service(cfg, job, limits.model_id, limits, worker, int(time.time()), notices,
                    grammars=grammars_for(job, notices))
+
+
+def limits_of(cfg: ServeConfig, job: Job) -> Limits:
+    """What every request is checked against: the served model, the cache, [server]'s limits, the
+    sampling defaults (resolved already: ServeSampling.resolved)."""
+    s = cfg.server
+    return Limits(model_id=model_id_of(cfg), capacity=cfg.cache.capacity, max_tokens=s.max_tokens,
+                  max_n=s.max_sequences, vocab_size=job.args.vocab_size, temperature=cfg.sampling.temperature,
+                  top_p=cfg.sampling.top_p, seed=cfg.sampling.seed)
 
 
 def store_identity(cfg: ServeConfig, job: Job) -> dict:
@@ -188,7 +188,8 @@ def store_identity(cfg: ServeConfig, job: Job) -> dict:
     source = model_source(job.cfg)
     return {
         "model": {"preset": cfg.model.preset, "seed": cfg.model.seed, "dtype": cfg.model.dtype,
-                  "files": None if source is None else resume.model_files(source)},
+                  "files": None if source is None else resume.model_files(source),
+                  "loaded_as": job.model_name},  # says how the weights were loaded (dequantized to what)
         "layout": cfg.layout.key,
         "kv_dtype": job.kv_dtype,
         "kv_group_size": job.cache.config.kv_group_size,
@@ -200,6 +201,9 @@ def prefix_store_for(cfg: ServeConfig, job: Job, notices: list[str]) -> PrefixSt
     (a directory it cannot write, entries of another model) goes to the server's log, one line each."""
     directory = cfg.prefix_store_dir()
     if directory is None:
+        return None
+    if job.world.distributed:  # each rank holds its own heads' K/V, and each would load on its own
+        notices.append("server.prefix_store is off: a tensor-parallel server keeps its prefixes in cells only")
         return None
     if not hasattr(job.cache, "load_seq"):
         notices.append(f"server.prefix_store is off: the layout {cfg.layout.key} cannot save one sequence")

@@ -184,8 +184,9 @@ def unknown(value: dict, known: tuple[str, ...], at: str) -> None:
 
 def carries_tools(m: Any) -> bool:
     """`m` is a history message `template_message` converts: a tool result, or an assistant's calls."""
+    # An empty tool_calls (what an SDK echoes of a reply without calls) carries none.
     return isinstance(m, dict) and (m.get("role") == "tool" or (m.get("role") == "assistant"
-                                                                 and m.get("tool_calls") is not None))
+                                                                 and m.get("tool_calls") not in (None, [])))
 
 
 def template_message(m: dict, at: str) -> dict:
