@@ -119,7 +119,7 @@ class ServerSection:
     cors_origins: tuple[str, ...] = attrs.field(default=(),
                                                 converter=lambda v: tuple(v) if isinstance(v, list) else v)
     prefix_store: str | None = None
-    prefix_store_bytes: int = 4 << 30  # 4 GiB: SmolLM2-135M's float32 K/V is 90 KiB a token, ~45k tokens
+    prefix_store_bytes: int = 4 << 30  # 4 GiB: SmolLM2-135M's float32 K/V is 45 KiB a token, ~93k tokens
 
     def __attrs_post_init__(self):
         int_scalar("server.queue", self.queue, ConfigError, 0, numpy=False)
