@@ -124,6 +124,19 @@ def test_best_gives_the_longest_shared_prefix_of_whole_blocks_within_the_limit(s
     assert store.best([1] * 40, 99, "") is None
 
 
+def test_an_entry_a_longer_one_begins_with_goes_when_that_one_is_stored(source, tmp_path):
+    cache, seq_id, _ = source  # hand-made tokens again: a conversation's first turn, then its second
+    store, _ = store_over(tmp_path, cache)
+    turn = list(range(200, 232))
+    assert store.put(seq_id, turn, "") and store.put(seq_id, turn[:16] + [5] * 16, "")  # another branch: kept
+    assert store.put(seq_id, turn, "other")  # another isolation key's copy: not covered by this key's turns
+    assert len(whole_entries(tmp_path)) == 3
+    assert store.put(seq_id, turn + list(range(300, 316)), "")
+    metas = whole_entries(tmp_path)
+    assert len(metas) == 3 and store.snapshot()["entries"] == 3  # the first turn went; the branch stays
+    assert store.best(turn, 99, "")[0].tokens == tuple(turn + list(range(300, 316)))
+
+
 def test_an_entry_of_one_isolation_key_is_never_found_under_another(source, tmp_path):
     cache, seq_id, prompt = source
     store, _ = store_over(tmp_path, cache)

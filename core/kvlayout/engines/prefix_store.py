@@ -37,6 +37,9 @@ Guarantees, with any number of stores (processes) on one directory:
   a failed write is said once per kind and answered False, leaving no partial file.
   A line said names the directory or the file; the caller adds who says it.
 
+An entry that a newly stored one begins with (a conversation's earlier
+turn, the same isolation key) is deleted: the new one lends all its tokens.
+
 The byte budget counts the seq files of the entries this store knows (its own
 puts and what it found at start); another store's later puts are not seen
 until a restart, so stores sharing a directory may together exceed one budget.
@@ -194,6 +197,18 @@ class StoredIndex:
                 del self.index[k]
         self.bytes -= entry.stored.nbytes
         return entry
+
+    def prefixes_of(self, tokens: tuple[int, ...], isolation: str, other_than: str) -> list[str]:
+        """The keys of the entries of `isolation` (but `other_than`) whose tokens all begin `tokens`."""
+        chain = self.chain(tokens, len(tokens) // self.block, isolation)
+        holders = set().union(*(self.index.get(k, ()) for k in chain))
+        out = []
+        for key in holders - {other_than}:
+            mine = self.entries[key].stored
+            if mine.isolation == isolation and len(mine.tokens) <= len(tokens) \
+                    and common_length(mine.tokens, tokens) == len(mine.tokens):
+                out.append(key)
+        return out
 
     def best(self, tokens: tuple[int, ...], isolation: str) -> tuple[Stored, int] | None:
         """PrefixStore.best over `tokens`, cut to their limit already."""
@@ -367,7 +382,13 @@ class PrefixStore:
         key = entry_key(self.identity, isolation, tokens)
         if self._already_stored(key):
             return True
-        return self._write(seq_id, key, tokens, isolation)
+        if not self._write(seq_id, key, tokens, isolation):
+            return False
+        # A stored prefix of it (a conversation's earlier turn) is covered now: the new entry lends its tokens.
+        for covered in self.known.prefixes_of(tokens, isolation, key):
+            entry = self.known.forget(covered)
+            self._remove_files(entry.stored.key, entry.seq_name)
+        return True
 
     def snapshot(self) -> dict:
         return {
