@@ -356,3 +356,13 @@ def test_a_scored_prompt_holds_each_tokens_logprob_given_what_precedes_it_across
         assert np.allclose([lp for _, lp in got.top], np.sort(expected)[::-1][:3], atol=TOLERANCE)
     assert r.samples[0].generated == plain.samples[0].generated  # scoring changes no token
     assert plain.prompt_logprobs == []  # nobody asked
+
+
+def test_a_bias_naming_an_id_past_the_vocabulary_fails_its_request_alone(tiny):
+    vocab = tiny[1].vocab_size
+    bad = request(tiny, 0, QUESTIONS[0], 3, Sampling(logit_bias=((vocab + 5, 100.0),)))
+    penalised = request(tiny, 1, QUESTIONS[1], 3, Sampling(presence_penalty=0.1))
+    run("cell", tiny, [bad, penalised])
+    assert bad.samples[0].finish_reason == "error" and f"id {vocab + 5}" in bad.samples[0].error
+    (alone,) = run("cell", tiny, [request(tiny, 1, QUESTIONS[1], 3, Sampling(presence_penalty=0.1))])
+    assert penalised.samples[0].generated == alone.samples[0].generated  # its row got nothing of the bias

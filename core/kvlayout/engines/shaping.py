@@ -21,6 +21,7 @@ shaped sample, or one reporting logprobs, is drawn here, on the host path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -102,7 +103,8 @@ class HostDraw:
             picked = rows[mx.array([self.picks[i][2] for i in self.logged], dtype=mx.int32)]
             out.append(picked - mx.logsumexp(picked, axis=-1, keepdims=True))  # [L, V]
         mx.eval(out)
-        self.rows = np.array(out[0])
+        if len(self.shaped) < len(self.picks):  # some pick draws from its raw row
+            self.rows = np.array(out[0])
         if self.shaped:
             self.shaped_rows = np.array(out[1])
         if self.logged:
@@ -144,31 +146,46 @@ class HostDraw:
 def additive(picks: Sequence[Pick], settings: Sequence[Sampling], vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """The amounts added to the shaped samples' logits as flat indices into `[S, V]` and their values
     (repeated indices add up): each sample's logit_bias, and its penalties over what it generated."""
-    ids, amounts = [], []
-    for j, ((_, sample, _), s) in enumerate(zip(picks, settings)):
+    ids: list[np.ndarray] = []
+    amounts: list[np.ndarray] = []
+    for j, ((request, sample, _), s) in enumerate(zip(picks, settings)):
         base = j * vocab
-        for token, bias in s.logit_bias:
-            if not 0 <= token < vocab:  # it would land on another sample's row
-                raise SequenceError(f"request {picks[j][0].index}: logit_bias names id {token}, outside the "
+        if s.logit_bias:
+            bias_ids, bias_amounts, outside = bias_entries(s.logit_bias, vocab)
+            if outside is not None:  # it would land on another sample's row
+                raise SequenceError(f"request {request.index}: logit_bias names id {outside}, outside the "
                                     f"vocabulary (0..{vocab - 1})")
-            ids.append(base + token)
-            amounts.append(bias)
+            ids.append(base + bias_ids)
+            amounts.append(bias_amounts)
         if (s.presence_penalty or s.frequency_penalty) and sample.generated:
             seen, counts = np.unique(np.asarray(sample.generated, dtype=np.int64), return_counts=True)
-            ids.extend((base + seen).tolist())
-            amounts.extend((-s.presence_penalty - s.frequency_penalty * counts).tolist())
-    return np.asarray(ids, dtype=np.int64), np.asarray(amounts, dtype=np.float32)
+            ids.append(base + seen)
+            amounts.append((-s.presence_penalty - s.frequency_penalty * counts).astype(np.float32))
+    if not ids:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+    return np.concatenate(ids), np.concatenate(amounts)
 
 
-_bit_positions: dict[int, tuple[mx.array, mx.array]] = {}
+@functools.lru_cache(maxsize=256)
+def bias_entries(logit_bias: tuple[tuple[int, float], ...], vocab: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """A logit_bias as (ids, amounts) arrays, and an id outside `vocab` (None: none): built once per request's
+    bias, not on every step of its samples (a bias may name thousands of ids)."""
+    ids = np.fromiter((t for t, _ in logit_bias), dtype=np.int64, count=len(logit_bias))
+    amounts = np.fromiter((a for _, a in logit_bias), dtype=np.float32, count=len(logit_bias))
+    outside = ids[(ids < 0) | (ids >= vocab)]
+    return ids, amounts, int(outside[0]) if outside.size else None
+
+
+@functools.cache
+def bit_positions(vocab: int) -> tuple[mx.array, mx.array]:
+    """Each id's word and bit in a bitmask row: `[V]` `t // 32` and `t % 32`."""
+    t = mx.arange(vocab, dtype=mx.int32)
+    return t // 32, t % 32
 
 
 def allowed(words: mx.array, vocab: int) -> mx.array:
     """`[S, V]` bool from bit masks `[S, ceil(V/32)]` int32: id t is allowed when bit t % 32 of word t // 32 is set."""
-    if vocab not in _bit_positions:
-        t = mx.arange(vocab, dtype=mx.int32)
-        _bit_positions[vocab] = (t // 32, t % 32)
-    word, bit = _bit_positions[vocab]
+    word, bit = bit_positions(vocab)
     return (mx.right_shift(words[:, word], bit[None]) & 1).astype(mx.bool_)
 
 
