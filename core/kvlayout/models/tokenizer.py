@@ -99,9 +99,10 @@ class HFTokenizer:
         """The bytes `token` stands for, which may be part of a character (a byte-level BPE's
         pieces, SentencePiece's `<0xE2>`): what a logprob reports beside the token's text. A
         special token's is its text; an id outside the vocabulary has none."""
-        if self._byte_of is None:
-            spec = json.loads(self._tok.to_str())
-            self._byte_of = byte_alphabet() if "ByteLevel" in json.dumps(spec.get("decoder")) else {}
+        if self._byte_of is None:  # the decoder alone says it (the whole tokenizer.json is megabytes to parse)
+            decoder = self._tok.decoder
+            byte_level = decoder is not None and b"ByteLevel" in decoder.__getstate__()
+            self._byte_of = byte_alphabet() if byte_level else {}
         piece = self._tok.id_to_token(token)
         if piece is None:
             return b""

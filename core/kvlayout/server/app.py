@@ -442,7 +442,7 @@ class Logprobs:
 
     def __init__(self, order, token_bytes):
         self.order, self.token_bytes = order, token_bytes
-        self.before = [b""] * order.n  # each choice's bytes so far (legacy text offsets count their characters)
+        self.offsets = [shapes.TextOffsets() for _ in range(order.n)]  # each choice's text so far (legacy offsets)
         self.opened = [False] * order.n  # echo: the choice's text has opened with the prompt
 
     def echoed(self, event: Event, request) -> Event:
@@ -465,9 +465,7 @@ class Logprobs:
             return None
         if self.order.chat:
             return shapes.chat_logprobs(event.logprobs, self.token_bytes)
-        out = shapes.text_logprobs(event.logprobs, self.token_bytes, self.before[event.index])
-        self.before[event.index] += b"".join(self.token_bytes(r.token) for r in event.logprobs)
-        return out
+        return shapes.text_logprobs(event.logprobs, self.token_bytes, self.offsets[event.index])
 
     def empty(self) -> dict:
         """A choice with no token (it ended on EOS at once): the object, empty."""

@@ -9,6 +9,7 @@ tokens reused from cached cells rather than prefilled).
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
 
 
@@ -111,19 +112,37 @@ def chat_logprobs(records: Sequence, token_bytes: Callable[[int], bytes]) -> dic
     return {"content": content, "refusal": None}
 
 
-def text_logprobs(records: Sequence, token_bytes: Callable[[int], bytes], before: bytes = b"") -> dict:
-    """The legacy completion's `logprobs` object, its tokens following the text `before` holds: each
-    token's `text_offset` counts the characters completed before it. Two alternatives with one text
-    keep the likelier one's logprob."""
-    tokens, offsets = [], []
+class TextOffsets:
+    """Where the next token of a choice's text starts, in characters, as its tokens' bytes arrive: the
+    characters the bytes so far decode to with "replace", a character still incomplete written as a
+    decode of them all would write it. Counted as they come: a long echo costs one pass, not one per token."""
+
+    def __init__(self):
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0  # characters the bytes decoded to, the pending ones (at most 3 bytes) aside
+
+    def at(self) -> int:
+        pending, _ = self.decoder.getstate()
+        return self.chars + len(pending.decode("utf-8", errors="replace"))
+
+    def add(self, raw: bytes) -> None:
+        self.chars += len(self.decoder.decode(raw))
+
+
+def text_logprobs(records: Sequence, token_bytes: Callable[[int], bytes], offsets: TextOffsets | None = None) -> dict:
+    """The legacy completion's `logprobs` object, its tokens following the text `offsets` has counted (a
+    fresh count: the start); each token's `text_offset` counts the characters before it. Two alternatives
+    with one text keep the likelier one's logprob."""
+    offsets = TextOffsets() if offsets is None else offsets
+    tokens, starts = [], []
     for r in records:
-        offsets.append(len(before.decode("utf-8", errors="replace")))
+        starts.append(offsets.at())
         raw = token_bytes(r.token)
         tokens.append(token_text(raw))
-        before += raw
+        offsets.add(raw)
     top: list[dict | None] = [{} if r.logprob is not None else None for r in records]  # an echoed first token: None
     for alternatives, r in zip(top, records):
         for t, lp in r.top:
             alternatives.setdefault(token_text(token_bytes(t)), lp)
     return {"tokens": tokens, "token_logprobs": [r.logprob for r in records], "top_logprobs": top,
-            "text_offset": offsets}
+            "text_offset": starts}
