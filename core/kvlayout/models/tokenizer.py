@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvlayout.checks import finite_number
 from kvlayout.errors import ConfigError, one_line
 from kvlayout.models.chat import ChatTemplate, read_chat_template
 from kvlayout.models.config_values import token_ids
@@ -192,14 +193,8 @@ def sampling_defaults(model_dir: Path | None) -> dict[str, float]:
     if path is None or not path.is_file():
         return {}
     config = read_json_object(path)
-    out = {}
-    for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = config.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise ConfigError(f"{path}: {key} is {value!r}; expected a number in [{low}, {high}]")
-        out[key] = float(value)
+    out = {key: finite_number(f"{path}: {key}", config[key], ConfigError, low, high, from_json=True)
+           for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)) if config.get(key) is not None}
     if out.get("top_p") == 0.0:
         raise ConfigError(f"{path}: top_p is 0; expected a number in (0, 1]")
     return out

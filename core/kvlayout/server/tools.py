@@ -29,6 +29,7 @@ Choices, and why:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -408,11 +409,19 @@ def tool_call_grammar(tools: Tools) -> str | None:
         f'call: "{OPEN}\\n" body "\\n{CLOSE}"',
         f"body: %json {json.dumps(schema)}",
     ])
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(lark)
-    if failed:
-        param, reason = culprit(tools, messages[0])
+    problem = grammar_problem(lark)
+    if problem is not None:
+        param, reason = culprit(tools, problem)
         raise BadRequest(f"tool parameters llguidance cannot compile: {shorten(reason)}", param)
     return lark
+
+
+@functools.lru_cache(maxsize=64)
+def grammar_problem(lark: str) -> str | None:
+    """What llguidance says is wrong with `lark` (None: nothing): once per grammar, not once per request
+    of the same tools (kvlayout.grammar.Grammars.lark compiles it once too)."""
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(lark)
+    return messages[0] if failed else None
 
 
 def call_schema(function: dict) -> dict:
