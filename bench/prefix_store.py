@@ -114,26 +114,14 @@ def streamed_ttft(port: int, body: dict) -> tuple[float, dict]:
         conn.close()
 
 
-def health(port: int) -> dict | None:
+def get_json(port: int, path: str) -> dict | None:
+    """The JSON answer of GET `path`; None while the server does not answer it with a 200."""
     conn = http.client.HTTPConnection(HOST, port, timeout=2)
     try:
-        conn.request("GET", "/health")
+        conn.request("GET", path)
         resp = conn.getresponse()
         return json.loads(resp.read()) if resp.status == 200 else None
     except (OSError, ValueError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
-
-
-def first_model_id(port: int) -> str | None:
-    """The first id /v1/models lists; None while the server does not answer."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=2)
-    try:
-        conn.request("GET", "/v1/models")
-        resp = conn.getresponse()
-        return json.loads(resp.read())["data"][0]["id"] if resp.status == 200 else None
-    except (OSError, ValueError, KeyError, IndexError, http.client.HTTPException):
         return None
     finally:
         conn.close()
@@ -144,7 +132,7 @@ def start(argv: list[str], env: dict, log: Path, port: int) -> subprocess.Popen:
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out)
     try:
-        common.wait_up(proc, lambda: health(port) is not None, UP_BOUND_S, argv[2])
+        common.wait_up(proc, lambda: get_json(port, "/health") is not None, UP_BOUND_S, argv[2])
     except RuntimeError as e:
         raise RuntimeError(f"{e}: {log.read_text()[-2000:]}") from None
     return proc
@@ -177,7 +165,8 @@ class KvlayoutServer:
         argv = [sys.executable, "-m", "kvlayout.cli", "serve", str(config), "--host", HOST, "--port", str(self.port)]
         env = {**os.environ, "PYTHONPATH": SOURCES}
         self.proc = start(argv, env, work / "kvlayout.log", self.port)
-        self.model = first_model_id(self.port)
+        listed = (get_json(self.port, "/v1/models") or {}).get("data") or [{}]
+        self.model = listed[0].get("id")  # the first id /v1/models lists
         streamed_ttft(self.port, chat_body(self.model, "You are brief.", WARM_UP))
 
     def ask(self, system: str, question: str) -> tuple[float, int]:
@@ -233,7 +222,7 @@ def kvlayout_three_ways(system: str, work: Path) -> dict:
     server = KvlayoutServer(config, work)
     try:
         from_store, cached_c = server.ask(system, QUESTIONS[2])
-        hits = ((health(server.port) or {}).get("prefix_cache") or {}).get("store", {}).get("hits")
+        hits = ((get_json(server.port, "/health") or {}).get("prefix_cache") or {}).get("store", {}).get("hits")
     finally:
         server.stop()
     return {"a": cold, "b": in_cells, "c": from_store, "cached_b": cached_b, "cached_c": cached_c,
