@@ -21,6 +21,7 @@ shaped sample, or one reporting logprobs, is drawn here, on the host path.
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Sequence
 from typing import Protocol
@@ -166,14 +167,25 @@ def additive(picks: Sequence[Pick], settings: Sequence[Sampling], vocab: int) ->
     return np.concatenate(ids), np.concatenate(amounts)
 
 
-@functools.lru_cache(maxsize=256)
+BIASES_KEPT = 256  # requests' logit_bias arrays kept (a running request's is found again every step)
+biases: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # id(logit_bias) -> (it, its arrays)
+
+
 def bias_entries(logit_bias: tuple[tuple[int, float], ...], vocab: int) -> tuple[np.ndarray, np.ndarray, int | None]:
     """A logit_bias as (ids, amounts) arrays, and an id outside `vocab` (None: none): built once per request's
-    bias, not on every step of its samples (a bias may name thousands of ids)."""
+    bias and found again by identity, so a step costs nothing per id (a bias may name thousands)."""
+    kept = biases.get(id(logit_bias))
+    if kept is not None and kept[0] is logit_bias and kept[1] == vocab:
+        biases.move_to_end(id(logit_bias))
+        return kept[2]
     ids = np.fromiter((t for t, _ in logit_bias), dtype=np.int64, count=len(logit_bias))
     amounts = np.fromiter((a for _, a in logit_bias), dtype=np.float32, count=len(logit_bias))
     outside = ids[(ids < 0) | (ids >= vocab)]
-    return ids, amounts, int(outside[0]) if outside.size else None
+    entries = ids, amounts, int(outside[0]) if outside.size else None
+    biases[id(logit_bias)] = (logit_bias, vocab, entries)  # holding the tuple: its id is not reused while kept
+    while len(biases) > BIASES_KEPT:
+        biases.popitem(last=False)
+    return entries
 
 
 @functools.cache
