@@ -40,6 +40,20 @@ def attend(q: mx.array, spec: AttendSpec, scale: float, *, sinks: mx.array | Non
     `spec.queries`, a `scale` that is not a finite number, or `sinks` that
     are not None nor a floating mlx array of shape `(H_q,)`.
     """
+    if (sinks is None and type(spec) is AttendSpec and spec.groups is None and type(q) is mx.array
+            and type(scale) is float and spec.mask_kind is not MaskKind.EXPLICIT):
+        # The usual layer of a decode step or a lone sequence's chunk, settled inline (every layer of
+        # every step comes here): the checks of `_check` on plain float keys, then MLX's own call.
+        keys, values = spec.keys, spec.values
+        if type(keys) is mx.array and q.ndim == 4 and q.dtype in FLOATING and math.isfinite(scale):
+            batch, h_q, t, d = q.shape
+            k_batch, h_kv, slots, k_d = keys.shape
+            if (batch == k_batch and d == k_d and h_q >= h_kv and not h_q % h_kv and t == spec.queries
+                    and (t <= slots or spec.mask_kind is MaskKind.NONE)):
+                mask = None if spec.mask_kind is MaskKind.NONE or t == 1 else "causal"
+                if keys.dtype != q.dtype:
+                    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+                return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     _check(q, spec, scale, sinks)
     if sinks is not None and sinks.dtype != q.dtype:
         sinks = sinks.astype(q.dtype)

@@ -318,6 +318,22 @@ class SeqBook:
             )
         return self.layers[layer].plan(start, length)
 
+    def serve_later(self, layer: int, start: int, length: int) -> SeqStepPlan | None:
+        """The plan of `layer` (an index in range) when it serves the open step as a later layer of its
+        forward, `[start, start + length)` again; else None (`plan` then checks the step whole).
+
+        Pure, and what `plan` would answer: the checks that read model-wide state passed at the
+        forward's first layer and read the same state now, and layers of one policy share its plan.
+        """
+        step = self._open
+        if step is None or step.start != start or step.length != length or layer in step.served:
+            return None
+        policy = self.layers[layer]
+        plan = step.plans.get(id(policy))
+        if plan is None:
+            plan = step.plans[id(policy)] = policy.plan(start, length)
+        return plan
+
     def commit(self, plan: SeqStepPlan, layer: int | None = None) -> None:
         """Set the length to the step's end; every ring records the slots it reused.
 
@@ -336,11 +352,18 @@ class SeqBook:
         """
         if layer is not None:
             step = self._open
-            if step is None or not self._continues(step, layer, plan.start, plan.length):
-                retained = [getattr(p, "retained", 0) for p in self.policies]
-                step = self._open = _OpenStep(plan.start, plan.length, retained)
+            if step is not None and self._continues(step, layer, plan.start, plan.length):
+                # A later layer: the first commit of this step already moved the length and the rings'
+                # records to its end (committing it again would change nothing).
+                step.served.add(layer)
+                if len(step.served) == len(self.layers):
+                    self._open = None
+                return
+            retained = [getattr(p, "retained", 0) for p in self.policies]
+            step = self._open = _OpenStep(plan.start, plan.length, retained)
+            step.plans[id(self.layers[layer])] = plan  # its later layers of the same policy share it
             step.served.add(layer)
-            if len(step.served) == self.n_layers:
+            if len(step.served) == len(self.layers):
                 self._open = None
         for policy in self.policies:
             policy.commit(plan.end)
