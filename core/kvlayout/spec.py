@@ -110,6 +110,12 @@ class AttendGroups:
     tail: Any = None
     in_order: bool = False
 
+    def over(self, keys: Any, values: Any) -> AttendGroups:
+        """The same groups over `keys` and `values` (a layer's own; the plan is every layer's of its
+        window). What `attrs.evolve` would make, for a fraction of its host time: a layer's step asks."""
+        return AttendGroups(self.tokens, self.cells, self.mask, self.out, keys, values, self.more, self.page,
+                            self.tail, self.in_order)
+
     def batches(self) -> tuple[AttendBatch, ...]:
         """Every batch, the fields' first, as AttendBatch records."""
         head = AttendBatch(self.tokens, self.cells, self.mask, self.page, self.tail)

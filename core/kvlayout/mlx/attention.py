@@ -262,9 +262,20 @@ def _take_rows(a: mx.array, cells: mx.array) -> mx.array:
 
 def _row_indices(a: mx.array, cells: mx.array) -> mx.array:
     """Row of (head h, cell c) in `a` `[1, H, S, W]` viewed as `[H * S, W]` (free when `a` is
-    row-contiguous), for `cells` `[G, K]`: `[G, H, K]`."""
+    row-contiguous), for `cells` `[G, K]`: `[G, H, K]`.
+
+    Every layer of a window gathers by the same `cells` array (a plan's) from pools of one shape: the
+    rows are made once and found again by that array's identity (held, so it is never another's)."""
     _, heads, slots, _ = a.shape
-    return cells[:, None, :] + (mx.arange(heads, dtype=mx.int32) * slots)[None, :, None]  # [G, H, K]
+    held = getattr(_ROWS, "last", None)
+    if held is not None and held[0] is cells and held[1] == heads and held[2] == slots:
+        return held[3]
+    rows = cells[:, None, :] + (mx.arange(heads, dtype=mx.int32) * slots)[None, :, None]  # [G, H, K]
+    _ROWS.last = (cells, heads, slots, rows)
+    return rows
+
+
+_ROWS = threading.local()  # the last (cells, heads, slots, rows) of `_row_indices`, per thread (arrays are its)
 
 
 def _take_flat(a: mx.array, rows: mx.array) -> mx.array:

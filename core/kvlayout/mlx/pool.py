@@ -35,19 +35,23 @@ PACKED = mx.uint32
 class Cells:
     """Distinct cell indices, checked once and converted to MLX once, for every pool a step
     writes (a layer's K and V, every layer): `write_cells` then checks only that they fit.
-    KVLayoutError from the constructor for indices that are not distinct integers >= 0."""
+    KVLayoutError from the constructor for indices that are not distinct integers >= 0 (`distinct`
+    True: the caller vouches they are distinct, a placement's cells; they are not sorted again)."""
 
-    def __init__(self, cells: Any):
+    def __init__(self, cells: Any, distinct: bool = False):
         idx = int_array("cells", cells, KVLayoutError)
         if idx.size and idx.min() < 0:
             raise KVLayoutError(f"cells: expected cells >= 0, got {idx.min()}")
-        if idx.size and np.unique(idx).size != idx.size:
+        # `distinct`: the caller knows (a placement's cells, which the plugin manager's referee checked
+        # distinct): sorting them again is a step's host time for nothing.
+        if not distinct and idx.size and np.unique(idx).size != idx.size:
             raise KVLayoutError("cells: expected distinct cells, got a repeated cell")
         self.host = idx.astype(np.int32)
         self.host.flags.writeable = False
         self.size = idx.size
         self.end = int(idx.max()) + 1 if idx.size else 0  # one past the highest
         self.device = mx.array(self.host)
+        self.slot_index = self.device.reshape(1, 1, -1, 1)  # [1, 1, n, 1]: what put_along_axis takes on the slot axis
 
 
 def _slot(value: Any, name: str) -> int:
@@ -198,14 +202,17 @@ class MLXPool(Pool):
                 raise KVLayoutError(f"cells: {cells.size} cell(s) for an update of {n} token(s)")
             if cells.end > self._max:
                 raise KVLayoutError(f"cells: expected every cell in [0, {self._max}), got {cells.end - 1}")
-            end, idx = cells.end, cells.device
+            end, idx = cells.end, cells.slot_index
         else:
             host = self._check_cells(cells, n)
-            end, idx = (int(host.max()) + 1 if n else 0), (mx.array(host) if n else None)
+            end, idx = (int(host.max()) + 1 if n else 0), (mx.array(host).reshape(1, 1, -1, 1) if n else None)
         if n == 0:
             return
         self._grow_to(end)
-        self._buf[:, :, idx, :] = update.astype(self._dtype)
+        # put_along_axis, not `buf[:, :, idx, :] = update`: the same scatter, in place alike (the old buffer's
+        # only reference is the one handed over), for a sixth of the host time (~6 us against ~40 per call).
+        update = update if update.dtype == self._dtype else update.astype(self._dtype)
+        self._buf = mx.put_along_axis(self._buf, idx, update, axis=2)
 
     def take(self, cells: Any) -> mx.array:
         """The slots `cells` (int32 mlx array or list of ints, each < slots), `[1, H, n, D]`: a copy."""

@@ -179,9 +179,8 @@ class CellCache(FacesBase):
             # The whole pool buffer (a row-contiguous view): the grouped gather then copies
             # only the rows it takes. Dropped with the spec, like the read above.
             slots = self.key_pools[layer].slots
-            groups = attrs.evolve(
-                groups, keys=self.key_pools[layer].read(0, slots), values=self.value_pools[layer].read(0, slots)
-            )  # [1, H_kv, slots, D] each
+            groups = groups.over(self.key_pools[layer].read(0, slots), self.value_pools[layer].read(0, slots))
+            # [1, H_kv, slots, D] each
             mask = functools.partial(self._step_mask, layer, step)  # built only if a consumer reads spec.mask
         else:
             mask = self._step_mask(layer, step)
@@ -221,8 +220,10 @@ class CellCache(FacesBase):
         return held[1]
 
     def _step_cells(self, layer: int, step) -> Cells:
-        """The step's cells checked and on the device once per window, for every pool of its layers."""
-        return self._once(self._mx_cells, self.groups.layer_windows[layer], step, lambda: Cells(step.cells))
+        """The step's cells checked and on the device once per window, for every pool of its layers
+        (distinct: the placement's, as the plugin manager's referee checked them)."""
+        window = self.groups.layer_windows[layer]
+        return self._once(self._mx_cells, window, step, lambda: Cells(step.cells, distinct=True))
 
     def _whole_sequence(self, layer: int, step) -> tuple[MaskKind, mx.array | None] | None:
         """(mask kind, mask) when every token of the step is one sequence's, on a flat layer, and it
