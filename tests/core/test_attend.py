@@ -271,3 +271,19 @@ def test_grouped_attention_runs_on_any_thread_after_another_used_it(rng):
         there = pool.submit(grouped).result()
     np.testing.assert_allclose(here, reference(q, k, v, allowed), atol=1e-5)
     np.testing.assert_array_equal(there, here)
+
+
+def test_attend_groups_over_is_what_attrs_evolve_makes():
+    # `over` is the layer's step's shortcut for attrs.evolve(groups, keys=..., values=...): every field
+    # the same object, the keys and values the layer's (attrs itself is the oracle).
+    import attrs
+
+    from kvlayout import AttendBatch, AttendGroups
+
+    more = (AttendBatch(np.zeros((1, 1)), np.zeros((1, 2)), None, 4, np.ones((1, 1))),)
+    groups = AttendGroups(np.zeros((2, 1)), np.ones((2, 3)), np.ones((2, 1, 1, 3), bool), np.arange(2),
+                          more=more, page=8, tail=np.zeros((2, 1)), in_order=True)
+    keys, values = object(), object()
+    got, want = groups.over(keys, values), attrs.evolve(groups, keys=keys, values=values)
+    for field in attrs.fields(AttendGroups):
+        assert getattr(got, field.name) is getattr(want, field.name), field.name

@@ -252,3 +252,17 @@ def test_evaluate_finishes_pending_writes_and_the_next_write_stays_in_place():
     pool.evaluate()
     assert mx.get_peak_memory() - before < pool.nbytes // 2
     assert np.array_equal(np.array(pool.read(5, 2)), np.ones((1, 1, 2, 16), dtype=np.float32))
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["write", "write_cells"])
+def test_a_read_taken_before_a_write_keeps_what_it_read(filled, rng, scatter):
+    # MLX arrays are values: a write goes in place only when nothing else holds the buffer, and
+    # must never change a view someone kept (the numpy copy is the oracle).
+    pool, data = filled
+    kept = pool.read(0, 8)
+    new = tokens(rng, 2, dtype=mx.float16)
+    pool.write_cells([5, 2], new) if scatter else pool.write(2, new)
+    assert np.array_equal(bits(kept), data.view(np.uint16))
+    expected = data.copy()
+    expected[:, :, [5, 2] if scatter else [2, 3]] = np.array(new)
+    assert np.array_equal(contents(pool), expected.view(np.uint16))

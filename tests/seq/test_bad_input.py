@@ -215,3 +215,23 @@ def test_the_bytes_allocated_at_build_are_refused_exactly_past_the_machine_s_mem
     monkeypatch.setattr(kvlayout.config, "machine_memory", lambda: need - 1)
     with pytest.raises(ConfigError, match=rf"capacity=100: allocates .* \({need} bytes\) up front .*rings whole"):
         SeqCache(config)
+
+
+# A later layer of a forward takes the step its first layer planned (the book's open step): its own
+# K/V are still checked, before it counts as served.
+LATER_KV = {
+    "k of another head count": (lambda: one(heads=H + 1), one), "v of another length": (one, lambda: one(n=2)),
+    "k an int array": (lambda: mx.zeros((1, H, 1, D), dtype=mx.int32), one), "v a list": (one, lambda: [[0.0]]),
+}
+
+
+@pytest.mark.parametrize("k, v", LATER_KV.values(), ids=LATER_KV.keys())
+def test_a_later_layers_bad_kv_is_refused_naming_the_layer_and_changes_nothing(cache, k, v):
+    cache.update_and_fetch(0, [10], one(), one())
+    before = snapshot(cache)
+    with pytest.raises(StepError, match=r"layer 1: [kv] "):
+        cache.update_and_fetch(1, [10], k(), v())
+    assert_same(snapshot(cache), before)
+    assert cache.book.open_step() == (10, [1])
+    cache.update_and_fetch(1, [10], one(), one())  # the forward goes on
+    assert (cache.as_control().length, cache.book.open_step()) == (11, None)
