@@ -72,6 +72,13 @@ class Model:
                 self.held[g][s], self.cut[g][s] = {}, 0
         return s
 
+    def continues_at(self, s: int, p: int) -> int:
+        """Where s continues once its positions from p on are gone (or a clone of it up to p): one past
+        its newest below p (a hole just below p is not there to continue from); with window groups
+        only, as the widest group holds it, else its cut (the newest below p was retired)."""
+        below = [q for q in (self.held[0][s] if self.windows[0] else self.content[s]) if q < p]
+        return max(below) + 1 if below else (min(self.cut[0][s], p) if self.windows[0] else 0)
+
     def refusal(self, s: int, at: int) -> int | None:
         """The window of the first group (in group order) that refuses continuing s at `at`."""
         return next((self.windows[g] for g in range(len(self.windows)) if 0 < at < self.floor(g, s)), None)
@@ -108,7 +115,7 @@ class Model:
         if dst is None:
             return None
         newest = self.next_pos(src) - 1
-        last = newest if upto is None else min(upto - 1, newest)
+        last = newest if upto is None else min(self.continues_at(src, upto) - 1, newest)
         end = newest + 1 if upto is None else upto
         self.content[dst] = {p: t for p, t in self.content[src].items() if p < end}
         for g, w in enumerate(self.windows):
@@ -231,15 +238,17 @@ def apply(target, model: Model, verb, rng, serve) -> None:
             serve(target, model, seqs, positions, rng)
     elif kind == "clone":
         _, src, upto = verb
-        window = None if upto is None or upto >= model.next_pos(src) else model.refusal(src, upto)
+        at = None if upto is None or upto >= model.next_pos(src) else model.continues_at(src, upto)
+        window = None if at is None else model.refusal(src, at)
         if window is not None:
-            return refused(target, lambda: bc.seq_clone(src, upto), upto, window)
+            return refused(target, lambda: bc.seq_clone(src, upto), at, window)
         assert bc.seq_clone(src, upto) == model.seq_clone(src, upto)
     else:
         _, s, p0, p1 = verb
-        window = model.refusal(s, p0) if p1 is None or p1 >= model.next_pos(s) else None
+        at = model.continues_at(s, p0) if p1 is None or p1 >= model.next_pos(s) else None
+        window = None if at is None else model.refusal(s, at)
         if window is not None:
-            return refused(target, lambda: bc.seq_rm(s, p0, p1), p0, window)
+            return refused(target, lambda: bc.seq_rm(s, p0, p1), at, window)
         bc.seq_rm(s, p0, p1)
         model.seq_rm(s, p0, p1)
     agree(target, model)
@@ -275,6 +284,21 @@ def test_a_clone_below_the_floor_is_refused_naming_the_window_and_nothing_change
         apply(groups, model, ("clone", 0, upto), None, place_only)  # refused, by the window-3 group
     for upto in (7, 9, None):
         apply(groups, model, ("clone", 0, upto), None, place_only)
+
+
+def test_a_cut_below_a_hole_continues_below_the_hole_and_is_refused_where_that_window_was_retired():
+    # Positions 1..2 removed, then 3.. cut: the sequence continues at 1 (one past its newest, 0), not at
+    # 3; its window-3 group retired position 0 at position 4, so the cut is refused, nothing changed
+    # (hypothesis found it: continuing at 1 then attended without position 0 in the window layers).
+    windows = (0, 3, 0, 3)
+    target, model = Paths(windows, capacity=3 * 128), Model(windows, 3 * 128, 6)
+    rng = np.random.default_rng(0)
+    for verb in [("new",), ("step", [(0, 1)]), ("step", [(0, 1)]), ("step", [(0, 2)]), ("step", [(0, 1)]),
+                 ("rm", 0, 1, 3)]:
+        apply(target, model, verb, rng, serve_paths)
+    refused(target, lambda: control_of(target).seq_rm(0, 3, None), 1, 3)
+    refused(target, lambda: control_of(target).seq_clone(0, 3), 1, 3)  # a clone up to 3 continues at 1 too
+    apply(target, model, ("step", [(0, 1)]), rng, serve_paths)  # the sequence goes on at 5
 
 
 def test_an_empty_clone_is_cut_nowhere():
@@ -477,15 +501,16 @@ def test_the_newest_token_can_be_taken_back_but_not_one_more_after_a_declaration
     assert groups.stepper_of(1).table.seq_cells(0)[1].tolist() == [n - 2, n - 1, n]
 
 
-def test_a_clone_holding_nothing_of_a_window_still_counts_what_it_lacks_there():
+def test_a_clone_up_to_a_hole_keeps_the_window_it_continues_from_and_still_counts_what_it_lacks():
     groups = LayerGroups((4, 0), capacity=64, max_seqs=4, pm=make_plugin_manager())
     s = groups.seq_new()
     assert groups.declare_step([s] * 30)
     for layer in (0, 1):
         groups.place_step(layer, list(range(30)))
     groups.seq_rm(s, 10, 20)  # a hole: both tables hold 0..9 and 20..29
-    d = groups.seq_clone(s, 15)  # flat: 0..9; the window's table: its last window below 15, none held
-    assert groups.steppers[1].table.seq_cells(d)[1].tolist() == []
+    d = groups.seq_clone(s, 15)  # flat: 0..9; it continues at 10, so the window's table keeps 6..9
+    assert groups.steppers[1].table.seq_cells(d)[1].tolist() == [6, 7, 8, 9]
+    assert groups.primary.table.next_pos(d) == 10
     before = [g.table.occupied() for g in groups.steppers]
     with pytest.raises(SequenceError, match=r"position 8 needs positions 5\.\.7 in its window-4 layers"):
         groups.seq_clone(d, 8)  # its window layers would read 5..7, which it does not hold

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from kvlayout.errors import StepError
+from kvlayout.checks import int_scalar
+from kvlayout.errors import SequenceError, StepError
 from kvlayout.faces import BatchControl, CellStep, face_of
 from kvlayout.positions import step_positions
 from kvlayout_cell.stepper import Stepper, checked_layer
@@ -148,10 +149,14 @@ class LayerGroups:
     def seq_clone(self, src: int, upto: int | None = None) -> int | None:
         """A new id sharing src's cells below upto in every group (a window's: its last window of
         them); SequenceError, nothing changed, when a window group no longer holds that window."""
-        if len(self.steppers) == 1:
+        if len(self.steppers) == 1 and self.windows[0] == 0:
             return self.primary.seq_clone(src, upto)
         self.refuse_mid_forward("seq_clone")
         end = self.primary.table.next_pos(self.primary.table.live_id("src", src))  # its next position in every layer
+        if upto is not None:
+            upto = int_scalar("upto", upto, SequenceError, minimum=0)  # as check_clone refuses it
+            if upto < end:
+                end = self._continues_at(src, upto)  # the clone's: one past src's newest below upto
         for st in self.steppers:
             st.check_clone(src, upto, end)
         if self.primary.table.next_id() is None:
@@ -163,16 +168,29 @@ class LayerGroups:
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
         """Drop seq_id's claim on positions [p0, p1) in every group; SequenceError, nothing changed,
         for a cut whose continuation would need keys a window group retired."""
-        if len(self.steppers) == 1:
+        if len(self.steppers) == 1 and self.windows[0] == 0:
             return self.primary.seq_rm(seq_id, p0, p1)
         self.refuse_mid_forward("seq_rm")
         end = self.primary.table.next_pos(self.primary.table.live_id("seq_id", seq_id))
+        p0 = int_scalar("p0", p0, SequenceError, minimum=0)  # as check_rm refuses it
+        at = self._continues_at(seq_id, p0)
         for st in self.steppers:
-            st.check_rm(seq_id, p0, p1, end)
-        self.primary.seq_rm(seq_id, p0, p1)
+            st.check_rm(seq_id, p0, p1, end, at)
+        self.primary.seq_rm(seq_id, p0, p1, end=end, at=at)
         released = not self.primary.table.live_mask(np.array([int(seq_id)]))[0]
         for st in self.steppers[1:]:
-            st.seq_rm(seq_id, p0, p1, keep_live=not released, end=end)
+            st.seq_rm(seq_id, p0, p1, keep_live=not released, end=end, at=at)
+
+    def _continues_at(self, seq_id: int, position: int) -> int:
+        """Where live `seq_id` continues once its positions from `position` on are gone (or a clone of it
+        up to there): one past its newest below `position`. A flat group holds every position; in a cache
+        of window groups only, the primary (widest) holds every one from its cut on, so a position it holds
+        below `position` is that newest, and holding none there, the newest lies below its cut, retired:
+        the sequence continues at the cut at most (refused wherever a window needs what went)."""
+        below = self.primary.table.newest_below(seq_id, position)
+        if self.windows[0] != 0 and below < 0:
+            return min(int(self.primary.keeper.cut[seq_id]), position)
+        return below + 1
 
     def clear(self) -> None:
         for st in self.steppers:

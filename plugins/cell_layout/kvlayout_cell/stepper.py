@@ -170,7 +170,9 @@ class Stepper:
         self._keep_masks()
         dst = self.table.seq_clone(src, upto, since)
         if dst is not None and self.keeper is not None:
-            self.keeper.cut[dst] = 0 if upto == 0 else since  # below since it holds nothing here, whatever elsewhere
+            # Below since it holds nothing here, whatever elsewhere; a clone of nothing (src holds no position
+            # below upto, so it continues at 0: `end` 0) is cut nowhere.
+            self.keeper.cut[dst] = 0 if upto == 0 or end == 0 else since
             if src in self.keeper.pinned:
                 self.keeper.moved.add(dst)  # it holds src's whole history: retired unless pinned in turn
         return dst
@@ -190,20 +192,21 @@ class Stepper:
         return self.keeper.clone_since(s, upto, newest)
 
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None, keep_live: bool = False,
-               end: int | None = None) -> None:
+               end: int | None = None, at: int | None = None) -> None:
         """Drop seq_id's claim on positions [p0, p1) (see `CellTable.seq_rm`; `keep_live`: the id stays
         live owning nothing, as a window's table keeps a sequence its other layers hold; `end` as for
-        `seq_clone`)."""
-        self.check_rm(seq_id, p0, p1, end)
+        `seq_clone`, `at` as for `check_rm`)."""
+        self.check_rm(seq_id, p0, p1, end, at)
         self._keep_masks()
         self.table.seq_rm(seq_id, p0, p1, keep_live)
         if self.keeper is not None and not self.table.seq_len(seq_id) and not keep_live:
             self.keeper.released(int(seq_id))
 
-    def check_rm(self, seq_id: int, p0: int, p1: int | None, end: int | None = None) -> None:
+    def check_rm(self, seq_id: int, p0: int, p1: int | None, end: int | None = None, at: int | None = None) -> None:
         """Refuse (nothing changed) what `seq_rm(seq_id, p0, p1)` would refuse: a range cutting a
         sequence's end off (at or past `end`, its next position) where the window it would continue
-        from was retired."""
+        from was retired. `at`: where it continues then (one past its newest position below p0, as a
+        flat group knows it; default p0)."""
         self._refuse_mid_forward("seq_rm")
         s = self.table.live_id("seq_id", seq_id)
         p0 = int_scalar("p0", p0, SequenceError, minimum=0)
@@ -211,7 +214,7 @@ class Stepper:
             p1 = int_scalar("p1", p1, SequenceError, minimum=p0)
         end = self.table.next_pos(s) if end is None else end
         if self.keeper is not None and (p1 is None or p1 >= end):  # its end goes: it is continued at p0
-            self.keeper.check_continue(f"seq_rm(seq_id={s}, p0={p0})", s, p0)
+            self.keeper.check_continue(f"seq_rm(seq_id={s}, p0={p0})", s, p0 if at is None else at)
 
     def restore(self, cells: np.ndarray, pos: np.ndarray, owners: np.ndarray, live: np.ndarray, error: type,
                 cuts: np.ndarray | None = None) -> None:

@@ -156,6 +156,14 @@ class CellTable:
         """One past the newest position `seq_id` holds (0 when it holds none)."""
         return int(self._newest[self._check_id("seq_id", seq_id)]) + 1
 
+    def newest_below(self, seq_id: int, position: int) -> int:
+        """The newest position live `seq_id` (checked by the caller) holds below `position`, -1 for none:
+        where it continues once everything from `position` on is gone (a hole below is not there to
+        continue from)."""
+        _, pos = self._index.get(int(seq_id))
+        at = int(np.searchsorted(pos, position, side="left"))
+        return int(pos[at - 1]) if at else -1
+
     def newest_cells(self, ids: np.ndarray) -> np.ndarray:
         """The cell holding each of `ids`' (checked by the caller) newest position, -1 for an id
         holding none: where a placement policy continues a sequence (a copy)."""
