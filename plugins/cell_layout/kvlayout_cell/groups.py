@@ -220,9 +220,22 @@ def _token_runs(seq_ids: np.ndarray, positions: np.ndarray, window: int, owned):
     """(sequences, key_cells, key_pos, lo, hi): how many distinct sequences the step has; the cells they
     own and their positions, each sequence's by position (`owned`, as in `plan_cells`); and the run
     `[lo[t], hi[t])` of that list that token t sees."""
-    ids, row = np.unique(seq_ids, return_inverse=True)
-    row = row.reshape(-1)  # [T]: index of each token's sequence in ids
+    order = np.argsort(seq_ids, kind="stable")
+    ids = seq_ids[order]
+    distinct = bool((ids[1:] != ids[:-1]).all())  # one token a sequence: a decode step
+    if distinct:  # np.unique's answer without its second pass: each token is its own sequence
+        row = np.empty(seq_ids.size, dtype=np.int64)
+        row[order] = np.arange(seq_ids.size)
+    else:
+        ids, row = np.unique(seq_ids, return_inverse=True)
+        row = row.reshape(-1)  # [T]: index of each token's sequence in ids
     key_cells, key_pos, key_starts = owned(ids)  # [M], [M], [N + 1]
+    if distinct and not window:
+        # Each token sees its sequence's cells up to its position: all of them when it is the sequence's
+        # newest (a decode step's token, placed already), so no search.
+        lo, hi = key_starts[row], key_starts[row + 1]  # [T]
+        if (hi > lo).all() and (key_pos[hi - 1] == positions).all():
+            return ids.size, key_cells, key_pos, lo, hi
     # Runs by binary search on (sequence, position), one sorted int64 key per cell.
     span = np.int64(max(int(key_pos.max(initial=0)), int(positions.max())) + 2)
     keys = np.repeat(np.arange(ids.size, dtype=np.int64), np.diff(key_starts)) * span + key_pos  # [M], ascending
