@@ -235,6 +235,7 @@ class SeqBook:
                 raise KVLayoutError(f"policy kind {kind!r}: expected flat or ring")
         self.layers = [shared[p] for p in policies]
         self.policies = list(shared.values())
+        self._all_flat = all(p.kind == "flat" for p in self.policies)
         # Every layer of a forward gets the same step, so the tightest ring bounds
         # it at every layer: a step no ring can take is refused at the first layer,
         # before any layer has written it.
@@ -255,12 +256,18 @@ class SeqBook:
         from `r + w - 1` on; after contiguous writes past its first lap that is
         `length - max_write`, i.e. `length - w` with max_write unset.
         """
+        if self._all_flat:  # no ring: nothing is ever lost below the length
+            return 0
         return max((p.floor for p in self.policies), default=0)
 
     def can_extend(self, n: int = 1) -> bool:
+        if type(n) is int and n >= 0:  # the usual count, settled at once (asked every step)
+            return self.length + n <= self.capacity
         return self.length + int_scalar("n", n, StepError, minimum=0) <= self.capacity
 
     def check_layer(self, layer: Any) -> int:
+        if type(layer) is int and 0 <= layer < len(self.layers):  # the usual index, settled at once
+            return layer
         return int_scalar("layer", layer, StepError, 0, self.n_layers - 1)
 
     def plan(self, layer: int, start: int, length: int) -> SeqStepPlan:
