@@ -161,10 +161,11 @@ class BatchControl(CacheControl, Protocol):
         ...
 
     def seq_floor(self, seq_id: int) -> int:
-        """The least position but 0 at which live `seq_id` can be cut and continued: a
-        `seq_clone(seq_id, upto)` or a `seq_rm(seq_id, p0)` taking its end off below it is refused
-        (SequenceError), since a sliding-window layer no longer holds the window before it. 0 when
-        any position will do (a layout or model without windows)."""
+        """The least position but 0 at which live `seq_id` can be continued: a
+        `seq_clone(seq_id, upto)` or a `seq_rm(seq_id, p0)` taking its end off that continues it below
+        it is refused (SequenceError), since a sliding-window layer no longer holds the window before
+        it. It continues one past its newest position below `upto` / `p0` (below a hole, less than
+        them). 0 when any position will do (a layout or model without windows)."""
         ...
 
     def seq_pin(self, seq_id: int, pinned: bool = True) -> None:

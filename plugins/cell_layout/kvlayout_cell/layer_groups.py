@@ -205,8 +205,9 @@ class LayerGroups:
                 st.keeper.pin(s, bool(pinned))
 
     def seq_floor(self, seq_id: int) -> int:
-        """The least position but 0 at which `seq_id` can be cut and continued (a clone's `upto`, a
-        truncating seq_rm's `p0`): 0 when every group holds all it needs anywhere."""
+        """The least position but 0 at which `seq_id` can be continued (one past its newest position below
+        a clone's `upto` or a truncating seq_rm's `p0`, see `_continues_at`): 0 when every group holds all
+        it needs anywhere."""
         s = self.primary.table.live_id("seq_id", seq_id)
         return max([st.keeper.floor(s) for st in self.steppers if st.keeper is not None], default=0)
 

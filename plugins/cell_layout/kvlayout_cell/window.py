@@ -17,7 +17,8 @@ its last window there.
 
 Where a sequence was cut is kept per id (`cut[s]`: the group no longer holds
 s's positions below it; 0: it holds all it ever held). A sequence continued at
-position u (a clone's `upto`, a truncating `seq_rm`'s `p0`) reads positions
+position u (one past its newest position below a clone's `upto` or a truncating
+`seq_rm`'s `p0`: below a hole, less than them; `LayerGroups` says which) reads positions
 u - w + 1 .. u - 1, so it can be continued only at u = 0 or u >= cut + w - 1 (its
 floor); below that the keys are gone and the verb is refused, never answered
 from a partial window.
