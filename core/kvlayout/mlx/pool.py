@@ -50,8 +50,7 @@ class Cells:
         self.host.flags.writeable = False
         self.size = idx.size
         self.end = int(idx.max()) + 1 if idx.size else 0  # one past the highest
-        self.device = mx.array(self.host)
-        self.slot_index = self.device.reshape(1, 1, -1, 1)  # [1, 1, n, 1]: what put_along_axis takes on the slot axis
+        self.slot_index = mx.array(self.host).reshape(1, 1, -1, 1)  # [1, 1, n, 1]: put_along_axis's slot indices
 
 
 def _slot(value: Any, name: str) -> int:
@@ -165,17 +164,6 @@ class MLXPool(Pool):
         return self._buf.nbytes
 
     def write(self, start: int, update: mx.array) -> None:
-        buf = self._buf
-        # The usual write (every layer of every step makes two), settled inline: an in-range int start and a
-        # checked [1, H, n, D] update that fits the slots allocated. Anything else takes the checks below.
-        if type(start) is int and start >= 0 and type(update) is mx.array and update.ndim == 4:
-            one, heads, n, dim = update.shape
-            end = start + n
-            dtype = update.dtype
-            if (one == 1 and heads == self._heads and dim == self._dim and 0 < n and end <= buf.shape[2]
-                    and (dtype == self._dtype or (self._dtype != PACKED and dtype in FLOATING))):
-                buf[:, :, start:end, :] = update if dtype == self._dtype else update.astype(self._dtype)
-                return
         n = self._check_update(update)
         start = _slot(start, "start")
         if start + n > self._max:
@@ -229,10 +217,6 @@ class MLXPool(Pool):
         mx.eval(self._buf)
 
     def read(self, start: int, length: int) -> mx.array:
-        if type(start) is int and type(length) is int and start >= 0 and length >= 0:  # the usual read, inline
-            end = start + length
-            if end <= self._buf.shape[2]:
-                return self._buf[:, :, start:end, :]  # [1, H, length, D]
         start, length = _slot(start, "start"), _slot(length, "length")
         if start + length > self.slots:
             raise KVLayoutError(
