@@ -282,16 +282,10 @@ class SeqBook:
         step is refused at a forward's first layer or not at all.
         """
         layer = self.check_layer(layer)
+        later = self.serve_later(layer, start, length)  # a later layer of the forward that opened the step
+        if later is not None:
+            return later
         step = self._open
-        if step is not None and self._continues(step, layer, start, length):
-            # A later layer of the forward that opened the step: the model-wide checks below passed at
-            # its first layer and read the same state, so only the layer's own plan is new (and layers
-            # of one policy share it: the host time of a step, not of each layer).
-            policy = self.layers[layer]
-            plan = step.plans.get(id(policy))
-            if plan is None:
-                plan = step.plans[id(policy)] = policy.plan(start, length)
-            return plan
         if step is not None and start > step.start and not self._continues(step, layer, start, length):
             raise StepError(
                 f"positions start at {start}, past the step at {step.start} that layer(s) "
@@ -333,7 +327,7 @@ class SeqBook:
         forward's first layer and read the same state now, and layers of one policy share its plan.
         """
         step = self._open
-        if step is None or step.start != start or step.length != length or layer in step.served:
+        if step is None or not self._continues(step, layer, start, length):
             return None
         policy = self.layers[layer]
         plan = step.plans.get(id(policy))
@@ -359,19 +353,16 @@ class SeqBook:
         """
         if layer is not None:
             step = self._open
-            if step is not None and self._continues(step, layer, plan.start, plan.length):
-                # A later layer: the first commit of this step already moved the length and the rings'
-                # records to its end (committing it again would change nothing).
-                step.served.add(layer)
-                if len(step.served) == len(self.layers):
-                    self._open = None
-                return
-            retained = [getattr(p, "retained", 0) for p in self.policies]
-            step = self._open = _OpenStep(plan.start, plan.length, retained)
-            step.plans[id(self.layers[layer])] = plan  # its later layers of the same policy share it
+            later = step is not None and self._continues(step, layer, plan.start, plan.length)
+            if not later:
+                retained = [getattr(p, "retained", 0) for p in self.policies]
+                step = self._open = _OpenStep(plan.start, plan.length, retained)
+                step.plans[id(self.layers[layer])] = plan  # its later layers of the same policy share it
             step.served.add(layer)
             if len(step.served) == len(self.layers):
                 self._open = None
+            if later:  # the step's first commit already moved the length and the rings' records to its end
+                return
         for policy in self.policies:
             policy.commit(plan.end)
         self.length = plan.end

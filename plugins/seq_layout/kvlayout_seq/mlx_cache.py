@@ -110,15 +110,8 @@ class SeqCache(FacesBase):
         pool) before the next step; holding it makes that write copy the pool.
         """
         pos = _positions(positions)
-        plan = None
-        if type(layer) is int and 0 <= layer < len(self._shapes) and pos.consecutive and pos.size:
-            # A later layer of the forward (the book's open step): everything that reads model-wide state
-            # was checked at its first layer, so only this layer's K/V are (host time of a step, not a layer).
-            plan = self._book.serve_later(layer, pos.first, pos.size)
-            if plan is not None:
-                check_kv(layer, k, v, *self._shapes[layer], pos.size)
-        if plan is None:
-            layer, plan = self._plan(layer, pos, k, v)
+        # A later layer of the forward finds the step planned (SeqBook.serve_later); its own K/V are checked.
+        layer, plan = self._plan(layer, pos, k, v)
         k_pool, v_pool = self.key_pools[layer], self.value_pools[layer]
         # Nothing below may raise: the plan was checked whole, pools were sized by the policy.
         _scatter(k_pool, plan, k)
