@@ -366,3 +366,21 @@ def test_a_bias_naming_an_id_past_the_vocabulary_fails_its_request_alone(tiny):
     assert bad.samples[0].finish_reason == "error" and f"id {vocab + 5}" in bad.samples[0].error
     (alone,) = run("cell", tiny, [request(tiny, 1, QUESTIONS[1], 3, Sampling(presence_penalty=0.1))])
     assert penalised.samples[0].generated == alone.samples[0].generated  # its row got nothing of the bias
+
+
+def test_kept_logit_biases_are_bounded_in_ids_and_still_answer_right(monkeypatch):
+    # A client may send many vocabulary-wide biases: what is kept after their requests end stays bounded,
+    # and an evicted bias is built again, the same (the tuple itself is the oracle).
+    from kvlayout.engines import shaping
+
+    monkeypatch.setattr(shaping, "biases", type(shaping.biases)())
+    monkeypatch.setattr(shaping, "BIAS_IDS_KEPT", 1000)
+    vocab = 400
+    wide = [tuple((t, float(i % 7) - 3.0) for t in range(vocab)) for i in range(6)]
+    for bias in wide:
+        shaping.bias_entries(bias, vocab)
+        assert sum(len(k[0]) for k in shaping.biases.values()) <= 1000
+    assert len(shaping.biases) == 2  # 2 x 400 ids fit, a third would not
+    ids, amounts, outside = shaping.bias_entries(wide[0], vocab)  # evicted long ago: built again
+    assert ids.tolist() == [t for t, _ in wide[0]] and amounts.tolist() == [a for _, a in wide[0]]
+    assert outside is None

@@ -167,8 +167,12 @@ def additive(picks: Sequence[Pick], settings: Sequence[Sampling], vocab: int) ->
     return np.concatenate(ids), np.concatenate(amounts)
 
 
-BIASES_KEPT = 256  # requests' logit_bias arrays kept (a running request's is found again every step)
-biases: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # id(logit_bias) -> (it, its arrays)
+# Requests' logit_bias arrays kept (a running request's is found again every step), at most this many
+# biases and ids in all: each entry holds its request's tuple (so its id is not reused), ~130 bytes an
+# id as Python objects, which a finished request no longer holds; a vocabulary-wide bias is ~50k ids.
+BIASES_KEPT = 256
+BIAS_IDS_KEPT = 1 << 18
+biases: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # id(logit_bias) -> (it, vocab, arrays)
 
 
 def bias_entries(logit_bias: tuple[tuple[int, float], ...], vocab: int) -> tuple[np.ndarray, np.ndarray, int | None]:
@@ -183,8 +187,8 @@ def bias_entries(logit_bias: tuple[tuple[int, float], ...], vocab: int) -> tuple
     outside = ids[(ids < 0) | (ids >= vocab)]
     entries = ids, amounts, int(outside[0]) if outside.size else None
     biases[id(logit_bias)] = (logit_bias, vocab, entries)  # holding the tuple: its id is not reused while kept
-    while len(biases) > BIASES_KEPT:
-        biases.popitem(last=False)
+    while len(biases) > BIASES_KEPT or (len(biases) > 1 and sum(len(k[0]) for k in biases.values()) > BIAS_IDS_KEPT):
+        biases.popitem(last=False)  # the least recently used; the newest always stays
     return entries
 
 
