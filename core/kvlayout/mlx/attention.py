@@ -40,21 +40,8 @@ def attend(q: mx.array, spec: AttendSpec, scale: float, *, sinks: mx.array | Non
     `spec.queries`, a `scale` that is not a finite number, or `sinks` that
     are not None nor a floating mlx array of shape `(H_q,)`.
     """
-    if (sinks is None and type(spec) is AttendSpec and spec.groups is None and type(q) is mx.array
-            and type(scale) is float and spec.mask_kind is not MaskKind.EXPLICIT):
-        # The usual layer of a decode step or a lone sequence's chunk, settled inline (every layer of
-        # every step comes here): the checks of `_check` on plain float keys, then MLX's own call.
-        keys, values = spec.keys, spec.values
-        if type(keys) is mx.array and q.ndim == 4 and q.dtype in FLOATING and math.isfinite(scale):
-            batch, h_q, t, d = q.shape
-            k_batch, h_kv, slots, k_d = keys.shape
-            if (batch == k_batch and d == k_d and h_q >= h_kv and not h_q % h_kv and t == spec.queries
-                    and (t <= slots or spec.mask_kind is MaskKind.NONE)):
-                mask = None if spec.mask_kind is MaskKind.NONE or t == 1 else "causal"
-                if keys.dtype != q.dtype:
-                    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-                return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    _check(q, spec, scale, sinks)
+    if not _usual(q, spec, scale, sinks):  # every layer of every step comes here: the usual call is settled at once
+        _check(q, spec, scale, sinks)
     if sinks is not None and sinks.dtype != q.dtype:
         sinks = sinks.astype(q.dtype)
     if spec.groups is not None:
@@ -106,6 +93,20 @@ def quantized_attention(
     p = _softmax(s, sinks)  # s's axes 1..-3 are (H_kv, rep) or (H_q,): query head h = kv * rep + r
     o = mx.quantized_matmul(p, *values.parts(), transpose=False, group_size=group, bits=bits)  # [B, H_kv, (rep,) T, D]
     return o.reshape(batch, h_q, t, d).astype(q.dtype)
+
+
+def _usual(q: Any, spec: Any, scale: Any, sinks: Any) -> bool:
+    """Whether `attend`'s arguments are the usual ones that `_check` passes, settled in a few comparisons:
+    a decode step's or a lone sequence's chunk (plain float keys, NONE or CAUSAL, no groups, no sinks).
+    False says nothing: `_check` decides."""
+    if not (sinks is None and type(spec) is AttendSpec and spec.groups is None and type(q) is mx.array
+            and type(scale) is float and spec.mask_kind is not MaskKind.EXPLICIT and type(spec.keys) is mx.array
+            and q.ndim == 4 and q.dtype in FLOATING and math.isfinite(scale)):
+        return False
+    batch, h_q, t, d = q.shape
+    k_batch, h_kv, slots, k_d = spec.keys.shape
+    return (batch == k_batch and d == k_d and h_q >= h_kv and not h_q % h_kv and t == spec.queries
+            and (t <= slots or spec.mask_kind is MaskKind.NONE))
 
 
 def _check(q: Any, spec: Any, scale: Any, sinks: Any = None) -> None:
