@@ -198,7 +198,7 @@ class PrefixCache:
         """Take `seq_id` (which holds exactly `tokens`, positions 0..) as an entry of `isolation`:
         True. False, having released the id, when it is shorter than a block or an entry already
         covers it. Entries of `isolation` that are prefixes of it are dropped: it owns their cells
-        too (where it can be continued from their end: not past a sliding window's reach).
+        too, where it can lend every length they can (a sliding window's reach: from their floor on).
         `keys`: the tokens' chain (for `isolation`), when the caller has it already."""
         tokens = tuple(tokens)
         keys = self.chain(tokens, len(tokens) // self.block, isolation) if keys is None else keys
@@ -209,7 +209,8 @@ class PrefixCache:
         for other in candidates:
             e = self.entries[other]
             n = len(e.tokens)
-            if n <= len(tokens) and self.shared(e, tokens, n, isolation) == n and self.usable(seq_id, n):
+            if (n <= len(tokens) and self.shared(e, tokens, n, isolation) == n
+                    and self.bc.seq_floor(seq_id) <= max(self.bc.seq_floor(other), 1)):
                 self.drop(other)
         self.entries[seq_id] = Entry(tokens, keys, next(self.clock), source, isolation)
         for k in keys:
