@@ -163,7 +163,15 @@ def _run_config(args: argparse.Namespace):
         cfg = config.prompt_config(prompt, args.model, max_tokens, temperature, raw=args.raw)
     if args.layout:
         cfg = cfg.with_layout(args.layout)
-    return cfg
+    return _with_engine_flags(args, cfg)
+
+
+def _with_engine_flags(args: argparse.Namespace, cfg):
+    """`cfg` with the [engine] keys its flags give (--speculate, --speculate-tokens); a key no flag
+    gives keeps the config's value. A value out of range is the config's own ConfigError."""
+    flags = {"speculate": args.speculate, "speculate_tokens": args.speculate_tokens}
+    changes = {key: value for key, value in flags.items() if value is not None}
+    return cfg.with_engine(**changes) if changes else cfg
 
 
 # The `kvlayout run` flags a stopped run's "continue with" command repeats: every one that shapes
@@ -172,7 +180,9 @@ def _run_config(args: argparse.Namespace):
 # --save-state are its own, --print-config runs nothing, --trace draws one process's steps (the
 # continued run may draw its own, without overwriting this one's). tests/runner/test_resume_hint.py
 # fails on a flag in neither list.
-REPLAYED_FLAGS = ("layout", "model", "prompt", "raw", "max_tokens", "temperature", "json", "blas")
+REPLAYED_FLAGS = (
+    "layout", "model", "prompt", "raw", "max_tokens", "temperature", "speculate", "speculate_tokens", "json", "blas"
+)
 NOT_REPLAYED_FLAGS = ("resume", "save_state", "print_config", "trace")
 
 
@@ -664,6 +674,16 @@ def _add_run_config_flags(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--temperature", type=float, metavar="T", help="with --prompt: sampling temperature, 0 greedy (default 0)"
+    )
+    # No defaults here: a flag not given leaves the config's [engine] key as it is.
+    run.add_argument(
+        "--speculate", choices=("off", "ngram"),
+        help="override the config's engine.speculate: ngram drafts tokens from each sample's own prompt and output "
+        "and verifies them in one step (greedy output unchanged); off, one token a step (the default)",
+    )
+    run.add_argument(
+        "--speculate-tokens", type=int, metavar="K",
+        help="override the config's engine.speculate_tokens: the most tokens a sample drafts a step (1..16, default 4)",
     )
 
 

@@ -228,7 +228,7 @@ def test_a_running_sequence_short_of_cells_evicts_a_kept_prefix_before_anything_
     sched.add(requests(4, 4))
     run_step(sched, table)  # 8 cells; both prompts kept as entries
     done, going = sched.running
-    sched.finish(done, speculative=False)  # its cells stay, held by its entry alone
+    sched.finish(done)  # its cells stay, held by its entry alone
     held = len(prefixes)
     for _ in range(4):  # two free cells, then the entry gives its four
         run_step(sched, table)
@@ -301,7 +301,7 @@ def test_max_samples_caps_the_samples_generating_and_the_queue_waits_in_order():
     # would fit) waits behind it: first come, first served.
     assert run_step(sched, table) == [(0, 2)]
     assert [r.started for r in reqs] == [True, False, False, False]
-    sched.finish(sched.running[0], speculative=False)  # one sample of request 0 ends: 1 held
+    sched.finish(sched.running[0])  # one sample of request 0 ends: 1 held
     assert [(r, k) for r, k in run_step(sched, table)] == [(0, 1), (1, 2)]
     assert [r.started for r in reqs] == [True, True, False, False]
 

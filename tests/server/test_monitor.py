@@ -122,6 +122,9 @@ def test_metrics_are_prometheus_text_with_the_values_stats_has(tiny_loaded):
         assert samples["kvlayout_steps_total"] == s["steps"]
         assert samples["kvlayout_generated_tokens_total"] == s["generated_tokens"]
         assert samples["kvlayout_requests_waiting"] == 0
+        # engine.speculate is off by default: counted, and nothing drafted.
+        assert samples["kvlayout_drafted_tokens_total"] == s["drafted_tokens"] == 0
+        assert samples["kvlayout_accepted_tokens_total"] == s["accepted_tokens"] == 0
 
 
 def test_a_cell_is_looked_up_by_number_and_a_bad_number_is_refused(tiny_loaded):

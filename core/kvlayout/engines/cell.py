@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from kvlayout.engines import ahead, cell_state, shaping
+from kvlayout.engines.cell_drafts import CellDrafts
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.options import EngineOptions
 from kvlayout.engines.prefixes import PrefixCache
@@ -60,6 +62,8 @@ class CellEngine:
         self.stats, self.prefixes = options.stats, prefixes
         self.pipeline = options.draws_ahead
         self.scheduler = Scheduler(control, options.chunk, options.stats, prefixes, options.max_samples)
+        # Speculation (engines.cell_drafts): None when off.
+        self.drafts = CellDrafts(control, options) if options.speculate == "ngram" else None
 
     # -- the Engine interface (engines.interface)
 
@@ -75,6 +79,8 @@ class CellEngine:
         a failed forward is retried here, each of its sequences alone."""
         if not self.has_work:
             return False
+        if self.drafts is not None:
+            self.drafts.propose(self.scheduler.plan())  # the running sequences' step, as it will be but for admissions
         plan = self.scheduler.declare(self.settle)
         try:
             self._forward(plan)
@@ -156,28 +162,22 @@ class CellEngine:
         t0 = time.perf_counter()
         feed = Feed.of(plan)
         # Who draws on the device: a greedy sequence of one sample whose next token is fed back.
-        on_device = [self._draws_ahead(s) for s in feed.completing]
+        on_device = [self._draws_ahead(s, feed.width) for s in feed.completing]
         host = [i for i, d in enumerate(on_device) if not d]
         device = [i for i, d in enumerate(on_device) if d]
         # At least one row even when no prompt completes: evaluating it forces the cache writes. The rows
-        # of prompts being scored (echo with logprobs) come after the drawing rows.
-        row_ids = feed.rows + feed.scored_rows if feed.scored_rows else (feed.rows or [feed.width - 1])
+        # of drafts to verify come after the drawing rows, those of prompts being scored (echo with
+        # logprobs) last.
+        drawing = feed.rows + feed.verify_rows
+        row_ids = drawing + feed.scored_rows if feed.scored_rows else (drawing or [feed.width - 1])
 
         # Every sample of a sequence completing on the host draws from that sequence's row of the host rows.
         hosted = [feed.completing[i] for i in host]
         on_host = HostDraw([(s.request, x, j) for j, s in enumerate(hosted) for x in s.samples], self.options.sampling)
-
-        def read(logits):  # [R, V]: queue the device draws, then wait for the host's rows (if any)
-            if feed.scored_rows:
-                logits = feed.score(logits)  # the drawing rows left
-            if not device:
-                return None, on_host.read(logits)
-            drawn = ahead.draw(logits, self.stats, feed.prefill, feed.decode,
-                               None if len(device) == len(row_ids) else device)
-            return drawn, on_host.read(logits[mx.array(host, dtype=mx.int32)]) if host else None
-
+        read = self._reader(feed, device, host, on_host)
         # A failure is aborted in the cache (ForwardFailed) before any counter below moves.
-        drawn, rows = guarded_forward(self.model, self.cache, ahead.fed(feed.pieces), feed.positions, row_ids, read)
+        drawn, rows, checked = guarded_forward(self.model, self.cache, ahead.fed(feed.pieces), feed.positions,
+                                               row_ids, read)
         for s, k in plan:
             s.cached += k
         ended = self._read_fed_ahead(feed.fed_ahead)
@@ -190,7 +190,36 @@ class CellEngine:
                 self.scheduler.remember(s)
         if rows is not None:
             self._complete_on_host(hosted, rows, ended)
-        self.stats.account(time.perf_counter() - t0, feed.prefill, feed.decode)
+        if checked is not None:
+            feed.decode += self.drafts.keep(feed.verifying, checked, self._advance)
+        seconds = time.perf_counter() - t0
+        if self.drafts is not None and not (feed.fed_ahead or feed.prefill) and (rows or checked) is not None:
+            self.drafts.pacing.cost.observe(feed.width, seconds)  # a decode step the host waited for whole: timed
+        self.stats.account(seconds, feed.prefill, feed.decode)
+
+    def _reader(self, feed: Feed, device: list[int], host: list[int], on_host: HostDraw):
+        """How a step reads its logits `[R, V]`: queue the device draws and the drafts' verification
+        rows, then wait for the host's rows and the verification's. (drawn, host rows, verification)."""
+
+        def read(logits):
+            if feed.scored_rows:
+                logits = feed.score(logits)  # the drawing and verifying rows left
+            checked = None
+            if feed.verifying:
+                checked = self.drafts.check(feed.verifying, logits[len(feed.rows) :])
+                if not feed.rows:
+                    return None, None, [np.array(c) for c in checked]
+                logits = logits[: len(feed.rows)]
+            drawn, rows = None, None
+            if not device:
+                rows = on_host.read(logits)
+            else:
+                drawn = ahead.draw(logits, self.stats, feed.prefill, feed.decode,
+                                   None if len(device) == len(feed.rows) else device)
+                rows = on_host.read(logits[mx.array(host, dtype=mx.int32)]) if host else None
+            return drawn, rows, None if checked is None else [np.array(c) for c in checked]
+
+        return read
 
     def _read_fed_ahead(self, fed_ahead: list[tuple[Running, tuple[ahead.Drawn, int]]]) -> set[int]:
         """Read the tokens this step fed unread (its own forward is queued behind them). One that
@@ -199,15 +228,18 @@ class CellEngine:
         ended = set()
         for s, (d, i) in fed_ahead:
             s.drawn = None
-            if self._advance(s, d.read(i), speculative=True):
+            if self._advance(s, d.read(i)):
                 ended.add(id(s))
         return ended
 
-    def _draws_ahead(self, s: Running) -> bool:
-        """Whether `s`'s next token is drawn on the device (engines.ahead)."""
-        return len(s.samples) == 1 and ahead.drawn_on_device(
+    def _draws_ahead(self, s: Running, fed: int) -> bool:
+        """Whether `s`'s next token is drawn on the device (engines.ahead): not when its next step may
+        draft (drafts are looked up on the host), in a step like this one, feeding `fed` tokens."""
+        if len(s.samples) != 1 or not ahead.drawn_on_device(
             self.pipeline, self.options.sampling, s.request, s.samples[0], s.drawn is not None
-        )
+        ):
+            return False
+        return self.drafts is None or not self.drafts.may_pay(s, fed)
 
     def _complete_on_host(self, completing: list[Running], rows: HostDraw, ended: set[int]) -> None:
         """Draw the next token of each sample of `completing` from its row of the step's host `rows`;
@@ -232,15 +264,14 @@ class CellEngine:
         for sample, state in before.values():  # queued again by fork: it draws anew when it runs
             sample.rng.bit_generator.state = state
 
-    def _advance(self, s: Running, token: int, logprob: TokenLogprob | None = None, speculative: bool = False
-                 ) -> bool:
-        """Record `token` (and its `logprob` record) as `s`'s next; True when that finished it (retired).
-        `speculative`: the step just queued fed `token` already, so on finishing its position is removed first."""
+    def _advance(self, s: Running, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Record `token` (and its `logprob` record) as `s`'s next; True when that finished it (retired:
+        positions a step fed past its tokens leave the cache first)."""
         o = self.options
         finished, done = record_token(s.samples[0], token, s.request, o.eos, self.stats, logprob)
         o.on_token(s.request, s.samples[0], token)
         if finished:
-            self.scheduler.finish(s, speculative)
+            self.scheduler.finish(s)
         else:
             s.tokens.append(token)
         o.progress(done)
@@ -269,19 +300,30 @@ class Feed:
     # Prompts scored this step (Request.score_prompt): (request, first position, positions), their rows in order.
     scored: list[tuple[Request, int, int]] = attrs.field(factory=list)
     scored_rows: list[int] = attrs.field(factory=list)
+    # Sequences feeding their last token and a draft: (sequence, positions), every position a row, in order.
+    verifying: list[tuple[Running, int]] = attrs.field(factory=list)
+    verify_rows: list[int] = attrs.field(factory=list)
 
     def score(self, logits: mx.array) -> mx.array:
         """Record the scored prompts' logprobs from their rows, at the end of `logits` `[R, V]`; the rows before."""
-        at = len(self.rows)
+        at = len(self.rows) + len(self.verify_rows)
         for request, start, count in self.scored:
             shaping.score_prompt(request, start, logits[at : at + count])
             at += count
-        return logits[: len(self.rows)]
+        return logits[:at]
 
     @classmethod
     def of(cls, plan: Plan) -> Feed:
         f = cls()
         for s, k in plan:
+            if s.drafted:  # its last token, then its draft: every position's logits verify the next
+                f.pieces.append(s.tokens[s.cached : s.cached + 1] + s.drafting.draft)
+                f.positions += range(s.cached, s.cached + k)
+                f.verifying.append((s, k))
+                f.verify_rows += range(f.width, f.width + k)
+                f.width += k
+                f.decode += 1  # and what it keeps of the draft, once verified
+                continue
             if s.drawn is not None:
                 f.pieces.append(s.drawn)
                 f.fed_ahead.append((s, s.drawn))

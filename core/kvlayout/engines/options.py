@@ -26,7 +26,9 @@ class EngineOptions:
     their next token on the device, a step ahead (engines.ahead); never when `agree` is a
     collective, whose tokens are read on every step. `max_samples` caps the samples a cell engine
     generates at once (a server's `max_sequences`; None: as many as the layout has ids); a seq
-    engine generates one at a time."""
+    engine generates one at a time. `speculate`: "ngram" drafts up to `speculate_tokens` tokens per
+    decoding sample from its own prompt and output and verifies them in the step (engines.drafts);
+    "off" (the default): one token per sample per step."""
 
     eos: frozenset[int] = frozenset()
     sampling: Sampling = attrs.field(factory=Sampling)
@@ -37,6 +39,8 @@ class EngineOptions:
     agree: Agree = same_tokens
     pipeline: bool = True
     max_samples: int | None = None
+    speculate: str = "off"
+    speculate_tokens: int = 4
 
     @property
     def draws_ahead(self) -> bool:

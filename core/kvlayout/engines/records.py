@@ -123,6 +123,9 @@ class Stats:
     preemptions: int = 0
     max_batch: int = 0  # most sequences in one step
     failed_forwards: int = 0  # forwards that raised and were aborted (abort_step), retried or not
+    # Speculation (engines.drafts): draft tokens the steps verified, and how many of them were kept.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def prefill_tok_s(self) -> float:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
-from kvlayout.engines import ahead
+from kvlayout.engines import ahead, drafts
 from kvlayout.engines.prefixes import Hit, PrefixCache, common_length
 from kvlayout.engines.records import Request, Sample, Stats
 from kvlayout.errors import CapacityError
@@ -45,11 +45,19 @@ class Running:
     # Its next token, drawn on the device and not read yet (engines.ahead): (the step's tokens,
     # its index there). While set, all of `tokens` are in the cache and the next step feeds it.
     drawn: tuple[ahead.Drawn, int] | None = None
+    # Its drafting (engines.drafts), made when it first may draft: the draft tokens the next step
+    # feeds after its last one, to be verified there.
+    drafting: drafts.DraftState | None = None
 
     @property
     def pending(self) -> int:
         """Tokens to feed: a token drawn ahead counts, unread as it is."""
         return len(self.tokens) - self.cached + (self.drawn is not None)
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens the next step feeds after its last token."""
+        return len(self.drafting.draft) if self.drafting is not None else 0
 
 
 @attrs.define(eq=False)
@@ -73,6 +81,16 @@ def reused(hit: Hit | None) -> int:
 def within_cap(held: int, k: int, cap: int | None) -> bool:
     """Whether `k` more samples beside `held` keep within `cap` (None: no cap; a lone unit always runs)."""
     return cap is None or held == 0 or held + k <= cap
+
+
+def drop_drafts(running: list[Running]) -> bool:
+    """Clear every one of `running`'s drafts: whether there was one."""
+    dropped = False
+    for s in running:
+        if s.drafted:
+            s.drafting.draft = []
+            dropped = True
+    return dropped
 
 
 def budget_left(plan: Plan, chunk: int) -> int:
@@ -160,6 +178,9 @@ class Scheduler:
         preempted = False
         plan = self.plan()
         while plan and not self.declare_plan(plan):
+            if drop_drafts(self.running):  # drafts are the first to give way: they only may pay
+                plan = self.plan()
+                continue
             if any(s.drawn is not None for s in self.running):
                 settle()
                 plan = self.plan()
@@ -241,6 +262,8 @@ class Scheduler:
                 return False  # no prompt budget left for it
             if self.declare_plan(trial):
                 return True
+            if drop_drafts(self.running):  # the running sequences' drafts give way to an admission
+                continue
             if not self.evict():
                 return False  # not enough free cells
 
@@ -251,7 +274,7 @@ class Scheduler:
         plan = []
         for s in self.running:
             if s.pending == 1:
-                plan.append((s, 1))
+                plan.append((s, 1 + s.drafted))
             elif budget > 0:
                 k = min(s.pending, budget)
                 budget -= k
@@ -297,13 +320,13 @@ class Scheduler:
         self.running.remove(s)
         self.bc.seq_rm(s.seq_id)
 
-    def finish(self, s: Running, speculative: bool) -> None:
+    def finish(self, s: Running) -> None:
         """`s`'s sample ended: its id becomes a kept prefix, or is released (cells no other
-        sample shares are freed). `speculative`: the step just queued fed its last token already,
-        so that position is not its own and goes first."""
+        sample shares are freed). Positions the cache holds past its tokens go first: a step fed
+        them before the token that ended it was read (one drawn ahead, kept drafts after it)."""
         self.running.remove(s)
-        if speculative:
-            s.cached -= 1
+        if s.cached > len(s.tokens):
+            s.cached = len(s.tokens)
             if self.prefixes is not None:  # kept as an entry: only what its tokens say
                 self.bc.seq_rm(s.seq_id, s.cached)
         if self.prefixes is not None:

@@ -7,11 +7,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 
-from kvlayout.engines import ahead, seq_state
+from kvlayout.engines import ahead, drafts, seq_state
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.options import EngineOptions
-from kvlayout.engines.records import Request, Sample, end_sample, record_token
+from kvlayout.engines.records import Request, Sample, end_sample, record_token, same_tokens
 from kvlayout.engines.recovery import guarded_forward
 from kvlayout.engines.shaping import HostDraw, TokenLogprob, score_prompt
 from kvlayout.errors import CapacityError, ForwardFailed, Interrupted
@@ -32,6 +33,7 @@ class Generating:
     cached: int
     retried: bool = False
     drawn: ahead.Drawn | None = None
+    drafting: drafts.DraftState = attrs.field(factory=drafts.DraftState)  # speculation (engines.drafts)
 
 
 class SeqEngine:
@@ -62,6 +64,10 @@ class SeqEngine:
         self.stats = options.stats
         self.pipeline = options.draws_ahead
         self.chunk = min(options.chunk, control.max_step)  # the layout's rule, whoever drives the engine
+        # Drafting (engines.drafts): timed steps decide where it pays, unless ranks must agree on every step.
+        self.pacing = None
+        if options.speculate == "ngram":
+            self.pacing = drafts.Pacing(options.speculate_tokens, timed=options.agree is same_tokens)
         self.queue: collections.deque[tuple[Request, Sample]] = collections.deque()  # in order, none started
         self.generating: Generating | None = None
         # Set by restore(): (request, sample, cached) of the sample the restored cache holds; the
@@ -157,36 +163,24 @@ class SeqEngine:
     def _forward(self, g: Generating) -> None:
         r, s, tokens, cached = g.request, g.sample, g.tokens, g.cached
         drawn = g.drawn  # when set, this step feeds that token, not read yet
+        if drawn is None and self._draft(g):
+            self._forward_draft(g)
+            return
         k = 1 if drawn is not None else min(len(tokens) - cached, self.chunk)
         if not self.control.can_extend(k):
             raise CapacityError(f"the seq cache cannot take {k} more token(s) at length {self.control.length}")
         t0 = time.perf_counter()
         positions = range(cached, cached + k)
         done = drawn is not None or cached + k == len(tokens)
-        on_device = done and ahead.drawn_on_device(self.pipeline, self.options.sampling, r, s, drawn is not None)
+        on_device = done and self._draws_ahead(g)
         fed = ahead.fed([(drawn, 0)]) if drawn is not None else tokens[cached : cached + k]
         decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) or drawn is not None else 0
         on_host = HostDraw([(r, s, 0)] if done else [], self.options.sampling)  # mid-prompt: nothing to draw
         draw = (lambda logits: ahead.draw(logits, self.stats, k - decode, decode)) if on_device else on_host.read
         rows, read = scoring(r, cached, k, draw)
-        try:
-            row = guarded_forward(self.model, self.cache, fed, positions, rows, read)
-        except Interrupted:
-            self._realign(cached)
-            raise
-        except ForwardFailed as exc:  # aborted: the cache is back at `cached`
-            self._realign(cached)
-            self.settle()  # the token it fed came from a forward that succeeded
-            self.stats.failed_forwards += 1
-            if self.generating is None:
-                return  # that token ended the sample: nothing left to retry
-            if not g.retried and exc.retry:  # a plugin's fault is not retried
-                g.retried = True  # the next step retries it
-                return
-            end_sample(r, s, "error", self.options.on_token, self.options.progress, str(exc))
-            self.generating = None
+        row = self._guarded(g, fed, positions, rows, read)
+        if row is None:
             return
-        g.retried = False
         g.cached = cached + k
         finished = False
         if drawn is not None:
@@ -206,7 +200,98 @@ class SeqEngine:
             ((token, logprob),) = row.draw()
             (token,) = self.options.agree([token])
             self._take(g, token, logprob)
-        self.stats.account(time.perf_counter() - t0, k - decode, decode)
+        seconds = time.perf_counter() - t0
+        if self.pacing is not None and done and decode and drawn is None and not on_device:
+            self.pacing.cost.observe(k, seconds)  # a decode step the host waited for whole: timed
+        self.stats.account(seconds, k - decode, decode)
+        self.stats.note_held(self.control.length, self.control.length, 1)
+
+    def _guarded(self, g: Generating, fed, positions: range, rows: list[int], read: Callable):
+        """`read(logits)` of the forward of `fed` at `positions`; None when it failed (aborted, and
+        retried at the next step or the sample ended with "error")."""
+        r, s, cached = g.request, g.sample, g.cached
+        try:
+            out = guarded_forward(self.model, self.cache, fed, positions, rows, read)
+        except Interrupted:
+            self._realign(cached)
+            raise
+        except ForwardFailed as exc:  # aborted: the cache is back at `cached`
+            self._realign(cached)
+            self.settle()  # the token it fed came from a forward that succeeded
+            self.stats.failed_forwards += 1
+            if self.generating is None:
+                return None  # that token ended the sample: nothing left to retry
+            if not g.retried and exc.retry:  # a plugin's fault is not retried
+                g.retried = True  # the next step retries it
+                return None
+            end_sample(r, s, "error", self.options.on_token, self.options.progress, str(exc))
+            self.generating = None
+            return None
+        g.retried = False
+        return out
+
+    # -- drafts (engines.drafts)
+
+    def _may_draft(self, g: Generating) -> bool:
+        """Whether `g` is decoding (its last token the one to feed) as a plain sample that may draft."""
+        return (self.pacing is not None and g.cached + 1 == len(g.tokens) and len(g.tokens) > len(g.request.prompt)
+                and drafts.may_draft(g.request.sampling or self.options.sampling, g.sample)
+                and self._room(g) > 0)
+
+    def _room(self, g: Generating) -> int:
+        """Draft tokens `g`'s next step may carry: the sample's room, within one step and the cache."""
+        k = min(drafts.room(g.request, g.sample, self.options.speculate_tokens), self.chunk - 1)
+        while k > 0 and not self.control.can_extend(1 + k):
+            k -= 1
+        return k
+
+    def _draws_ahead(self, g: Generating) -> bool:
+        """Whether `g`'s next token is drawn on the device (engines.ahead): not when its next step may
+        draft (drafts are looked up on the host)."""
+        if not ahead.drawn_on_device(self.pipeline, self.options.sampling, g.request, g.sample, g.drawn is not None):
+            return False
+        return not (self.pacing is not None and self.pacing.worth_trying(g.drafting, 1))
+
+    def _draft(self, g: Generating) -> bool:
+        """Choose `g`'s draft for its next step (Pacing): whether it has one."""
+        if not self._may_draft(g):
+            return False
+        if not self.pacing.worth_trying(g.drafting, 1):
+            self.pacing.choose([(g.drafting, [], 0)], 1, 1)
+            return False
+        self.pacing.choose([(g.drafting, *g.drafting.index.propose(g.tokens, self._room(g)))], 1, 1)
+        return bool(g.drafting.draft)
+
+    def _forward_draft(self, g: Generating) -> None:
+        """One step feeding `g`'s last token and its draft, verified there (engines.drafts): the
+        rejected positions are rewound, the kept tokens recorded."""
+        t0 = time.perf_counter()
+        draft, cached = g.drafting.draft, g.cached
+        k = 1 + len(draft)
+        sampling = g.request.sampling or self.options.sampling
+
+        def read(logits):  # [k, V]
+            return np.array(drafts.verify_rows(logits, sampling.temperature == 0.0))
+
+        rows = self._guarded(g, g.tokens[cached:] + draft, range(cached, cached + k), list(range(k)), read)
+        if rows is None:
+            return
+        kept = drafts.verify(draft, rows, sampling, g.sample.rng)
+        kept = [t for t in self.options.agree(kept + [-1] * (k - len(kept))) if t >= 0]  # rank 0's, tensor-parallel
+        m = len(kept) - 1
+        self.stats.drafted_tokens += len(draft)
+        self.stats.accepted_tokens += m
+        self.pacing.verified(g.drafting, m)
+        g.cached = cached + 1 + m
+        if m < len(draft) and not self.control.rewind(g.cached):  # the rejected positions leave the cache
+            raise CapacityError(f"the seq cache cannot rewind to {g.cached} after rejected drafts")
+        for t in kept:
+            if self._take(g, t):
+                self._realign(len(g.tokens))  # it ended before its kept drafts: they leave too
+                break
+        seconds = time.perf_counter() - t0
+        self.pacing.cost.observe(k, seconds)
+        self.stats.account(seconds, 0, 1 + m)
         self.stats.note_held(self.control.length, self.control.length, 1)
 
     def _take(self, g: Generating, token: int, logprob: TokenLogprob | None = None) -> bool:

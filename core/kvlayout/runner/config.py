@@ -51,6 +51,7 @@ seed = 0
 [engine]
 prefill_chunk = 256      # prompt tokens a step carries: float32 matmuls through BLAS pay by the row
 pipeline = true          # greedy samples draw their next token on the device, a step ahead
+# speculate = "ngram"    # draft up to speculate_tokens (4) tokens a sample from its own text; greedy: same output
 
 [[requests]]
 messages = [
@@ -84,8 +85,8 @@ def _fail(key: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"{key}={value!r}: expected {expected}")
 
 
-def _int(key: str, value: Any, minimum: int) -> None:
-    int_scalar(key, value, ConfigError, minimum, numpy=False)  # TOML gives Python ints
+def _int(key: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    int_scalar(key, value, ConfigError, minimum, maximum, numpy=False)  # TOML gives Python ints
 
 
 @attrs.frozen
@@ -203,11 +204,23 @@ class EngineSection:
     # Greedy tokens drawn on the device, the next forward queued before the host reads them
     # (engines.ahead); false: every step waits for its logits on the host. Same tokens either way.
     pipeline: bool = True
+    # "ngram": each decoding sample drafts up to speculate_tokens tokens by matching the last n-gram of
+    # its own prompt and output, and one step verifies them (engines.drafts); greedy output is the same
+    # token for token, and a sample whose drafts are not kept backs off. "off": one token a step.
+    speculate: str = "off"
+    # The most draft tokens a sample proposes in one step: more pays on repetitive text, costs on the rest.
+    speculate_tokens: int = 4
+
+    SPECULATE_CHOICES = ("off", "ngram")
+    MAX_SPECULATE_TOKENS = 16
 
     def __attrs_post_init__(self):
         _int("engine.prefill_chunk", self.prefill_chunk, 1)
         if type(self.pipeline) is not bool:
             raise _fail("engine.pipeline", self.pipeline, "true or false")
+        if not isinstance(self.speculate, str) or self.speculate not in self.SPECULATE_CHOICES:
+            raise _fail("engine.speculate", self.speculate, '"off" or "ngram"')
+        _int("engine.speculate_tokens", self.speculate_tokens, 1, self.MAX_SPECULATE_TOKENS)
 
 
 @attrs.frozen
@@ -299,6 +312,11 @@ class LayoutAndModel:
     def with_model_path(self, path: str):
         """`--model DIR` replaces the config's [model] (no fallback: a directory given is meant)."""
         return attrs.evolve(self, model=ModelSection(path=str(Path(path).expanduser().resolve())))
+
+    def with_engine(self, **changes: Any):
+        """Flags that replace [engine] keys (`--speculate`): the section rebuilt, so each value is
+        checked by its own rule and a bad one is refused naming its key (`engine.speculate_tokens`)."""
+        return attrs.evolve(self, engine=attrs.evolve(self.engine, **changes))
 
     def model_dir(self) -> Path | None:
         """The model directory; a relative path is taken from the config file's directory."""

@@ -201,6 +201,8 @@ class Job:
             agree=self.agree_tokens if self.world.distributed else same_tokens,
             pipeline=cfg.engine.pipeline,
             max_samples=max_samples,
+            speculate=cfg.engine.speculate,
+            speculate_tokens=cfg.engine.speculate_tokens,
         )
         bc = cache.as_batch_control()
         if bc is not None:

@@ -459,9 +459,17 @@ def _check_rng(value: Any, where: str) -> None:
     saved.integer(rng["uinteger"], f"{where}.uinteger", 0, 2**32 - 1)
 
 
+# Stats fields added after states were first written: a state without them counted none (0).
+LATER_STATS = ("drafted_tokens", "accepted_tokens")
+
+
 def _check_stats(value: Any, expected: dict) -> None:
-    """Stats' fields, each of its kind (counts and seconds >= 0), the names as this run's."""
+    """Stats' fields, each of its kind (counts and seconds >= 0), the names as this run's; one of
+    LATER_STATS missing is filled in as 0 (a state saved before it existed)."""
     fields = attrs.fields(Stats)
+    if isinstance(value, dict):
+        for name in LATER_STATS:
+            value.setdefault(name, 0)
     stats = saved.table(value, "stats", [f.name for f in fields])
     for f in fields:
         where, v = f"stats.{f.name}", stats[f.name]

@@ -400,6 +400,8 @@ class Worker:
             "generated_tokens": s.generated_tokens,
             "prefill_tokens": s.prefill_tokens,
             "preemptions": s.preemptions,
+            "drafted_tokens": s.drafted_tokens,
+            "accepted_tokens": s.accepted_tokens,
             "failed_steps": self.failures,
             "prefix_cache": self.prefixes.snapshot() if self.prefixes is not None else None,
         }
