@@ -65,3 +65,22 @@ def test_a_prompt_stays_whole_until_the_prefix_cache_keeps_it_and_later_ones_par
     shared = next(i for i in range(len(second)) if second[i] != first[i])
     assert r.cached_tokens == shared  # parted inside the question, as without windows
     assert r.samples[0].generated == oracle_greedy(model, second, 6, frozenset(tok.eos_ids))[0]
+
+
+def test_a_sample_ending_within_a_window_of_its_prompt_leaves_the_prompt_entry_to_lend_its_start(tiny):
+    """Its own entry holds the prompt's end in the window layers, not its start: the pinned prompt
+    entry stays, and a later prompt sharing only the start parts from it."""
+    model, _, tok = tiny
+    e, bc, kept = engine(tiny, prefixes=True)
+    first = tok.encode(SYSTEM + "Q: what is a KV cache?\nA:")
+    e.add(make_requests([first], [2], [1], 3))  # ends 2 tokens on: its floor is inside the prompt
+    e.run()
+    sample_entry = next(i for i, x in kept.entries.items() if len(x.tokens) > len(first))
+    assert 0 < bc.seq_floor(sample_entry) < len(first)
+    assert any(len(x.tokens) == len(first) for x in kept.entries.values())
+    second = tok.encode(SYSTEM + "Q: why fork?\nA:")
+    [r] = [attrs.evolve(make_requests([second], [4], [1], 3)[0], index=1)]
+    e.add([r])
+    e.run()
+    assert r.cached_tokens == next(i for i in range(len(second)) if second[i] != first[i])
+    assert r.samples[0].generated == oracle_greedy(model, second, 4, frozenset(tok.eos_ids))[0]
