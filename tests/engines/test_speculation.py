@@ -52,10 +52,11 @@ class Repeating:
 
 
 class Eager(drafts.Pacing):
-    """Pacing that verifies every draft it finds: the machinery under test on every step."""
+    """Pacing that verifies every draft it finds (as if a draft token cost nothing): the machinery
+    under test on every step."""
 
-    def threshold(self, useful: float, fed: int) -> float:
-        return -1.0
+    def extra_cost(self, fed: int, more: int) -> float:
+        return 0.0
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,7 @@ def test_speculation_gives_the_same_tokens_heard_in_the_same_order_in_fewer_step
     assert outputs(got) == outputs(want)
     assert dict(heard.events) == dict(off_heard.events)
     assert_drafts_were_kept_and_rejected(on.stats)
+    assert on.stats.failed_forwards == 0
     assert on.stats.steps < off.stats.steps
     assert on.stats.generated_tokens == off.stats.generated_tokens
     assert off.stats.drafted_tokens == off.stats.accepted_tokens == 0
@@ -277,3 +279,25 @@ def test_the_pacing_of_a_run_keeps_its_tokens_whatever_it_chooses(kind, repeatin
     assert e.run() is True
     assert outputs(got) == outputs(want)
     assert e.stats.accepted_tokens <= e.stats.drafted_tokens
+
+
+@pytest.mark.parametrize("model_kind", ["repeating", "tiny"])
+def test_an_admission_that_does_not_fit_after_drafts_gave_way_leaves_a_step_without_them(repeating, tiny, model_kind):
+    """80 cells, prompts admitted while others decode with drafts: an admission's trial drops the drafts
+    and still does not fit; the step then runs without them (no forward fails)."""
+    loaded = repeating if model_kind == "repeating" else tiny
+    _, _, tok = loaded
+    prompts = [("The cells of a cache, shared by forks", 14, 2), ("a second prompt", 10, 1),
+               ("and a third, longer than the others by a few words", 12, 2)]
+    results = []
+    for speculate in (False, True):
+        reqs = make_requests([tok.encode(p) for p, _, _ in prompts], [m for _, m, _ in prompts],
+                             [n for _, _, n in prompts], 0)
+        e, cache = engine("cell", loaded, speculate, capacity=80)
+        e.options.chunk = e.scheduler.chunk = 64
+        e.add(reqs)
+        assert e.run() is True
+        assert e.stats.failed_forwards == 0 and e.stats.preemptions > 0
+        assert_all_free("cell", cache)
+        results.append(outputs(reqs))
+    assert results[1] == results[0]

@@ -137,6 +137,19 @@ def test_two_ranks_give_the_single_process_tokens_holding_half_the_kv(tmp_path, 
     assert [r["model_bytes"] for r in both["ranks"]] == [whole - split // 2] * 2
 
 
+@pytest.mark.parametrize("layout,capacity", [("cell", 80), ("seq", 512)])
+def test_two_ranks_speculating_give_the_single_process_tokens_without_speculation(tmp_path, layout, capacity):
+    """Every rank drafts the same (untimed pacing), verifies, and keeps rank 0's tokens (the agree
+    collective): the tables stay alike step by step and the tokens are speculation off's."""
+    alone = one_process("run", str(run_toml(tmp_path, layout, capacity)))
+    config = run_toml(tmp_path, layout, capacity, CHUNKS + 'speculate = "ngram"\n')
+    done = launched(2, "run", str(config), "--json", env=cli_env(KVLAYOUT_CHECK_RANKS="1"))
+    assert "exited with code" not in done.stderr, done.stderr
+    both = json.loads(done.stdout)
+    assert token_ids(both) == token_ids(alone)
+    assert both["stats"]["drafted_tokens"] > 0
+
+
 def test_a_model_whose_kv_heads_do_not_divide_is_refused_in_one_line(tmp_path):
     # SmolLM2-135M has 3 KV heads: not two ranks' worth.
     model = smollm2.smollm2_dir()

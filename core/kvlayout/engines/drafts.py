@@ -32,7 +32,6 @@ rank must carry the same step, the prior slope stands in for the fit.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import attrs
@@ -92,10 +91,11 @@ class Acceptance:
 
 @attrs.define(eq=False)
 class DraftState:
-    """One sample's drafting: its n-gram index and acceptance, and the draft its next step verifies."""
+    """One sample's drafting: its n-gram index, its acceptance by the length of the suffix a draft was
+    found by (a longer match is a surer draft), and the draft its next step verifies."""
 
     index: NgramIndex = attrs.field(factory=NgramIndex)
-    acceptance: Acceptance = attrs.field(factory=Acceptance)
+    acceptance: dict[int, Acceptance] = attrs.field(factory=lambda: {n: Acceptance() for n in range(1, MAX_NGRAM + 1)})
     draft: list[int] = attrs.field(factory=list)
     ngram: int = 0  # the length of the suffix the draft was found by
 
@@ -107,39 +107,64 @@ def may_draft(sampling: Sampling, sample: Sample) -> bool:
 
 
 class StepCost:
-    """Step time against tokens fed, `c0 + c1 * T`, fitted by weighted least squares over recent
-    decode steps (the older, the less weight), pulled towards `PRIOR_SLOPE` where the steps timed
-    so far do not tell the slope apart (all of one width)."""
+    """Step time against tokens fed. A line `c0 + c1 * T` fitted by weighted least squares over recent
+    decode steps (the older, the less weight), pulled towards `PRIOR_SLOPE` where the steps timed so
+    far do not tell the slope apart (all of one width); and each width's own recent mean, where it was
+    timed: a CPU's matmuls, say, cost nearly nothing more up to some width and then jump, which a
+    line does not follow."""
 
     DECAY = 0.95
     PRIOR_WEIGHT = 0.5
+    LINE_WEIGHT = 1.0  # the line's say beside a width's own timings, in steps
 
     def __init__(self, timed: bool, draft_tokens: int):
         self.timed, self.k = timed, draft_tokens
         self.sums = np.zeros(5)  # sum of w, wT, wT^2, wy, wTy
+        self.widths: dict[int, list[float]] = {}  # fed -> [weight, weighted seconds]
 
     def observe(self, fed: int, seconds: float) -> None:
-        if self.timed and fed > 0 and seconds > 0:
-            self.sums = self.sums * self.DECAY + np.array([1.0, fed, fed * fed, seconds, fed * seconds])
+        if not (self.timed and fed > 0 and seconds > 0):
+            return
+        self.sums = self.sums * self.DECAY + np.array([1.0, fed, fed * fed, seconds, fed * seconds])
+        for width in list(self.widths):
+            kept = self.widths[width]
+            kept[0] *= self.DECAY
+            kept[1] *= self.DECAY
+            if kept[0] < 0.01:  # long not seen: the line speaks for it again
+                del self.widths[width]
+        kept = self.widths.setdefault(fed, [0.0, 0.0])
+        kept[0] += 1.0
+        kept[1] += seconds
+
+    def line(self) -> tuple[float, float]:
+        """(c0, c1) in seconds; (1, PRIOR_SLOPE) before any step was timed."""
+        if self.sums[0] < 1e-9:
+            return 1.0, PRIOR_SLOPE
+        # The prior as pseudo-steps at 1 and at 1 + k tokens, on the level of the steps timed.
+        w, t, _, y, _ = self.sums
+        level = (y / w) / (1 + PRIOR_SLOPE * t / w)  # c0 as the prior would put it
+        fed = np.array([1.0, 1.0 + self.k])
+        seconds = level * (1 + PRIOR_SLOPE * fed)
+        prior = self.PRIOR_WEIGHT * np.array([len(fed), fed.sum(), (fed * fed).sum(), seconds.sum(),
+                                              (fed * seconds).sum()])
+        w, t, t2, y, ty = self.sums + prior
+        c1 = max((w * ty - t * y) / (w * t2 - t * t), 0.0)
+        c0 = (y - c1 * t) / w
+        return max(c0, 1e-6 * level), c1  # c0 <= 0: all slope, every token its full share
 
     def slope(self) -> float:
         """c1 / c0: what one more token adds to a step, as a fraction of the step's fixed cost."""
-        w, t, t2, y, ty = self.sums
-        if w < 1e-9:
-            return PRIOR_SLOPE
-        # The prior as pseudo-steps at one token and at 1 + k tokens, on the level of the steps timed.
-        mean_t, mean_y = t / w, y / w
-        c0 = mean_y / (1 + PRIOR_SLOPE * mean_t)
-        for x in (1.0, 1.0 + self.k):
-            p = self.PRIOR_WEIGHT
-            w, t, t2, y, ty = w + p, t + p * x, t2 + p * x * x, y + p * c0 * (1 + PRIOR_SLOPE * x), ty + p * x * c0 * (
-                1 + PRIOR_SLOPE * x)
-        det = w * t2 - t * t
-        c1 = (w * ty - t * y) / det
-        c0 = (y - c1 * t) / w
-        if c0 <= 0:
-            return math.inf  # all slope: every token costs its full share
-        return max(c1, 0.0) / c0
+        c0, c1 = self.line()
+        return c1 / c0
+
+    def seconds(self, fed: int) -> float:
+        """A step of `fed` tokens: its width's recent mean, with the line's prediction as a prior."""
+        c0, c1 = self.line()
+        predicted = c0 + c1 * fed
+        kept = self.widths.get(fed)
+        if kept is None:
+            return predicted
+        return (kept[1] + self.LINE_WEIGHT * predicted) / (kept[0] + self.LINE_WEIGHT)
 
 
 class Pacing:
@@ -163,14 +188,17 @@ class Pacing:
         """The chance that `state`'s next draft token, found by a suffix of length `ngram`, is kept."""
         shared = self.shared[ngram]
         prior = (shared.kept + self.PRIOR_KEPT) / (shared.tried + self.PRIOR_TRIED)
-        a = state.acceptance
+        a = state.acceptance[ngram]
         return (a.kept + 2.0 * prior) / (a.tried + 2.0)
+
+    def extra_cost(self, fed: int, more: int) -> float:
+        """What `more` draft tokens add to a step feeding `fed`, as a fraction of its time."""
+        return self.cost.seconds(fed + more) / self.cost.seconds(fed) - 1.0
 
     def threshold(self, useful: float, fed: int) -> float:
         """The least chance of being kept at which one more draft token pays in a step feeding
         `fed` tokens for `useful` tokens of work: its gain per time against the step's."""
-        r = self.cost.slope()
-        return 1.0 if math.isinf(r) else r * useful / (1.0 + r * fed)
+        return useful * self.extra_cost(fed, 1)
 
     def worth_trying(self, state: DraftState, fed: int) -> bool:
         """Whether a sample's next step might draft (so its token should be read on the host, not
@@ -179,34 +207,36 @@ class Pacing:
 
     def choose(self, candidates: list[tuple[DraftState, list[int], int]], useful: float, fed: int) -> None:
         """Set each candidate's `draft` (state, proposal, suffix length) to the head of its proposal
-        worth verifying in a step feeding `fed` tokens for `useful` tokens of work."""
+        worth verifying in a step feeding `fed` tokens for `useful` tokens of work: the draft tokens,
+        surest first, as far as the step's expected work per time is greatest."""
         heads: list[tuple[float, int, int]] = []  # (chance, candidate, depth)
         for c, (state, proposal, ngram) in enumerate(candidates):
             state.draft, state.ngram = [], ngram
             a = self.rate(state, ngram) if proposal else 0.0
             heads += [(a ** (j + 1), c, j) for j in range(len(proposal))]
+        heads.sort(key=lambda h: (-h[0], h[2]))  # a deeper token of a sample after its shallower ones
+        best, most, gain = 0, float(useful), 0.0
+        for m, (chance, _, _) in enumerate(heads, 1):
+            gain += chance
+            value = (useful + gain) / (1.0 + self.extra_cost(fed, m))
+            if value >= most:
+                best, most = m, value
         taken = [0] * len(candidates)
-        for chance, c, j in sorted(heads, key=lambda h: -h[0]):  # deeper tokens come after shallower ones
-            if j != taken[c] or chance <= self.threshold(useful, fed):
-                continue
+        for _, c, _ in heads[:best]:
             taken[c] += 1
-            useful += chance
-            fed += 1
         for c, (state, proposal, _) in enumerate(candidates):
             state.draft = proposal[: taken[c]]
             if not state.draft:
-                state.acceptance.fade(self.IDLE_DECAY)
-        if not any(taken):
+                for a in state.acceptance.values():
+                    a.fade(self.IDLE_DECAY)
+        if not best:
             for shared in self.shared.values():
-                self.fade_shared(shared)
-
-    def fade_shared(self, shared: Acceptance) -> None:
-        shared.fade(self.SHARED_DECAY)
+                shared.fade(self.SHARED_DECAY)
 
     def verified(self, state: DraftState, accepted: int) -> None:
         """`state`'s draft was verified and its first `accepted` tokens kept; the draft is spent."""
         drafted = len(state.draft)
-        state.acceptance.note(drafted, accepted, self.SAMPLE_DECAY)
+        state.acceptance[state.ngram].note(drafted, accepted, self.SAMPLE_DECAY)
         self.shared[state.ngram].note(drafted, accepted, self.SHARED_DECAY)
         state.draft = []
 

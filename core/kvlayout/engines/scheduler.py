@@ -223,7 +223,7 @@ class Scheduler:
                 break
             admitted = self._admit(w, hit)
             if admitted is None:
-                break
+                return self.plan()  # as it was, but for drafts the trial may have dropped
             plan = admitted
         return plan
 

@@ -164,8 +164,17 @@ def print_report(result: RunResult, console: Console | None = None) -> None:
         f"preemptions {st.preemptions}",
         f"peak cells held {st.peak_cells} vs tokens held {st.peak_tokens}{saving} · kv_dtype {st.kv_dtype}",
         *([kv_bytes_line(result.kv_bytes)] if result.kv_bytes is not None else []),
+        *([drafts_line(st)] if st.drafted_tokens else []),
     ):
         console.print(line, highlight=False)
+
+
+def drafts_line(st) -> str:
+    """What speculation did ([engine] speculate): drafts verified, kept, and steps per generated token."""
+    kept = st.accepted_tokens / st.drafted_tokens
+    per = st.steps / st.generated_tokens if st.generated_tokens else 0.0
+    return (f"drafted {st.drafted_tokens} tok, kept {st.accepted_tokens} ({kept:.0%}) · "
+            f"{per:.2f} steps a generated token")
 
 
 def kv_bytes_line(sizes: KVBytes) -> str:
