@@ -182,3 +182,13 @@ def test_where_a_step_costs_little_more_up_to_a_width_and_then_jumps_the_drafts_
         state.acceptance[3].kept, state.acceptance[3].tried = 70.0, 100.0  # 70 of the 100 reached were kept
     pacing.choose([(state, [1, 2, 3, 4], 3) for state in states], 8, 8)
     assert [len(state.draft) for state in states] == [1] * 8
+
+
+def test_a_width_never_timed_is_never_guessed_cheaper_than_the_width_every_step_had():
+    """32 sequences decoding, every step 32 wide: one more token must look dearer, however the line
+    through the timings and the prior runs, so nobody is taken off the device draws for nothing."""
+    pacing = drafts.Pacing(4, timed=True)
+    for seconds in (0.30, 0.34, 0.29, 0.31, 0.33):
+        pacing.cost.observe(32, seconds)
+    assert pacing.extra_cost(32, 1) > 0
+    assert pacing.threshold(32, 32) > pacing.rate(drafts.DraftState(), drafts.MAX_NGRAM)

@@ -24,6 +24,7 @@ from kvlayout.engines import CellEngine, EngineOptions, Sampling, SeqEngine, dra
 from kvlayout.engines.prefixes import PrefixCache
 from kvlayout.errors import PluginError
 from tests.engines.conftest import QUESTIONS, SYSTEM, cache_for, outputs
+from tests.engines.test_pipeline import requests as pipeline_requests
 from tests.engines.test_prefixes import assert_only_entries_hold
 from tests.engines.test_stopping import Heard, StopAt
 from tests.runner.flaky import Boom, FlakyModel
@@ -87,13 +88,8 @@ def engine(kind, loaded, speculate, eos=(), capacity=1024, on_token=None, model=
 
 
 def requests(loaded, max_tokens=(30, 1, 2, 24), n=(1, 1, 1, 2), sampled=()):
-    """SYSTEM + a question each; request i in `sampled` samples at temperature 0.9 (its own)."""
-    _, _, tok = loaded
-    questions = (QUESTIONS * 2)[: len(max_tokens)]
-    reqs = make_requests([tok.encode(SYSTEM + q) for q in questions], list(max_tokens), list(n), 5)
-    for i in sampled:
-        reqs[i].sampling = Sampling(temperature=0.9, top_p=0.9, seed=5)
-    return reqs
+    """test_pipeline's requests, longer: drafts have room to run."""
+    return pipeline_requests(loaded, max_tokens, n, sampled)
 
 
 def run(kind, loaded, speculate, reqs, **kw):

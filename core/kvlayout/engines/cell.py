@@ -310,7 +310,7 @@ class Feed:
         for request, start, count in self.scored:
             shaping.score_prompt(request, start, logits[at : at + count])
             at += count
-        return logits[:at]
+        return logits[: len(self.rows) + len(self.verify_rows)]
 
     @classmethod
     def of(cls, plan: Plan) -> Feed:

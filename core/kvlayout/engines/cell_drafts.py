@@ -39,8 +39,9 @@ class CellDrafts:
 
     def may_draft(self, s: Running) -> bool:
         """Whether decoding `s` may draft at all: one plain sample (not shaped, no logprobs) with
-        tokens left to gain."""
-        return (len(s.samples) == 1 and len(s.tokens) > len(s.request.prompt)
+        tokens left to gain, its prompt in (`remembered`: a preempted sample fed its last token again
+        completes its prompt first)."""
+        return (len(s.samples) == 1 and s.remembered and len(s.tokens) > len(s.request.prompt)
                 and drafts.may_draft(self.sampling(s), s.samples[0])
                 and drafts.room(s.request, s.samples[0], self.options.speculate_tokens) > 0)
 
@@ -91,14 +92,13 @@ class CellDrafts:
         for (s, n), at in zip(verifying, itertools.accumulate([0, *widths])):
             tokens = [t for t in flat[at : at + n] if t >= 0]
             d, m = n - 1, len(tokens) - 1
-            self.stats.drafted_tokens += d
-            self.stats.accepted_tokens += m
-            accepted += m
-            self.pacing.verified(s.drafting, m)
+            self.pacing.verified(s.drafting, m)  # what the model agreed with, whatever ends the sample
             if m < d:  # the step fed the rejected positions after what it keeps: they leave the cells
                 self.bc.seq_rm(s.seq_id, s.cached - d + m)
             s.cached -= d - m
-            for t in tokens:
-                if advance(s, t):
-                    break
+            kept = drafts.record_kept(tokens, lambda t, s=s: advance(s, t))
+            self.stats.drafted_tokens += d
+            self.stats.accepted_tokens += kept
+            accepted += kept
         return accepted
+

@@ -32,7 +32,7 @@ rank must carry the same step, the prior slope stands in for the fit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import mlx.core as mx
@@ -121,10 +121,12 @@ class StepCost:
         self.timed, self.k = timed, draft_tokens
         self.sums = np.zeros(5)  # sum of w, wT, wT^2, wy, wTy
         self.widths: dict[int, list[float]] = {}  # fed -> [weight, weighted seconds]
+        self.fitted: tuple[float, float] | None = None  # line(), until the next step is timed
 
     def observe(self, fed: int, seconds: float) -> None:
         if not (self.timed and fed > 0 and seconds > 0):
             return
+        self.fitted = None
         self.sums = self.sums * self.DECAY + np.array([1.0, fed, fed * fed, seconds, fed * seconds])
         for width in list(self.widths):
             kept = self.widths[width]
@@ -138,6 +140,11 @@ class StepCost:
 
     def line(self) -> tuple[float, float]:
         """(c0, c1) in seconds; (1, PRIOR_SLOPE) before any step was timed."""
+        if self.fitted is None:
+            self.fitted = self.fit()
+        return self.fitted
+
+    def fit(self) -> tuple[float, float]:
         if self.sums[0] < 1e-9:
             return 1.0, PRIOR_SLOPE
         # The prior as pseudo-steps at 1 and at 1 + k tokens, on the level of the steps timed.
@@ -258,6 +265,15 @@ def verify(draft: Sequence[int], rows: np.ndarray, sampling: Sampling, rng: np.r
         if i == len(draft) or token != draft[i]:
             break
     return kept
+
+
+def record_kept(tokens: list[int], advance: Callable[[int], bool]) -> int:
+    """Record a verified draft's kept `tokens` in order through `advance` until one ends the sample
+    (True): the draft tokens among those recorded (all but the last of `tokens` are the draft's)."""
+    for i, t in enumerate(tokens):
+        if advance(t):
+            return min(i + 1, len(tokens) - 1)
+    return len(tokens) - 1
 
 
 def verify_rows(logits: mx.array, greedy: bool) -> mx.array:

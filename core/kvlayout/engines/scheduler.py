@@ -208,7 +208,7 @@ class Scheduler:
                 break  # checked first: a request that waits evicts nothing
             # A prompt to score is prefilled whole: cells reused from elsewhere would give no logits.
             # A stored prefix is loaded only into cells the step's declared plan leaves free.
-            room = self.bc.free_cells - sum(k for _, k in plan)
+            room = self.bc.free_cells - sum(k - s.drafted for s, k in plan)  # drafts give way to it
             hit = None if w.request.score_prompt is not None else self.reuse_for(w.tokens, w.request.isolation, room)
             if hit is WAIT:
                 break  # what it shares with a prefill is not all in yet: wait rather than prefill it again

@@ -279,19 +279,23 @@ class SeqEngine:
         kept = drafts.verify(draft, rows, sampling, g.sample.rng)
         kept = [t for t in self.options.agree(kept + [-1] * (k - len(kept))) if t >= 0]  # rank 0's, tensor-parallel
         m = len(kept) - 1
-        self.stats.drafted_tokens += len(draft)
-        self.stats.accepted_tokens += m
         self.pacing.verified(g.drafting, m)
         g.cached = cached + 1 + m
         if m < len(draft) and not self.control.rewind(g.cached):  # the rejected positions leave the cache
             raise CapacityError(f"the seq cache cannot rewind to {g.cached} after rejected drafts")
-        for t in kept:
-            if self._take(g, t):
-                self._realign(len(g.tokens))  # it ended before its kept drafts: they leave too
-                break
+
+        def take(token: int) -> bool:
+            if not self._take(g, token):
+                return False
+            self._realign(len(g.tokens))  # it ended before its kept drafts: they leave too
+            return True
+
+        recorded = drafts.record_kept(kept, take)
+        self.stats.drafted_tokens += len(draft)
+        self.stats.accepted_tokens += recorded
         seconds = time.perf_counter() - t0
         self.pacing.cost.observe(k, seconds)
-        self.stats.account(seconds, 0, 1 + m)
+        self.stats.account(seconds, 0, 1 + recorded)
         self.stats.note_held(self.control.length, self.control.length, 1)
 
     def _take(self, g: Generating, token: int, logprob: TokenLogprob | None = None) -> bool:
