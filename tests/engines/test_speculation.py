@@ -56,6 +56,8 @@ class Eager(drafts.Pacing):
     """Pacing that verifies every draft it finds (as if a draft token cost nothing): the machinery
     under test on every step."""
 
+    MARGIN = 0.0
+
     def extra_cost(self, fed: int, more: int) -> float:
         return 0.0
 

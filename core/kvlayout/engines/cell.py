@@ -193,8 +193,10 @@ class CellEngine:
         if checked is not None:
             feed.decode += self.drafts.keep(feed.verifying, checked, self._advance)
         seconds = time.perf_counter() - t0
-        if self.drafts is not None and not (feed.fed_ahead or feed.prefill) and (rows or checked) is not None:
-            self.drafts.pacing.cost.observe(feed.width, seconds)  # a decode step the host waited for whole: timed
+        if self.drafts is not None and not feed.fed_ahead and (rows or checked) is not None:
+            # A step the host waited for whole is timed, prompt chunks included: how a wide step costs
+            # is known before any draft is tried (on a CPU's 4-bit matmuls, a token its full share).
+            self.drafts.pacing.cost.observe(feed.width, seconds)
         self.stats.account(seconds, feed.prefill, feed.decode)
 
     def _reader(self, feed: Feed, device: list[int], host: list[int], on_host: HostDraw):

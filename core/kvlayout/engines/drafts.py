@@ -108,7 +108,7 @@ def may_draft(sampling: Sampling, sample: Sample) -> bool:
 
 class StepCost:
     """Step time against tokens fed. A line `c0 + c1 * T` fitted by weighted least squares over recent
-    decode steps (the older, the less weight), pulled towards `PRIOR_SLOPE` where the steps timed so
+    steps, prompt chunks included (the older, the less weight), pulled towards `PRIOR_SLOPE` where the steps timed so
     far do not tell the slope apart (all of one width); and each width's own recent mean, where it was
     timed: a CPU's matmuls, say, cost nearly nothing more up to some width and then jump, which a
     line does not follow."""
@@ -185,6 +185,9 @@ class Pacing:
     IDLE_DECAY = 0.95  # per step a sample does not draft: back towards the shared prior
     SHARED_DECAY = 0.995  # the shared prior per step, towards an even chance
     PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0
+    # Drafting must promise this much more work per second than not drafting: acceptance is learnt
+    # from a few drafts, and where a token costs nearly a step (4-bit on a CPU) a hopeful guess loses.
+    MARGIN = 0.1
 
     def __init__(self, draft_tokens: int, timed: bool):
         self.k = draft_tokens
@@ -204,8 +207,8 @@ class Pacing:
 
     def threshold(self, useful: float, fed: int) -> float:
         """The least chance of being kept at which one more draft token pays in a step feeding
-        `fed` tokens for `useful` tokens of work: its gain per time against the step's."""
-        return useful * self.extra_cost(fed, 1)
+        `fed` tokens for `useful` tokens of work: its gain per time against the step's, by MARGIN."""
+        return useful * ((1.0 + self.extra_cost(fed, 1)) * (1.0 + self.MARGIN) - 1.0)
 
     def worth_trying(self, state: DraftState, fed: int) -> bool:
         """Whether a sample's next step might draft (so its token should be read on the host, not
@@ -228,6 +231,8 @@ class Pacing:
             value = (useful + gain) / (1.0 + self.extra_cost(fed, m))
             if value >= most:
                 best, most = m, value
+        if most < useful * (1.0 + self.MARGIN):
+            best = 0
         taken = [0] * len(candidates)
         for _, c, _ in heads[:best]:
             taken[c] += 1

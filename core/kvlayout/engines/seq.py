@@ -201,8 +201,8 @@ class SeqEngine:
             (token,) = self.options.agree([token])
             self._take(g, token, logprob)
         seconds = time.perf_counter() - t0
-        if self.pacing is not None and done and decode and drawn is None and not on_device:
-            self.pacing.cost.observe(k, seconds)  # a decode step the host waited for whole: timed
+        if self.pacing is not None and drawn is None and not on_device:
+            self.pacing.cost.observe(k, seconds)  # a step the host waited for whole, prompt chunks too: timed
         self.stats.account(seconds, k - decode, decode)
         self.stats.note_held(self.control.length, self.control.length, 1)
 
