@@ -675,7 +675,8 @@ def _add_run_config_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--temperature", type=float, metavar="T", help="with --prompt: sampling temperature, 0 greedy (default 0)"
     )
-    # No defaults here: a flag not given leaves the config's [engine] key as it is.
+    # No defaults here: a flag not given leaves the config's [engine] key as it is. The choices are
+    # engines.options.SPECULATE, written out: the parser is built without importing the engines (MLX).
     run.add_argument(
         "--speculate", choices=("off", "ngram"),
         help="override the config's engine.speculate: ngram drafts tokens from each sample's own prompt and output "

@@ -120,3 +120,10 @@ def test_run_json_stats_count_drafted_and_accepted_tokens(tiny_dir, capsys):
     assert main(["run", "--model", str(tiny_dir), "--prompt", "abc", "--max-tokens", "3", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["drafted_tokens"] == stats["accepted_tokens"] == 0  # speculation is off unless asked for
+
+
+def test_the_flag_offers_what_the_engines_take():
+    from kvlayout.engines.options import SPECULATE
+
+    for value in SPECULATE:
+        assert make_parser().parse_args(["run", "--speculate", value]).speculate == value

@@ -15,7 +15,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.engines import ahead, cell_state, shaping
+from kvlayout.engines import ahead, cell_state, drafts, shaping
 from kvlayout.engines.cell_drafts import CellDrafts
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.options import EngineOptions
@@ -63,7 +63,8 @@ class CellEngine:
         self.pipeline = options.draws_ahead
         self.scheduler = Scheduler(control, options.chunk, options.stats, prefixes, options.max_samples)
         # Speculation (engines.cell_drafts): None when off.
-        self.drafts = CellDrafts(control, options) if options.speculate == "ngram" else None
+        pacing = drafts.pacing_for(options)
+        self.drafts = CellDrafts(control, options, pacing) if pacing is not None else None
 
     # -- the Engine interface (engines.interface)
 
@@ -206,20 +207,19 @@ class CellEngine:
         def read(logits):
             if feed.scored_rows:
                 logits = feed.score(logits)  # the drawing and verifying rows left
-            checked = None
+            checked, drawn, rows = [], None, None
             if feed.verifying:
                 checked = self.drafts.check(feed.verifying, logits[len(feed.rows) :])
-                if not feed.rows:
-                    return None, None, [np.array(c) for c in checked]
                 logits = logits[: len(feed.rows)]
-            drawn, rows = None, None
-            if not device:
+            if not feed.rows and checked:
+                pass  # only drafts to verify: reading them forces the step
+            elif not device:
                 rows = on_host.read(logits)
             else:
                 drawn = ahead.draw(logits, self.stats, feed.prefill, feed.decode,
                                    None if len(device) == len(feed.rows) else device)
                 rows = on_host.read(logits[mx.array(host, dtype=mx.int32)]) if host else None
-            return drawn, rows, None if checked is None else [np.array(c) for c in checked]
+            return drawn, rows, [np.array(c) for c in checked] if feed.verifying else None
 
         return read
 

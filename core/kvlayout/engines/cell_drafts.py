@@ -11,7 +11,6 @@ positions out of the cells (`seq_rm`) and records the kept tokens.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -19,7 +18,7 @@ import numpy as np
 
 from kvlayout.engines import drafts
 from kvlayout.engines.options import EngineOptions
-from kvlayout.engines.records import Sampling, same_tokens
+from kvlayout.engines.records import Sampling
 from kvlayout.engines.scheduler import Plan, Running
 from kvlayout.faces import BatchControl
 
@@ -27,12 +26,10 @@ Verifying = list[tuple[Running, int]]  # (sequence, positions it feeds: its last
 
 
 class CellDrafts:
-    """The cell engine's drafting: `pacing` timed on the steps the host waited for whole (ranks of a
-    tensor-parallel run must build the same steps: there the prior slope stands, untimed)."""
+    """The cell engine's drafting, decided by its `pacing` (drafts.pacing_for)."""
 
-    def __init__(self, control: BatchControl, options: EngineOptions):
-        self.bc, self.options, self.stats = control, options, options.stats
-        self.pacing = drafts.Pacing(options.speculate_tokens, timed=options.agree is same_tokens)
+    def __init__(self, control: BatchControl, options: EngineOptions, pacing: drafts.Pacing):
+        self.bc, self.options, self.stats, self.pacing = control, options, options.stats, pacing
 
     def sampling(self, s: Running) -> Sampling:
         return s.request.sampling or self.options.sampling
@@ -42,8 +39,7 @@ class CellDrafts:
         tokens left to gain, its prompt in (`remembered`: a preempted sample fed its last token again
         completes its prompt first)."""
         return (len(s.samples) == 1 and s.remembered and len(s.tokens) > len(s.request.prompt)
-                and drafts.may_draft(self.sampling(s), s.samples[0])
-                and drafts.room(s.request, s.samples[0], self.options.speculate_tokens) > 0)
+                and drafts.may_draft(s.request, s.samples[0], self.options))
 
     def may_pay(self, s: Running, fed: int) -> bool:
         """Whether `s`'s next step, one like this feeding `fed` tokens, may draft: its token is then
@@ -85,20 +81,13 @@ class CellDrafts:
         The draft tokens kept, in all."""
         kept = [drafts.verify(s.drafting.draft, rows, self.sampling(s), s.samples[0].rng)
                 for (s, _), rows in zip(verifying, checked)]
-        # Tensor-parallel, rank 0's tokens are everyone's: one list, each draft's padded to its positions.
-        widths = [n for _, n in verifying]
-        flat = self.options.agree([t for got, n in zip(kept, widths) for t in got + [-1] * (n - len(got))])
         accepted = 0
-        for (s, n), at in zip(verifying, itertools.accumulate([0, *widths])):
-            tokens = [t for t in flat[at : at + n] if t >= 0]
+        for (s, n), tokens in zip(verifying, drafts.agreed(self.options.agree, kept, [n for _, n in verifying])):
             d, m = n - 1, len(tokens) - 1
             self.pacing.verified(s.drafting, m)  # what the model agreed with, whatever ends the sample
             if m < d:  # the step fed the rejected positions after what it keeps: they leave the cells
                 self.bc.seq_rm(s.seq_id, s.cached - d + m)
             s.cached -= d - m
-            kept = drafts.record_kept(tokens, lambda t, s=s: advance(s, t))
-            self.stats.drafted_tokens += d
-            self.stats.accepted_tokens += kept
-            accepted += kept
+            accepted += drafts.record_kept(tokens, d, self.stats, lambda t, s=s: advance(s, t))
         return accepted
 

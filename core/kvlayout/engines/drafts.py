@@ -38,11 +38,11 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.engines.records import Request, Sample, Sampling
+from kvlayout.engines.options import EngineOptions
+from kvlayout.engines.records import Agree, Request, Sample, Sampling, Stats, same_tokens
 from kvlayout.engines.sampling import sample_token
 from kvlayout.engines.shaping import on_host_only
 
-SPECULATE = ("off", "ngram")
 MAX_NGRAM = 3  # the longest suffix matched; a longer match is tried first
 PRIOR_SLOPE = 0.1  # step time per extra token, as a fraction of a one-token step, before any is timed
 
@@ -100,10 +100,20 @@ class DraftState:
     ngram: int = 0  # the length of the suffix the draft was found by
 
 
-def may_draft(sampling: Sampling, sample: Sample) -> bool:
+def may_draft(request: Request, sample: Sample, options: EngineOptions) -> bool:
     """Whether `sample` may speculate: its logits are not shaped and it reports no logprobs (those
-    are drawn from per-token state a draft would have to run ahead of; engines.shaping)."""
-    return not on_host_only(sampling, sample)
+    are drawn from per-token state a draft would have to run ahead of; engines.shaping), and it has
+    tokens left to gain."""
+    return (not on_host_only(request.sampling or options.sampling, sample)
+            and room(request, sample, options.speculate_tokens) > 0)
+
+
+def pacing_for(options: EngineOptions) -> Pacing | None:
+    """The engine's Pacing when `options` speculate (None when off): timed on the steps the host waited
+    for whole, unless ranks must build the same steps (tensor-parallel: the prior slope stands)."""
+    if options.speculate != "ngram":
+        return None
+    return Pacing(options.speculate_tokens, timed=options.agree is same_tokens)
 
 
 class StepCost:
@@ -226,9 +236,10 @@ class Pacing:
             heads += [(a ** (j + 1), c, j) for j in range(len(proposal))]
         heads.sort(key=lambda h: (-h[0], h[2]))  # a deeper token of a sample after its shallower ones
         best, most, gain = 0, float(useful), 0.0
+        base = self.cost.seconds(fed)
         for m, (chance, _, _) in enumerate(heads, 1):
             gain += chance
-            value = (useful + gain) / (1.0 + self.extra_cost(fed, m))
+            value = (useful + gain) * base / self.cost.seconds(fed + m)
             if value >= most:
                 best, most = m, value
         if most < useful * (1.0 + self.MARGIN):
@@ -272,13 +283,29 @@ def verify(draft: Sequence[int], rows: np.ndarray, sampling: Sampling, rng: np.r
     return kept
 
 
-def record_kept(tokens: list[int], advance: Callable[[int], bool]) -> int:
+def agreed(agree: Agree, kept: list[list[int]], widths: list[int]) -> list[list[int]]:
+    """Each verified draft's kept tokens as every rank takes them (`agree`: rank 0's, tensor-parallel):
+    one list, each padded with -1 to its step positions `widths`, so every rank's has one length."""
+    flat = agree([t for got, n in zip(kept, widths) for t in got + [-1] * (n - len(got))])
+    out, at = [], 0
+    for n in widths:
+        out.append([t for t in flat[at : at + n] if t >= 0])
+        at += n
+    return out
+
+
+def record_kept(tokens: list[int], drafted: int, stats: Stats, advance: Callable[[int], bool]) -> int:
     """Record a verified draft's kept `tokens` in order through `advance` until one ends the sample
-    (True): the draft tokens among those recorded (all but the last of `tokens` are the draft's)."""
+    (True), counting in `stats` the `drafted` tokens and those of them recorded (all but the last of
+    `tokens` are the draft's): how many were."""
+    recorded = len(tokens) - 1
     for i, t in enumerate(tokens):
         if advance(t):
-            return min(i + 1, len(tokens) - 1)
-    return len(tokens) - 1
+            recorded = min(i + 1, len(tokens) - 1)
+            break
+    stats.drafted_tokens += drafted
+    stats.accepted_tokens += recorded
+    return recorded
 
 
 def verify_rows(logits: mx.array, greedy: bool) -> mx.array:

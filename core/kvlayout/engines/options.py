@@ -11,6 +11,8 @@ import attrs
 
 from kvlayout.engines.records import Agree, OnProgress, OnToken, Sampling, Stats, ignore_tokens, same_tokens
 
+SPECULATE = ("off", "ngram")  # EngineOptions.speculate's values ([engine] speculate, the CLI's --speculate)
+
 
 def ignore_progress(done: int) -> None:
     """The OnProgress of a caller that shows no progress."""

@@ -12,7 +12,7 @@ import numpy as np
 from kvlayout.engines import ahead, drafts, seq_state
 from kvlayout.engines.interface import Stop, run_steps
 from kvlayout.engines.options import EngineOptions
-from kvlayout.engines.records import Request, Sample, end_sample, record_token, same_tokens
+from kvlayout.engines.records import Request, Sample, end_sample, record_token
 from kvlayout.engines.recovery import guarded_forward
 from kvlayout.engines.shaping import HostDraw, TokenLogprob, score_prompt
 from kvlayout.errors import CapacityError, ForwardFailed, Interrupted
@@ -64,10 +64,7 @@ class SeqEngine:
         self.stats = options.stats
         self.pipeline = options.draws_ahead
         self.chunk = min(options.chunk, control.max_step)  # the layout's rule, whoever drives the engine
-        # Drafting (engines.drafts): timed steps decide where it pays, unless ranks must agree on every step.
-        self.pacing = None
-        if options.speculate == "ngram":
-            self.pacing = drafts.Pacing(options.speculate_tokens, timed=options.agree is same_tokens)
+        self.pacing = drafts.pacing_for(options)  # speculation (engines.drafts): None when off
         self.queue: collections.deque[tuple[Request, Sample]] = collections.deque()  # in order, none started
         self.generating: Generating | None = None
         # Set by restore(): (request, sample, cached) of the sample the restored cache holds; the
@@ -235,8 +232,7 @@ class SeqEngine:
     def _may_draft(self, g: Generating) -> bool:
         """Whether `g` is decoding (its last token the one to feed) as a plain sample that may draft."""
         return (self.pacing is not None and g.cached + 1 == len(g.tokens) and len(g.tokens) > len(g.request.prompt)
-                and drafts.may_draft(g.request.sampling or self.options.sampling, g.sample)
-                and self._room(g) > 0)
+                and drafts.may_draft(g.request, g.sample, self.options) and self._room(g) > 0)
 
     def _room(self, g: Generating) -> int:
         """Draft tokens `g`'s next step may carry: the sample's room, within one step and the cache."""
@@ -276,8 +272,7 @@ class SeqEngine:
         rows = self._guarded(g, g.tokens[cached:] + draft, range(cached, cached + k), list(range(k)), read)
         if rows is None:
             return
-        kept = drafts.verify(draft, rows, sampling, g.sample.rng)
-        kept = [t for t in self.options.agree(kept + [-1] * (k - len(kept))) if t >= 0]  # rank 0's, tensor-parallel
+        (kept,) = drafts.agreed(self.options.agree, [drafts.verify(draft, rows, sampling, g.sample.rng)], [k])
         m = len(kept) - 1
         self.pacing.verified(g.drafting, m)
         g.cached = cached + 1 + m
@@ -290,9 +285,7 @@ class SeqEngine:
             self._realign(len(g.tokens))  # it ended before its kept drafts: they leave too
             return True
 
-        recorded = drafts.record_kept(kept, take)
-        self.stats.drafted_tokens += len(draft)
-        self.stats.accepted_tokens += recorded
+        recorded = drafts.record_kept(kept, len(draft), self.stats, take)
         seconds = time.perf_counter() - t0
         self.pacing.cost.observe(k, seconds)
         self.stats.account(seconds, 0, 1 + recorded)

@@ -18,6 +18,7 @@ import attrs
 from kvlayout.builder import layout_key, split_layout_key
 from kvlayout.checks import finite_number, int_scalar, reject_unknown
 from kvlayout.config import KV_DTYPES, CacheConfig, LayerConfig, chosen_fields
+from kvlayout.engines.options import SPECULATE
 from kvlayout.errors import ConfigError, os_reason
 from kvlayout.models.chat import ROLES
 
@@ -211,15 +212,14 @@ class EngineSection:
     # The most draft tokens a sample proposes in one step: more pays on repetitive text, costs on the rest.
     speculate_tokens: int = 4
 
-    SPECULATE_CHOICES = ("off", "ngram")
     MAX_SPECULATE_TOKENS = 16
 
     def __attrs_post_init__(self):
         _int("engine.prefill_chunk", self.prefill_chunk, 1)
         if type(self.pipeline) is not bool:
             raise _fail("engine.pipeline", self.pipeline, "true or false")
-        if not isinstance(self.speculate, str) or self.speculate not in self.SPECULATE_CHOICES:
-            raise _fail("engine.speculate", self.speculate, '"off" or "ngram"')
+        if not isinstance(self.speculate, str) or self.speculate not in SPECULATE:
+            raise _fail("engine.speculate", self.speculate, " or ".join(f'"{v}"' for v in SPECULATE))
         _int("engine.speculate_tokens", self.speculate_tokens, 1, self.MAX_SPECULATE_TOKENS)
 
 
