@@ -57,6 +57,14 @@ def attend(q: mx.array, spec: AttendSpec, scale: float, *, sinks: mx.array | Non
         return quantized_attention(q, keys, values, scale, mask, sinks=sinks)
     if keys.dtype != q.dtype:
         keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+    return sdpa(q, keys, values, scale, mask, sinks)
+
+
+def sdpa(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, sinks: mx.array | None) -> mx.array:
+    """MLX's fused attention, handed `sinks` only when there are some: passing `sinks=None` costs the
+    call ~3 us more on the host (every layer, every step)."""
+    if sinks is None:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -208,7 +216,7 @@ def _attend_batch(
     k, v = _gather(keys, values, cells)  # [G, H_kv, Kg, D] each
     if k.dtype != qg.dtype:  # cast only what was gathered
         k, v = k.astype(qg.dtype), v.astype(qg.dtype)
-    return mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=b.mask, sinks=sinks)
+    return sdpa(qg, k, v, scale, b.mask, sinks)
 
 
 def _group_queries(q: mx.array, tokens: mx.array) -> mx.array:

@@ -203,8 +203,9 @@ class _OpenStep:
     """The step `abort_step` would undo: its range, the length and ring records from before it,
     and the layers that committed it (hence wrote it)."""
 
-    def __init__(self, start: int, length: int, retained: list[int]):
+    def __init__(self, start: int, length: int, retained: list[int], source: Any = None):
         self.start, self.length, self.retained = start, length, retained
+        self.source = source  # the positions object its first layer was checked with (see serve_again)
         self.served: set[int] = set()
         self.plans: dict[int, SeqStepPlan] = {}  # id(policy) -> its plan of this step, for its later layers
 
@@ -335,7 +336,23 @@ class SeqBook:
             plan = step.plans[id(policy)] = policy.plan(start, length)
         return plan
 
-    def commit(self, plan: SeqStepPlan, layer: int | None = None) -> None:
+    def serve_again(self, layer: Any, source: Any) -> SeqStepPlan | None:
+        """The plan of `layer` when it serves the open step as a later layer of the forward whose
+        first layer committed it with this very `source` (its positions object, compared by
+        identity: a frozen StepPositions cannot have changed since); else None, and `plan` checks
+        the step whole. `layer` must be a plain int in range that has not served the step: what
+        `plan` would answer for it then, without checking again what the first layer checked."""
+        step = self._open
+        if (step is None or source is None or source is not step.source or type(layer) is not int
+                or not 0 <= layer < len(self.layers) or layer in step.served):
+            return None
+        policy = self.layers[layer]
+        plan = step.plans.get(id(policy))
+        if plan is None:
+            plan = step.plans[id(policy)] = policy.plan(step.start, step.length)
+        return plan
+
+    def commit(self, plan: SeqStepPlan, layer: int | None = None, source: Any = None) -> None:
         """Set the length to the step's end; every ring records the slots it reused.
 
         Idempotent: committing the same step again changes nothing, so every
@@ -349,14 +366,15 @@ class SeqBook:
         or a layer this step already committed. The commit of its last layer
         closes it: a forward every layer wrote is complete. (The seq layout
         has no declaration, so this is what keeps a forward that fails before
-        its first layer from undoing the forward before it.)
+        its first layer from undoing the forward before it.) `source`: the positions object the
+        step's first layer was checked with, for its later layers (`serve_again`).
         """
         if layer is not None:
             step = self._open
             later = step is not None and self._continues(step, layer, plan.start, plan.length)
             if not later:
                 retained = [getattr(p, "retained", 0) for p in self.policies]
-                step = self._open = _OpenStep(plan.start, plan.length, retained)
+                step = self._open = _OpenStep(plan.start, plan.length, retained, source)
                 step.plans[id(self.layers[layer])] = plan  # its later layers of the same policy share it
             step.served.add(layer)
             if len(step.served) == len(self.layers):

@@ -109,14 +109,19 @@ class SeqCache(FacesBase):
         place, provided the caller drops the returned spec (a view of the
         pool) before the next step; holding it makes that write copy the pool.
         """
-        pos = _positions(positions)
-        # A later layer of the forward finds the step planned (SeqBook.serve_later); its own K/V are checked.
-        layer, plan = self._plan(layer, pos, k, v)
+        # A later layer of the forward, handed the StepPositions its first layer was checked with,
+        # finds the step planned (SeqBook.serve_again): only its own K/V are checked.
+        plan = self._book.serve_again(layer, positions)
+        if plan is not None:
+            check_kv(layer, k, v, *self._shapes[layer], plan.length)
+        else:
+            positions = _positions(positions)
+            layer, plan = self._plan(layer, positions, k, v)
         k_pool, v_pool = self.key_pools[layer], self.value_pools[layer]
         # Nothing below may raise: the plan was checked whole, pools were sized by the policy.
         _scatter(k_pool, plan, k)
         _scatter(v_pool, plan, v)
-        self._book.commit(plan, layer)
+        self._book.commit(plan, layer, positions)
         keys = _gather(k_pool, plan)  # [1, H_kv, S, D]
         values = _gather(v_pool, plan)
         mask = None
@@ -183,6 +188,9 @@ def _check_sizes(config: CacheConfig, book: SeqBook) -> list[int]:
 def _scatter(pool: Pool, plan: SeqStepPlan, x: mx.array) -> None:
     """Write the step's tokens `x` `[1, H_kv, T, D]` into the plan's write runs, in order
     (and each again `plan.mirror` slots further, for a mirrored ring)."""
+    if len(plan.writes) == 1 and not plan.mirror:  # one run (a flat layer's, always)
+        pool.write(plan.writes[0].slot, x)
+        return
     first = 0  # a ring write that wraps: the head of the step, then the rest from slot 0
     for run in plan.writes:
         part = x if len(plan.writes) == 1 else x[:, :, first : first + run.length, :]
