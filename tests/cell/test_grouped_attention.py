@@ -486,3 +486,64 @@ def test_a_chunk_of_one_sequence_owning_every_cell_is_causal_in_order_and_masked
     # The plain-Python rule: token i (position 5 + i) sees cell c iff c's position is not newer.
     want = [[p <= 5 + i for p in positions.tolist()] for i in range(2)]
     assert np.array(flat.mask)[0, 0].tolist() == want
+
+
+@pytest.mark.parametrize("lengths", [[9, 3, 14, 6, 1], [5, 5, 5, 5, 5]])  # ragged, and equal: no mask at all
+def test_decode_steps_continue_the_last_grouping_with_the_dense_result(rng, lengths):
+    # Ragged sequences decoding in step after step: every path but dense continues the last step's grouping
+    # (kvlayout_cell.continued) on the flat layer, planning it whole again after a verb, a step of other
+    # sequences or REPLAN_EVERY steps; every step's output is the dense mask's (serve compares them).
+    from kvlayout_cell.continued import REPLAN_EVERY
+
+    caches = trio(capacity=1024)
+    seqs = [on_all(caches, "seq_new") for _ in range(5)]
+    serve(caches, prefill_chunk(lengths), rng)
+    for _ in range(REPLAN_EVERY + 6):  # past a full re-plan
+        serve(caches, [(s, lengths[s]) for s in seqs], rng)
+        lengths = [n + 1 for n in lengths]
+    counts = {path: dict(c.grouping_counts) for path, c in caches.items()}
+    fork = on_all(caches, "seq_clone", seqs[2])  # a verb: the next step is planned whole
+    lengths.append(lengths[2])
+    for _ in range(4):
+        serve(caches, [(s, lengths[s]) for s in [*seqs, fork]], rng)
+        lengths = [n + 1 for n in lengths]
+    on_all(caches, "seq_rm", seqs[0])
+    for _ in range(3):
+        serve(caches, [(s, lengths[s]) for s in [*seqs[1:], fork]], rng)
+        lengths = [n + 1 for n in lengths]
+    for path in ("grouped", "paged", "auto"):
+        got = caches[path].grouping_counts
+        # a flat layer per step: the first decode step and one every REPLAN_EVERY planned, the rest continued
+        assert counts[path]["continued"] == REPLAN_EVERY + 6 - 2
+        assert got["continued"] - counts[path]["continued"] == 3 + 2  # the step after each verb is planned
+    assert caches["dense"].grouping_counts["continued"] == 0  # dense steps have no grouping to continue
+
+
+@pytest.mark.parametrize("path", ["paged", "auto"])
+def test_decode_steps_by_pages_continue_through_page_ends_with_the_dense_result(rng, path):
+    # Rows of 2 x 128 (auto pages them): four sequences prefilled in 64-token turns, then decoding past the
+    # end of their page (position 128 on, PLACEMENT_PAGE = 128): new cells land in pages the groups read and
+    # in their gathered tails, and a group at its tail's end widens it; every step is the dense result.
+    h_kv, d = 2, 128
+    config = CacheConfig(capacity=2048, n_layers=1, layers=[LayerConfig(h_kv, d)], kv_dtype="float32", max_seqs=8)
+    caches = {p: CellCache(config, make_plugin_manager()) for p in ("dense", path)}
+    for p, c in caches.items():
+        c.attention_path = p
+    seqs = [on_all(caches, "seq_new") for _ in range(4)]
+    for start in (0, 64):
+        for s in seqs[: 3 if start else 4]:  # the last stays short: groups of unequal tails
+            kv = mx.array(rng.normal(size=(1, h_kv, 64, d)).astype(np.float32))
+            for c in caches.values():
+                assert c.as_batch_control().declare_step([s] * 64)
+                c.update_and_fetch(0, list(range(start, start + 64)), kv, -kv)
+    ends = [128, 128, 128, 64]
+    for _ in range(40):
+        q = mx.array(rng.normal(size=(1, 2 * h_kv, 4, d)).astype(np.float32))
+        kv = mx.array(rng.normal(size=(1, h_kv, 4, d)).astype(np.float32))
+        outs = {}
+        for p, c in caches.items():
+            assert c.as_batch_control().declare_step(seqs)
+            outs[p] = np.array(attend(q, c.update_and_fetch(0, ends, kv, -kv), d**-0.5))
+        np.testing.assert_allclose(outs[path], outs["dense"], atol=1e-5, rtol=1e-5)
+        ends = [e + 1 for e in ends]
+    assert caches[path].grouping_counts["continued"] >= 30

@@ -50,6 +50,7 @@ from kvlayout.positions import step_positions
 from kvlayout.registry import plugin_manager
 from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
 from kvlayout_cell import persist
+from kvlayout_cell.continued import Continuation
 from kvlayout_cell.groups import PAGE_SIZES, PATHS, plan_cells
 from kvlayout_cell.layer_groups import LayerGroups, batch_control
 from kvlayout_cell.stepper import checked_layer
@@ -104,6 +105,10 @@ class CellCache(FacesBase):
         self._mx_whole: dict[int, tuple[Any, mx.array | None]] = {}  # 0 -> one sequence's flat mask (None: causal)
         self._run_starts: dict[int, tuple[Any, int | None]] = {}  # window -> its cells' first when one run
         self._wholes: dict[tuple[int, str], tuple[Any, tuple | None]] = {}  # (window, path) -> `_whole_sequence`
+        # The last decode step's grouping, to continue at the next (kvlayout_cell.continued): (0, path) -> it.
+        self._continuations: dict[tuple[int, str], Continuation | None] = {}
+        # Step groupings planned whole and continued from the step before, since the cache was made.
+        self.grouping_counts = {"planned": 0, "continued": 0}
 
     @property
     def n_layers(self) -> int:
@@ -263,15 +268,24 @@ class CellCache(FacesBase):
 
         def plan() -> AttendGroups | None:
             seq_ids, positions = stepper.step_tokens()  # the step place_step just served
+            table, slots = stepper.table, self.key_pools[layer].slots
+            held = self._continuations.get((window, path))
+            if held is not None and held.follows(seq_ids, positions, table.epoch, slots):
+                self.grouping_counts["continued"] += 1
+                return held.advance(step.cells, table.epoch)  # a decode step after the last: its new cells added
             lc = self.config.layer(layer)
             # Every layer's pool holds as many slots (they take the same cells); the row is this
             # layer's, for every layer of this window (models give them one shape).
-            pool = (self.key_pools[layer].slots, lc.n_kv_heads * lc.head_dim)
+            pool = (slots, lc.n_kv_heads * lc.head_dim)
             if path == "auto" and (self.config.kv_bits or not pages_in_place(self.key_pools[layer].dtype)):
                 pool = None  # attend() would gather the pages' cells (always, when quantized): plan gathered batches
-            table = stepper.table
             groups = plan_cells(seq_ids, positions, window, step.read_len, table.seq_keys, path, table.held, pool)
-            return None if groups is None else _as_mx(groups)
+            self.grouping_counts["planned"] += 1
+            planned = None if groups is None else _as_mx(groups)
+            if not window:  # a flat layer's decode step may be continued at the next step
+                self._continuations[window, path] = None if groups is None else Continuation.of(
+                    planned, groups, seq_ids, positions, table.epoch, slots)
+            return planned
 
         return self._once(self._mx_groups, (window, path), step, plan)
 

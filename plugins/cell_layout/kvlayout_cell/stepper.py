@@ -49,6 +49,7 @@ from kvlayout.registry import observed
 from kvlayout_cell.table import CellTable
 from kvlayout_cell.window import WindowKeeper
 
+FEW_IDS = 256  # a declaration of at most this many tokens finds its distinct ids in Python (_Declared.of)
 NOTHING_DUE = (frozen(np.zeros(0, dtype=np.int64)), frozen(np.zeros(0, dtype=np.int64)))  # (ids, cuts): none
 HOOKS = ("kvlayout_choose_cells", "kvlayout_step_placed", "kvlayout_step_aborted")  # what the stepper calls
 
@@ -93,6 +94,10 @@ class _Declared:
         ids = frozen(np.asarray(seq_ids, dtype=np.int64))  # frozen copies: the caller keeps its own
         if ids.size < 2:
             return cls(ids, epoch, ids)
+        if ids.size <= FEW_IDS:
+            # What np.unique gives, from Python's set: a step's call of numpy's sort, alone among Python
+            # code, costs tens of microseconds of cold code paths (a microbenchmark's hot loop: ~2).
+            return cls(ids, epoch, np.array(sorted(set(ids.tolist())), dtype=np.int64))
         ordered = np.sort(ids)  # what np.unique gives, in fewer steps when every id is distinct (decode)
         keep = ordered[1:] != ordered[:-1]
         return cls(ids, epoch, ordered if keep.all() else ordered[np.r_[True, keep]])
