@@ -39,3 +39,16 @@ class Pool(abc.ABC):
     @abc.abstractmethod
     def read(self, start: int, length: int) -> Any:
         """Slots `[start, start + length)` as `[1, H, length, D]`; past `slots` is refused."""
+
+    # A layout's own step path: every layer of every step comes here, with what it checked already.
+
+    def write_run(self, start: int, update: Any) -> None:
+        """`write`, for a layout that has checked what `write` would: `update` is its layer's
+        `[1, H, n, D]` (kvlayout.mlx.check_kv) and `[start, start + n)` lies within max_slots (its own
+        plan). A pool may skip its checks here; by default this is `write`."""
+        self.write(start, update)
+
+    def read_run(self, start: int, length: int) -> Any:
+        """`read`, for a layout reading slots it wrote (`[start, start + length)` within `slots`): a pool
+        may skip its checks here; by default this is `read`."""
+        return self.read(start, length)

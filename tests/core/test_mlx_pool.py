@@ -266,3 +266,29 @@ def test_a_read_taken_before_a_write_keeps_what_it_read(filled, rng, scatter):
     expected = data.copy()
     expected[:, :, [5, 2] if scatter else [2, 3]] = np.array(new)
     assert np.array_equal(contents(pool), expected.view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_layout_s_unchecked_runs_store_and_read_what_the_checked_verbs_do(rng, dtype):
+    # write_run / read_run skip the pool's checks (the layout made them): same bits, same growth by doubling
+    checked, lean = MLXPool(2, 16, H, D, dtype), MLXPool(2, 16, H, D, dtype)
+    for start, n in [(0, 1), (1, 2), (3, 4), (9, 1)]:  # past 2, 4 and 8 slots: each grows the pool
+        update = tokens(rng, n)
+        checked.write(start, update)
+        lean.write_run(start, update)
+        assert lean.slots == checked.slots
+        assert np.array_equal(bits(lean.read_run(0, start + n)), bits(checked.read(0, start + n)))
+    assert checked.slots == lean.slots == 16 and np.array_equal(contents(lean), contents(checked))
+
+
+def test_a_pool_without_unchecked_runs_takes_them_through_its_checked_verbs(rng):
+    from kvlayout.mlx.quantized import QuantizedPool
+
+    checked, lean = QuantizedPool(4, 16, H, 64, 8, 64), QuantizedPool(4, 16, H, 64, 8, 64)
+    update = tokens(rng, 3, dim=64)
+    checked.write(2, update)
+    lean.write_run(2, update)
+    with pytest.raises(KVLayoutError, match="past max_slots"):
+        lean.write_run(15, update)  # the default write_run is write: still checked
+    assert all(np.array_equal(np.array(a), np.array(b))
+               for a, b in zip(lean.read_run(2, 3).parts(), checked.read(2, 3).parts()))

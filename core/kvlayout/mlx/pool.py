@@ -138,10 +138,11 @@ class MLXPool(Pool):
             "lower initial_slots",
         )
         self._buf = mx.zeros((1, self._heads, initial, self._dim), dtype=self._dtype)  # [1, H, slots, D]
+        self._slots = initial  # the buffer's slot axis, kept as an int: every write and read compares with it
 
     @property
     def slots(self) -> int:
-        return self._buf.shape[2]
+        return self._slots
 
     @property
     def max_slots(self) -> int:
@@ -166,16 +167,25 @@ class MLXPool(Pool):
     def write(self, start: int, update: mx.array) -> None:
         n = self._check_update(update)
         start = _slot(start, "start")
-        if start + n > self._max:
-            raise KVLayoutError(
-                f"write of {n} slot(s) at start={start} ends at {start + n}, past max_slots={self._max}"
-            )
+        end = start + n
+        if end > self._max:
+            raise KVLayoutError(f"write of {n} slot(s) at start={start} ends at {end}, past max_slots={self._max}")
         if n == 0:  # nothing to store: allocate nothing (as write_cells)
             return
-        self._grow_to(start + n)
+        if end > self._slots:
+            self._grow_to(end)
         # Assigning into self._buf keeps it the buffer's single reference, so MLX
         # updates in place (O(bytes written)) unless a caller still holds a read().
-        self._buf[:, :, start : start + n, :] = update.astype(self._dtype)
+        self._buf[:, :, start:end, :] = update.astype(self._dtype)
+
+    def write_run(self, start: int, update: mx.array) -> None:
+        end = start + update.shape[2]  # checked by the layout (Pool.write_run)
+        if end > self._slots:
+            self._grow_to(end)
+        self._buf[:, :, start:end, :] = update.astype(self._dtype)
+
+    def read_run(self, start: int, length: int) -> mx.array:
+        return self._buf[:, :, start : start + length, :]  # [1, H, length, D]; within slots (Pool.read_run)
 
     def write_cells(self, cells: Sequence[int], update: mx.array) -> None:
         """Scatter token i of `update` into slot `cells[i]`.
@@ -218,7 +228,7 @@ class MLXPool(Pool):
 
     def read(self, start: int, length: int) -> mx.array:
         start, length = _slot(start, "start"), _slot(length, "length")
-        if start + length > self.slots:
+        if start + length > self._slots:
             raise KVLayoutError(
                 f"read of {length} slot(s) at start={start} ends at {start + length}, "
                 f"past the {self.slots} allocated slot(s)"
@@ -228,11 +238,11 @@ class MLXPool(Pool):
     def _check_update(self, update: Any) -> int:
         # The usual update, settled in a few comparisons (every layer writes every step); anything
         # else goes through the checks below, which say what is wrong.
-        if type(update) is mx.array and update.ndim == 4:
-            _, heads, n, dim = update.shape
-            if (update.shape[0] == 1 and heads == self._heads and dim == self._dim
+        if type(update) is mx.array:
+            shape = update.shape  # one tuple: each `.shape` makes another
+            if (len(shape) == 4 and shape[0] == 1 and shape[1] == self._heads and shape[3] == self._dim
                     and (update.dtype == PACKED if self._dtype == PACKED else update.dtype in FLOATING)):
-                return n
+                return shape[2]
         if not isinstance(update, mx.array):
             raise KVLayoutError(f"update: expected an mlx array, got {type(update).__name__}")
         if self._dtype == PACKED:  # packed words are bits: never cast
@@ -267,3 +277,4 @@ class MLXPool(Pool):
         new = min(new, self._max)
         pad = mx.zeros((1, self._heads, new - self.slots, self._dim), dtype=self._dtype)
         self._buf = mx.concatenate([self._buf, pad], axis=2)
+        self._slots = new

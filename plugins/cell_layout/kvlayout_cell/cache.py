@@ -168,8 +168,9 @@ class CellCache(FacesBase):
         window = self.groups.layer_windows[layer]
         start = self._once(self._run_starts, window, step, lambda: _run_start(step.cells))
         if start is not None:  # one ascending run (lowest-free placement, usually): a slice write, no scatter
-            self.key_pools[layer].write(start, k)
-            self.value_pools[layer].write(start, v)
+            # K/V checked above, the cells placed within capacity: the pools' own checks are skipped.
+            self.key_pools[layer].write_run(start, k)
+            self.value_pools[layer].write_run(start, v)
         else:  # cells of one step are distinct (placement checks it), as write_cells requires
             cells = self._step_cells(layer, step)
             self.key_pools[layer].write_cells(cells, k)
@@ -184,7 +185,7 @@ class CellCache(FacesBase):
             # The whole pool buffer (a row-contiguous view): the grouped gather then copies
             # only the rows it takes. Dropped with the spec, like the read above.
             slots = self.key_pools[layer].slots
-            groups = groups.over(self.key_pools[layer].read(0, slots), self.value_pools[layer].read(0, slots))
+            groups = groups.over(self.key_pools[layer].read_run(0, slots), self.value_pools[layer].read_run(0, slots))
             # [1, H_kv, slots, D] each
             mask = functools.partial(self._step_mask, layer, step)  # built only if a consumer reads spec.mask
         else:

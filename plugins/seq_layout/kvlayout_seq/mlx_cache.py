@@ -118,12 +118,14 @@ class SeqCache(FacesBase):
             positions = _positions(positions)
             layer, plan = self._plan(layer, positions, k, v)
         k_pool, v_pool = self.key_pools[layer], self.value_pools[layer]
-        # Nothing below may raise: the plan was checked whole, pools were sized by the policy.
+        # Nothing below may raise: the plan was checked whole (K/V too), pools were sized by the policy,
+        # so the pools' own checks are skipped (Pool.write_run, read_run).
         _scatter(k_pool, plan, k)
         _scatter(v_pool, plan, v)
         self._book.commit(plan, layer, positions)
-        keys = _gather(k_pool, plan)  # [1, H_kv, S, D]
-        values = _gather(v_pool, plan)
+        (run,) = plan.reads  # one run, always (flat, or a ring's window in its mirror)
+        keys = k_pool.read_run(run.slot, run.length)  # [1, H_kv, S, D]
+        values = v_pool.read_run(run.slot, run.length)
         mask = None
         if plan.mask_kind is MaskKind.EXPLICIT:
             mask = _band_mask(plan.length, plan.read_len, plan.window)  # [1, 1, T, S]
@@ -189,14 +191,14 @@ def _scatter(pool: Pool, plan: SeqStepPlan, x: mx.array) -> None:
     """Write the step's tokens `x` `[1, H_kv, T, D]` into the plan's write runs, in order
     (and each again `plan.mirror` slots further, for a mirrored ring)."""
     if len(plan.writes) == 1 and not plan.mirror:  # one run (a flat layer's, always)
-        pool.write(plan.writes[0].slot, x)
+        pool.write_run(plan.writes[0].slot, x)
         return
     first = 0  # a ring write that wraps: the head of the step, then the rest from slot 0
     for run in plan.writes:
         part = x if len(plan.writes) == 1 else x[:, :, first : first + run.length, :]
-        pool.write(run.slot, part)
+        pool.write_run(run.slot, part)
         if plan.mirror:
-            pool.write(run.slot + plan.mirror, part)
+            pool.write_run(run.slot + plan.mirror, part)
         first += run.length
 
 
@@ -205,12 +207,6 @@ def _band_mask(length: int, read_len: int, window: int) -> mx.array:
     """`band_mask` as an MLX `[1, 1, T, S]`, built once per step shape: every ring layer
     of a window gets the same one (arrays are values, so sharing it is safe)."""
     return mx.array(band_mask(length, read_len, window))[None, None]
-
-
-def _gather(pool: Pool, plan: SeqStepPlan) -> mx.array:
-    """The plan's one read run (flat, or a ring's window in its mirror): a view of the pool."""
-    (run,) = plan.reads
-    return pool.read(run.slot, run.length)
 
 
 def _show(pos: np.ndarray) -> str:
