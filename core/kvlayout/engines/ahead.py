@@ -86,6 +86,9 @@ def draw(logits: mx.array, stats: Stats, prefill: int, decode: int, rows: list[i
 def fed(pieces: list[tuple[Drawn, int] | list[int]]) -> list[int] | mx.array:
     """A step's input tokens from host ids and tokens drawn ahead, in order: a plain list when
     every one is known on the host, else one lazy uint32 array `[T]` (argmax's dtype)."""
+    if len(pieces) == 1 and not isinstance(pieces[0], list):  # one sequence's token drawn ahead (a decode)
+        d, i = pieces[0]
+        return d.tokens if i == 0 and d.tokens.size == 1 else d.tokens[i : i + 1]
     if all(isinstance(p, list) for p in pieces):
         return [t for p in pieces for t in p]
     parts: list[mx.array] = []

@@ -172,8 +172,11 @@ class SeqEngine:
         on_device = done and self._draws_ahead(g)
         fed = ahead.fed([(drawn, 0)]) if drawn is not None else tokens[cached : cached + k]
         decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) or drawn is not None else 0
-        on_host = HostDraw([(r, s, 0)] if done else [], self.options.sampling)  # mid-prompt: nothing to draw
-        draw = (lambda logits: ahead.draw(logits, self.stats, k - decode, decode)) if on_device else on_host.read
+        if on_device:
+            def draw(logits):
+                return ahead.draw(logits, self.stats, k - decode, decode)
+        else:
+            draw = HostDraw([(r, s, 0)] if done else [], self.options.sampling).read  # mid-prompt: nothing to draw
         rows, read = scoring(r, cached, k, draw)
         row = self._guarded(g, fed, positions, rows, read)
         if row is None:

@@ -330,7 +330,24 @@ def mapped_libraries() -> list[str]:
 
 
 def in_use() -> str:
-    """The BLAS MLX's matmuls resolve to, in words: a preloaded library wins over the bundled one."""
+    """The BLAS MLX's matmuls resolve to, in words: a preloaded library wins over the bundled one.
+
+    Read once a BLAS is known (every run's result names it: reading the process's maps costs ~1-3 ms, a
+    short run's whole host time): a library mapped stays mapped, and LD_PRELOAD acts only at startup."""
+    global _KNOWN
+    if _KNOWN is None:
+        found = _in_use()
+        if not found.startswith(NONE_MAPPED):
+            _KNOWN = found
+        return found
+    return _KNOWN
+
+
+NONE_MAPPED = "none mapped"  # in_use's answer before a BLAS is mapped (a GPU build, or MLX not loaded yet)
+_KNOWN: str | None = None  # in_use's answer once a BLAS is known
+
+
+def _in_use() -> str:
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
     preloaded = hand_preloaded()
@@ -342,7 +359,7 @@ def in_use() -> str:
     if bundled or (applies() and not blas):
         name = Path(bundled[0]).name if bundled else next(p.name for p in bundled_libraries() if "blas" in p.name)
         return f"reference BLAS bundled with mlx[cpu] ({name})"
-    return ", ".join(Path(lib).name for lib in blas) or "none mapped (a GPU build, or not loaded yet)"
+    return ", ".join(Path(lib).name for lib in blas) or f"{NONE_MAPPED} (a GPU build, or not loaded yet)"
 
 
 def fast() -> bool:

@@ -371,6 +371,12 @@ class SeqBook:
         """
         if layer is not None:
             step = self._open
+            if step is not None and source is not None and step.source is source and layer not in step.served:
+                # A later layer of the forward, as serve_again found it: its first commit moved everything else.
+                step.served.add(layer)
+                if len(step.served) == len(self.layers):
+                    self._open = None
+                return
             later = step is not None and self._continues(step, layer, plan.start, plan.length)
             if not later:
                 retained = [getattr(p, "retained", 0) for p in self.policies]
