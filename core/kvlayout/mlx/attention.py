@@ -105,16 +105,15 @@ def quantized_attention(
 
 def _usual(q: Any, spec: Any, scale: Any, sinks: Any) -> bool:
     """Whether `attend`'s arguments are the usual ones that `_check` passes, settled in a few comparisons:
-    a decode step's or a lone sequence's chunk (plain float keys, NONE or CAUSAL, no groups, no sinks).
+    a layout's spec over plain float keys (any mask kind, grouped or not) with T queries, no sinks.
     False says nothing: `_check` decides."""
-    if not (sinks is None and type(spec) is AttendSpec and spec.groups is None and type(q) is mx.array
-            and type(scale) is float and spec.mask_kind is not MaskKind.EXPLICIT and type(spec.keys) is mx.array
-            and q.ndim == 4 and q.dtype in FLOATING and math.isfinite(scale)):
+    if not (sinks is None and type(spec) is AttendSpec and type(q) is mx.array and type(scale) is float
+            and type(spec.keys) is mx.array and q.ndim == 4 and q.dtype in FLOATING and math.isfinite(scale)):
         return False
     batch, h_q, t, d = q.shape
     k_batch, h_kv, slots, k_d = spec.keys.shape
     return (batch == k_batch and d == k_d and h_q >= h_kv and not h_q % h_kv and t == spec.queries
-            and (t <= slots or spec.mask_kind is MaskKind.NONE))
+            and (t <= slots or spec.mask_kind is not MaskKind.CAUSAL))
 
 
 def _check(q: Any, spec: Any, scale: Any, sinks: Any = None) -> None:
