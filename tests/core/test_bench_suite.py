@@ -149,5 +149,33 @@ def test_the_host_row_times_both_sides_with_identical_tokens_and_puts_async_eval
         "1 seq, 8 layers: mlx:cell", "8 seqs, 2 layers: mlx:cell host"]
     assert all(r["identical"] for r in results)
     assert all(r["host_ms"] > 0 and r["baseline_host_ms"] > 0 for r in results)
+    assert all(r["opcodes"] > 0 and r["baseline_opcodes"] > 0 for r in results)  # each side's opcodes a step
     assert set(results[3]["split"]) == {"mlx:seq", "mlx:cell", "mlx-lm"}
     assert mx.async_eval is real
+
+
+def test_the_opcode_count_is_exact_and_leaves_any_tracer_in_place():
+    # Counted, not timed: a loop's count grows by the same number of bytecodes per iteration, run after run;
+    # a tracer set before (a debugger's, coverage's) is set again after.
+    import sys
+
+    from kvlayout.bench.host_rows import opcodes
+
+    def loop(n):
+        total = 0
+        for i in range(n):
+            total += i
+        return total
+
+    counts = [opcodes(lambda n=n: loop(n)) for n in (10, 20, 30, 10)]
+    assert counts[1] - counts[0] == counts[2] - counts[1] > 0 and counts[3] == counts[0]
+    before = sys.gettrace()
+    try:
+        def mine(frame, event, arg):
+            return None
+
+        sys.settrace(mine)
+        opcodes(lambda: loop(3))
+        assert sys.gettrace() is mine
+    finally:
+        sys.settrace(before)

@@ -25,6 +25,7 @@ Both sides are timed the same way, in one process, interleaved.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -76,16 +77,45 @@ def host_timed(run: Callable[[], object]) -> tuple[float, float, object]:
     return wall, cpu - clock.seconds, out
 
 
+def opcodes(run: Callable[[], object]) -> int:
+    """The Python bytecodes the calling thread runs in `run()` (`sys.settrace` opcode events).
+
+    Unlike time on a shared machine, the same code gives the same count on every run: the host's
+    own work per step, measured exactly (native work inside MLX or numpy calls is not counted)."""
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        run()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
 class Rounds:
     """Each side's wall and host seconds, one entry per call, as `interleaved` makes the calls."""
 
     def __init__(self) -> None:
         self.got: dict[str, dict[str, list[float]]] = {}
         self.ids: dict[str, list[list[int]]] = {}  # each side's token ids, as its last call gave them
+        self.runs: dict[str, Callable[[], list[list[int]]]] = {}  # each side's last run, to count (`count`)
+
+    def count(self) -> dict[str, int]:
+        """{side: Python opcodes of its run} (`opcodes`), each side's last run made once more, untimed."""
+        return {side: opcodes(run) for side, run in self.runs.items()}
 
     def timed(self, side: str, run: Callable[[], list[list[int]]]) -> float:
         """`run()` (each sequence's token ids) timed (`host_timed`) and recorded for `side`; its wall
         seconds, for `interleaved`."""
+        self.runs[side] = run
         wall, host, self.ids[side] = host_timed(run)
         times = self.got.setdefault(side, {"wall": [], "host": []})
         times["wall"].append(wall)
@@ -165,24 +195,34 @@ def _batch(z: dict, ctx: dict, seqs: int) -> Rounds:
     return rounds
 
 
+def _single_rows(z: dict, ctx: dict, layers: int, per_step: dict[int, dict[str, float]]) -> list[Row]:
+    """The two rows of one sequence at `layers` layers; each side's host seconds a step into `per_step`."""
+    n = z["host_tokens"]
+    rounds = _single(z, ctx, layers)
+    got, ops = rounds.kept(), {side: count / n for side, count in rounds.count().items()}
+    walls = {side: t["wall"] for side, t in got.items()}
+    per_step[layers] = {side: min(t["host"]) / n for side, t in got.items()}
+    rows = []
+    for layout in ("mlx:seq", "mlx:cell"):
+        tok_s = n / min(walls[layout]), n / min(walls["mlx-lm"])
+        host = per_step[layers][layout] * 1e3, per_step[layers]["mlx-lm"] * 1e3
+        same = rounds.identical(layout, "mlx-lm")
+        rows.append(Row.from_times(
+            "14 host", f"1 seq, {layers} layers: {layout}", walls, layout, "mlx-lm",
+            f"{tok_s[0]:.0f} vs {tok_s[1]:.0f} tok/s ({tok_s[0] / tok_s[1]:.2f}x); host {host[0]:.3f} vs "
+            f"{host[1]:.3f} ms a step; {ops[layout]:.0f} vs {ops['mlx-lm']:.0f} Python opcodes a step; ids "
+            f"{'identical' if same else 'DIFFER'}", tok_s=tok_s[0], baseline_tok_s=tok_s[1], host_ms=host[0],
+            baseline_host_ms=host[1], opcodes=ops[layout], baseline_opcodes=ops["mlx-lm"], layers=layers,
+            identical=same))
+    return rows
+
+
 def row_host(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     n, deep, m = z["host_tokens"], z["host_layers"], z["host_batch_tokens"]
     out: list[Row] = []
     per_step: dict[int, dict[str, float]] = {}
     for layers in (2, deep):
-        rounds = _single(z, ctx, layers)
-        got = rounds.kept()
-        walls = {side: t["wall"] for side, t in got.items()}
-        per_step[layers] = {side: min(t["host"]) / n for side, t in got.items()}
-        for layout in ("mlx:seq", "mlx:cell"):
-            tok_s = n / min(walls[layout]), n / min(walls["mlx-lm"])
-            host = per_step[layers][layout] * 1e3, per_step[layers]["mlx-lm"] * 1e3
-            same = rounds.identical(layout, "mlx-lm")
-            out.append(Row.from_times(
-                "14 host", f"1 seq, {layers} layers: {layout}", walls, layout, "mlx-lm",
-                f"{tok_s[0]:.0f} vs {tok_s[1]:.0f} tok/s ({tok_s[0] / tok_s[1]:.2f}x); host {host[0]:.3f} vs "
-                f"{host[1]:.3f} ms a step; ids {'identical' if same else 'DIFFER'}", tok_s=tok_s[0],
-                baseline_tok_s=tok_s[1], host_ms=host[0], baseline_host_ms=host[1], layers=layers, identical=same))
+        out += _single_rows(z, ctx, layers, per_step)
     for side in ("mlx:seq", "mlx:cell", "mlx-lm"):
         layer_ms = (per_step[deep][side] - per_step[2][side]) / (deep - 2) * 1e3
         step_ms = per_step[2][side] * 1e3 - 2 * layer_ms
@@ -193,18 +233,22 @@ def row_host(z: dict, ctx: dict) -> tuple[str, list[Row]]:
     for seqs in z["host_seqs"]:
         rounds = _batch(z, ctx, seqs)
         got, same = rounds.kept(), rounds.identical("mlx:cell", "batch_generate")
+        ops = {side: count / m for side, count in rounds.count().items()}
         hosts = {side: t["host"] for side, t in got.items()}
         tok_s = {side: seqs * m / min(t["wall"]) for side, t in got.items()}
         host = {side: min(t) / m * 1e3 for side, t in hosts.items()}
         out.append(Row.from_times(
             "14 host", f"{seqs} seqs, 2 layers: mlx:cell host", hosts, "mlx:cell", "batch_generate",
-            f"host {host['mlx:cell']:.3f} vs {host['batch_generate']:.3f} ms a step; "
-            f"{tok_s['mlx:cell']:.0f} vs {tok_s['batch_generate']:.0f} tok/s; ids {'identical' if same else 'DIFFER'}",
-            host_ms=host["mlx:cell"], baseline_host_ms=host["batch_generate"], seqs=seqs, identical=same))
+            f"host {host['mlx:cell']:.3f} vs {host['batch_generate']:.3f} ms a step; {ops['mlx:cell']:.0f} vs "
+            f"{ops['batch_generate']:.0f} Python opcodes a step; {tok_s['mlx:cell']:.0f} vs "
+            f"{tok_s['batch_generate']:.0f} tok/s; ids {'identical' if same else 'DIFFER'}",
+            host_ms=host["mlx:cell"], baseline_host_ms=host["batch_generate"], opcodes=ops["mlx:cell"],
+            baseline_opcodes=ops["batch_generate"], seqs=seqs, identical=same))
     work = (f"tiny preset (hidden 64, fp32) at 2 and {deep} layers: one sequence, a 16-token prompt, {n} tokens "
             f"greedy, no EOS, kvlayout run's engine vs mlx_lm generate_step (A/B: wall time of the generation); "
             f"{' and '.join(map(str, z['host_seqs']))} distinct 16-token prompts decoding {m} tokens each, mlx:cell "
             f"(capacity {SERVED_CELLS}, the server's default) vs batch_generate (A/B: host time). Host time: CPU "
             f"time of the driving thread outside mx.async_eval, per token (best of {z['host_repeats']} rounds); "
-            "split into per layer and per step from the two depths.")
+            "split into per layer and per step from the two depths. Python opcodes a step: the bytecodes the "
+            "driving thread runs (sys.settrace), one more run per side, untimed: the same on every run.")
     return work, out
