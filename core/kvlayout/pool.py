@@ -48,6 +48,12 @@ class Pool(abc.ABC):
         plan). A pool may skip its checks here; by default this is `write`."""
         self.write(start, update)
 
+    def write_placed(self, cells: Any, update: Any) -> None:
+        """`write_cells`, for a layout writing its own placement: `cells` a `kvlayout.mlx.Cells` of
+        distinct cells within max_slots, `update` its layer's `[1, H, n, D]` (check_kv), one token a
+        cell. A pool may skip its checks here; by default this is `write_cells`."""
+        self.write_cells(cells, update)
+
     def read_run(self, start: int, length: int) -> Any:
         """`read`, for a layout reading slots it wrote (`[start, start + length)` within `slots`): a pool
         may skip its checks here; by default this is `read`."""

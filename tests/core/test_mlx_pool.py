@@ -279,6 +279,16 @@ def test_a_layout_s_unchecked_runs_store_and_read_what_the_checked_verbs_do(rng,
         assert lean.slots == checked.slots
         assert np.array_equal(bits(lean.read_run(0, start + n)), bits(checked.read(0, start + n)))
     assert checked.slots == lean.slots == 16 and np.array_equal(contents(lean), contents(checked))
+    cells = Cells([14, 3, 9], distinct=True)  # a placement's cells, scattered
+    update = tokens(rng, 3)
+    checked.write_cells(cells, update)
+    lean.write_placed(cells, update)
+    assert np.array_equal(contents(lean), contents(checked))
+    grown_checked, grown_lean = MLXPool(2, 16, H, D, dtype), MLXPool(2, 16, H, D, dtype)
+    grown_checked.write_cells(cells, update)
+    grown_lean.write_placed(cells, update)  # past the 2 slots it has: it grows to 16, as write_cells does
+    assert grown_lean.slots == grown_checked.slots == 16 and np.array_equal(contents(grown_lean),
+                                                                            contents(grown_checked))
 
 
 def test_a_pool_without_unchecked_runs_takes_them_through_its_checked_verbs(rng):

@@ -67,9 +67,18 @@ def drawn_on_device(pipeline: bool, sampling: Sampling, request: Request, sample
     greedy and plain (its own sampling, else the engine's: no shaping, no logprobs,
     engines.shaping), and that token will be fed back, i.e. it is not the sample's last by
     max_tokens (`unread`: a token of it is in flight already)."""
+    return plain_greedy(pipeline, sampling, request, sample) and fed_back(request, sample, unread)
+
+
+def plain_greedy(pipeline: bool, sampling: Sampling, request: Request, sample: Sample) -> bool:
+    """The part of `drawn_on_device` that holds for the sample's whole life (its settings): the engine
+    pipelines and the sample is greedy and plain. An engine may keep the answer per sample."""
     sampling = request.sampling or sampling
-    if not pipeline or sampling.temperature != 0.0 or on_host_only(sampling, sample):
-        return False
+    return pipeline and sampling.temperature == 0.0 and not on_host_only(sampling, sample)
+
+
+def fed_back(request: Request, sample: Sample, unread: bool) -> bool:
+    """The part of `drawn_on_device` that moves: the sample's next token is not its last by max_tokens."""
     return len(sample.generated) + unread + 1 < request.max_tokens
 
 
@@ -86,9 +95,10 @@ def draw(logits: mx.array, stats: Stats, prefill: int, decode: int, rows: list[i
 def fed(pieces: list[tuple[Drawn, int] | list[int]]) -> list[int] | mx.array:
     """A step's input tokens from host ids and tokens drawn ahead, in order: a plain list when
     every one is known on the host, else one lazy uint32 array `[T]` (argmax's dtype)."""
-    if len(pieces) == 1 and not isinstance(pieces[0], list):  # one sequence's token drawn ahead (a decode)
-        d, i = pieces[0]
-        return d.tokens if i == 0 and d.tokens.size == 1 else d.tokens[i : i + 1]
+    if pieces and not isinstance(pieces[0], list):
+        d = pieces[0][0]
+        if len(pieces) == d.tokens.size and all(p[0] is d and p[1] == i for i, p in enumerate(pieces)):
+            return d.tokens  # every token of one draw, in order (a decode step's): as it is
     if all(isinstance(p, list) for p in pieces):
         return [t for p in pieces for t in p]
     parts: list[mx.array] = []

@@ -237,9 +237,11 @@ class CellEngine:
     def _draws_ahead(self, s: Running, fed: int) -> bool:
         """Whether `s`'s next token is drawn on the device (engines.ahead): not when its next step may
         draft (drafts are looked up on the host), in a step like this one, feeding `fed` tokens."""
-        if len(s.samples) != 1 or not ahead.drawn_on_device(
-            self.pipeline, self.options.sampling, s.request, s.samples[0], s.drawn is not None
-        ):
+        if len(s.samples) != 1:
+            return False
+        if s.plain is None:  # its settings: asked once
+            s.plain = ahead.plain_greedy(self.pipeline, self.options.sampling, s.request, s.samples[0])
+        if not s.plain or not ahead.fed_back(s.request, s.samples[0], s.drawn is not None):
             return False
         return self.drafts is None or not self.drafts.may_pay(s, fed)
 
@@ -337,10 +339,11 @@ class Feed:
                 f.scored.append((s.request, s.cached, scored))
                 f.scored_rows += range(f.width, f.width + scored)
             f.width += k
-            if k == s.pending:
+            pending = s.pending
+            if k == pending:
                 f.rows.append(f.width - 1)
                 f.completing.append(s)
-            if k == 1 and s.pending == 1 and (s.drawn is not None or len(s.tokens) > len(s.request.prompt)):
+            if k == 1 and pending == 1 and (s.drawn is not None or len(s.tokens) > len(s.request.prompt)):
                 f.decode += 1
             else:
                 f.prefill += k

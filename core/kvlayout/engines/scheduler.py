@@ -48,6 +48,9 @@ class Running:
     # Its drafting (engines.drafts), made when it first may draft: the draft tokens the next step
     # feeds after its last one, to be verified there.
     drafting: drafts.DraftState | None = None
+    # Whether its one sample is greedy and plain, the engine pipelining (engines.ahead.plain_greedy): its
+    # settings, asked once (None: not yet).
+    plain: bool | None = None
 
     @property
     def pending(self) -> int:

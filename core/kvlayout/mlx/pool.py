@@ -184,6 +184,12 @@ class MLXPool(Pool):
             self._grow_to(end)
         self._buf[:, :, start:end, :] = update.astype(self._dtype)
 
+    def write_placed(self, cells: Cells, update: mx.array) -> None:
+        if cells.end > self._slots:  # checked by the layout (Pool.write_placed)
+            self._grow_to(cells.end)
+        update = update if update.dtype == self._dtype else update.astype(self._dtype)
+        self._buf = mx.put_along_axis(self._buf, cells.slot_index, update, axis=2)  # in place: see write_cells
+
     def read_run(self, start: int, length: int) -> mx.array:
         return self._buf[:, :, start : start + length, :]  # [1, H, length, D]; within slots (Pool.read_run)
 

@@ -166,27 +166,29 @@ class CellCache(FacesBase):
 
         step = self.groups.place_step(layer, pos)
         window = self.groups.layer_windows[layer]
+        k_pool, v_pool = self.key_pools[layer], self.value_pools[layer]
+        # K/V checked above, the cells placed within capacity: the pools' own checks are skipped.
         start = self._once(self._run_starts, window, step, lambda: _run_start(step.cells))
         if start is not None:  # one ascending run (lowest-free placement, usually): a slice write, no scatter
-            # K/V checked above, the cells placed within capacity: the pools' own checks are skipped.
-            self.key_pools[layer].write_run(start, k)
-            self.value_pools[layer].write_run(start, v)
+            k_pool.write_run(start, k)
+            v_pool.write_run(start, v)
         else:  # cells of one step are distinct (placement checks it), as write_cells requires
             cells = self._step_cells(layer, step)
-            self.key_pools[layer].write_cells(cells, k)
-            self.value_pools[layer].write_cells(cells, v)
-        keys = self.key_pools[layer].read(0, step.read_len)  # [1, H_kv, read_len, D]
-        values = self.value_pools[layer].read(0, step.read_len)
-        whole = self._once(self._wholes, (window, self.attention_path), step, lambda: self._whole_sequence(layer, step))
+            k_pool.write_placed(cells, k)
+            v_pool.write_placed(cells, v)
+        read_len = step.read_len  # every cell below it was written by every layer: within the pools' slots
+        read = k_pool.read_run if read_len <= k_pool.slots else k_pool.read  # (`read` would say what is wrong)
+        keys, values = read(0, read_len), v_pool.read_run(0, read_len)  # [1, H_kv, read_len, D] each
+        path = self.attention_path
+        whole = self._once(self._wholes, (window, path), step, lambda: self._whole_sequence(layer, step))
         if whole is not None:  # one sequence owning every cell below read_len: no plan, no host mask
             return AttendSpec(keys, values, whole[0], whole[1], queries=T)
         groups = self._step_groups(layer, step)
         if groups is not None:
             # The whole pool buffer (a row-contiguous view): the grouped gather then copies
             # only the rows it takes. Dropped with the spec, like the read above.
-            slots = self.key_pools[layer].slots
-            groups = groups.over(self.key_pools[layer].read_run(0, slots), self.value_pools[layer].read_run(0, slots))
-            # [1, H_kv, slots, D] each
+            slots = k_pool.slots
+            groups = groups.over(k_pool.read_run(0, slots), v_pool.read_run(0, slots))  # [1, H_kv, slots, D] each
             mask = functools.partial(self._step_mask, layer, step)  # built only if a consumer reads spec.mask
         else:
             mask = self._step_mask(layer, step)
