@@ -174,7 +174,9 @@ class CellEngine:
 
         # Every sample of a sequence completing on the host draws from that sequence's row of the host rows.
         hosted = [feed.completing[i] for i in host]
-        on_host = HostDraw([(s.request, x, j) for j, s in enumerate(hosted) for x in s.samples], self.options.sampling)
+        # None when every token is drawn on the device (a decode step's, usually): nothing is read on the host.
+        on_host = HostDraw([(s.request, x, j) for j, s in enumerate(hosted) for x in s.samples],
+                           self.options.sampling) if hosted or not device else None
         read = self._reader(feed, device, host, on_host)
         # A failure is aborted in the cache (ForwardFailed) before any counter below moves.
         drawn, rows, checked = guarded_forward(self.model, self.cache, ahead.fed(feed.pieces), feed.positions,
@@ -200,7 +202,7 @@ class CellEngine:
             self.drafts.pacing.cost.observe(feed.width, seconds)
         self.stats.account(seconds, feed.prefill, feed.decode)
 
-    def _reader(self, feed: Feed, device: list[int], host: list[int], on_host: HostDraw):
+    def _reader(self, feed: Feed, device: list[int], host: list[int], on_host: HostDraw | None):
         """How a step reads its logits `[R, V]`: queue the device draws and the drafts' verification
         rows, then wait for the host's rows and the verification's. (drawn, host rows, verification)."""
 
