@@ -120,8 +120,13 @@ class SeqCache(FacesBase):
         k_pool, v_pool = self.key_pools[layer], self.value_pools[layer]
         # Nothing below may raise: the plan was checked whole (K/V too), pools were sized by the policy,
         # so the pools' own checks are skipped (Pool.write_run, read_run).
-        _scatter(k_pool, plan, k)
-        _scatter(v_pool, plan, v)
+        writes = plan.writes
+        if len(writes) == 1 and not plan.mirror:  # one run (a flat layer's, always)
+            k_pool.write_run(writes[0].slot, k)
+            v_pool.write_run(writes[0].slot, v)
+        else:
+            _scatter(k_pool, plan, k)
+            _scatter(v_pool, plan, v)
         self._book.commit(plan, layer, positions)
         (run,) = plan.reads  # one run, always (flat, or a ring's window in its mirror)
         keys = k_pool.read_run(run.slot, run.length)  # [1, H_kv, S, D]
@@ -190,9 +195,6 @@ def _check_sizes(config: CacheConfig, book: SeqBook) -> list[int]:
 def _scatter(pool: Pool, plan: SeqStepPlan, x: mx.array) -> None:
     """Write the step's tokens `x` `[1, H_kv, T, D]` into the plan's write runs, in order
     (and each again `plan.mirror` slots further, for a mirrored ring)."""
-    if len(plan.writes) == 1 and not plan.mirror:  # one run (a flat layer's, always)
-        pool.write_run(plan.writes[0].slot, x)
-        return
     first = 0  # a ring write that wraps: the head of the step, then the rest from slot 0
     for run in plan.writes:
         part = x if len(plan.writes) == 1 else x[:, :, first : first + run.length, :]
