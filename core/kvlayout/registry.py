@@ -242,6 +242,9 @@ class PluginManager(pluggy.PluginManager):
         self._builders: dict[str, list[Builder]] = {}  # plugin name -> its Builders, tagged and guarded
         self._guards: dict[str, _Guarded] = {}  # plugin name -> the guard registered beside it
         self._calls = threading.local()  # per thread: the step hook calls open, innermost last
+        # Moves on at every register and unregister: what was asked of the implementations before is stale.
+        self.generation = 0
+        self.observers: dict[str, tuple[int, bool]] = {}  # hook -> (generation, `observed`'s answer then)
         super().register(_Referee(self, self._calls), name=HOST)
 
     # -- naming a plugin
@@ -288,6 +291,7 @@ class PluginManager(pluggy.PluginManager):
         through which pluggy calls its implementations of kvlayout's hooks (`parse_hookimpl_opts`
         leaves those to the guard): pluggy's public API only, nothing of its records rewritten."""
         name = super().register(plugin, name)
+        self.generation += 1
         if name is None:  # blocked
             return None
         try:
@@ -309,6 +313,7 @@ class PluginManager(pluggy.PluginManager):
     def unregister(self, plugin: Any = None, name: str | None = None) -> Any:
         if name is None and plugin is not None:
             name = self.get_name(plugin)
+        self.generation += 1
         self._builders.pop(name, None)
         guard = self._guards.pop(name, None)
         if guard is not None and self.get_plugin(GUARD.format(name)) is guard:
@@ -496,12 +501,21 @@ def _strict_from_env() -> bool:
 
 def observed(pm: Any, hook: str) -> bool:
     """Whether a plugin of `pm` implements `hook` (an observer: `kvlayout_step_placed`, `kvlayout_step_aborted`),
-    asked of pluggy at each call, so a plugin registered or unregistered since counts at once.
+    asked of pluggy, so a plugin registered or unregistered since counts at once (a kvlayout
+    PluginManager keeps the answer until its `generation` moves on: a register or an unregister).
 
     The host's referee wraps every step hook but observes nothing: with no plugin's implementation
     beside it, calling the hook changes nothing, and a layout announcing each step skips the
     call (pluggy's work per call is host time a small model's step cannot hide)."""
-    return any(not isinstance(impl.plugin, _Referee) for impl in getattr(pm.hook, hook).get_hookimpls())
+    generation = getattr(pm, "generation", None)
+    if generation is not None:
+        known = pm.observers.get(hook)
+        if known is not None and known[0] == generation:
+            return known[1]
+    answer = any(not isinstance(impl.plugin, _Referee) for impl in getattr(pm.hook, hook).get_hookimpls())
+    if generation is not None:
+        pm.observers[hook] = (generation, answer)
+    return answer
 
 
 def make_plugin_manager(strict: bool | None = None, entry_points: bool = True) -> PluginManager:

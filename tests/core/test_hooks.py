@@ -326,3 +326,25 @@ def test_the_registry_calls_implementations_through_pluggy_leaving_its_records_a
             # each implementation pluggy calls is the attribute it found on the object registered
             assert any(getattr(impl.plugin, a, None) == impl.function for a in dir(impl.plugin)), impl
     assert choose(pm, 2, free=np.arange(200)).tolist() == [199, 198]
+
+
+def test_an_observer_registered_or_unregistered_between_steps_counts_at_the_next_step(pm):
+    # `observed` keeps its answer per registration generation: a layout asking before and after a plugin
+    # comes or goes hears the truth each time (the plain-Python oracle: what pluggy's implementations say).
+    from kvlayout.registry import observed
+
+    def truth():
+        return any(impl.plugin_name not in ("kvlayout",) and "guarded" in impl.plugin_name
+                   for impl in pm.hook.kvlayout_step_placed.get_hookimpls())
+
+    answers = [observed(pm, "kvlayout_step_placed")]
+    recorder = Recorder()
+    pm.register(recorder, name="rec")
+    answers.append(observed(pm, "kvlayout_step_placed"))
+    answers.append(observed(pm, "kvlayout_step_placed"))  # asked again: kept
+    assert truth()
+    pm.unregister(name="rec")
+    answers.append(observed(pm, "kvlayout_step_placed"))
+    assert not truth()
+    assert answers == [False, True, True, False]
+    assert observed(pm, "kvlayout_step_aborted") is False
