@@ -380,3 +380,25 @@ def test_a_step_nobody_holds_keeps_no_copy_of_the_table(monkeypatch):
     assert True not in copies
     held = two_sequences_then_a_mixed_step(t, keep_step=True)  # held this time: copied once, when it ended
     assert copies.count(True) == 1 and held.mask.shape == (2, 11)
+
+
+def test_a_later_layer_given_the_placing_positions_object_is_served_as_place_step_would():
+    # serve_again (the cache's path for a forward's later layers) answers exactly where place_step would
+    # answer the same step, and leaves every other case to place_step, which refuses it by name.
+    from kvlayout.positions import StepPositions
+
+    t = stepper(windows=(0, 0, 0))
+    s0 = t.seq_new()
+    assert t.declare_step([s0, s0])
+    pos = StepPositions([0, 1])
+    assert t.serve_again(1, pos) is None  # nothing placed yet
+    first = t.place_step(0, pos)
+    assert t.serve_again(0, pos) is None  # served already: place_step says so
+    with pytest.raises(StepError, match="layer 0 was already served"):
+        t.place_step(0, pos)
+    assert t.serve_again(1, StepPositions([0, 1])) is None  # equal positions, another object: compared by place_step
+    assert t.serve_again(3, pos) is None and t.serve_again(1.0, pos) is None  # out of range, not an int
+    assert t.serve_again(1, pos) is first and t.unserved_layers() == [2]
+    assert t.place_step(2, [0, 1]) is first and t.unserved_layers() == []
+    assert t.seq_new() == 1  # a verb ends the step
+    assert t.serve_again(1, pos) is None

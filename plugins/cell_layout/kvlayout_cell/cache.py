@@ -159,12 +159,13 @@ class CellCache(FacesBase):
         return persist.load_seq(self, path)
 
     def update_and_fetch(self, layer: int, positions: Sequence[int], k: mx.array, v: mx.array) -> AttendSpec:
-        layer = checked_layer(self.n_layers, layer)
+        layer = checked_layer(len(self._layers), layer)  # one per layer, as n_layers counts them
         lc = self._layers[layer]
         pos = step_positions(positions)  # a model's is checked once per forward (kvlayout.positions)
         T = check_kv(layer, k, v, lc.n_kv_heads, lc.head_dim, pos.size)  # before placing: a refusal claims no cell
 
-        step = self.groups.place_step(layer, pos)
+        # A later layer of the forward (the model's one StepPositions) finds its step served at once.
+        step = self.groups.serve_again(layer, pos) or self.groups.place_step(layer, pos)
         window = self.groups.layer_windows[layer]
         k_pool, v_pool = self.key_pools[layer], self.value_pools[layer]
         # K/V checked above, the cells placed within capacity: the pools' own checks are skipped.

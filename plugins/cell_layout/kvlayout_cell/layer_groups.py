@@ -96,6 +96,15 @@ class LayerGroups:
                     )
         return stepper.place_step(local, positions)
 
+    def serve_again(self, layer: Any, positions: Any) -> CellStep | None:
+        """`Stepper.serve_again` of `layer`'s group (None, nothing changed, for a layer out of range)."""
+        if len(self.steppers) == 1:
+            return self.primary.serve_again(layer, positions)
+        if type(layer) is not int or not 0 <= layer < len(self._where):
+            return None
+        g, local = self._where[layer]
+        return self.steppers[g].serve_again(local, positions)
+
     def served_step(self, layer: int) -> CellStep | None:
         g, local = self._where[checked_layer(self.n_layers, layer)]
         return self.steppers[g].served_step(local)

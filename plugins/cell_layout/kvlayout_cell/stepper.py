@@ -348,6 +348,20 @@ class Stepper:
         self._declared = None
         return step
 
+    def serve_again(self, layer: Any, positions: Any) -> CellStep | None:
+        """`place_step` for a later layer of the open step handed the very StepPositions object its
+        placement was made with (frozen: it cannot have changed), when `layer` is a plain int in range
+        that has not served the step and its window's CellStep is built: the layer served, that step.
+        Else None, nothing changed: `place_step` decides, and says what is wrong."""
+        placed = self._placed
+        if (placed is None or positions is not placed.source or type(layer) is not int
+                or not 0 <= layer < len(self._windows) or layer in placed.served or placed.epoch != self.table.epoch):
+            return None
+        step = placed.steps.get(self._windows[layer])
+        if step is not None:  # not built yet: place_step builds it (and announces it to any observer)
+            placed.served.add(layer)
+        return step
+
     def abort_step(self) -> bool:
         """Undo the open step, as if it had never been placed; False when none is open.
 
