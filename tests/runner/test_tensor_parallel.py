@@ -333,3 +333,33 @@ def test_a_model_with_fused_projections_is_refused_on_two_ranks_in_one_line(tmp_
         lines = err.strip().splitlines()
         assert out == "" and len(lines) == 1
         assert "layer 0 has a fused qkv_proj, which kvlayout does not split over ranks" in lines[0]
+
+
+def test_a_rank_that_answers_the_roll_call_and_never_joins_the_ring_is_named_within_the_timeout(tmp_path):
+    # Rank 1 (this test) reports to rank 0's roll call, hears "go", then never joins the ring: the ring's
+    # join would hold rank 0 in accept() for good (a rank dying right after the roll call does this).
+    import socket
+
+    procs = ranks(2, tmp_path, "run", str(run_toml(tmp_path)), "--json",
+                  env=cli_env(KVLAYOUT_COLLECTIVE_TIMEOUT_S="3"), only=[0])
+    host, _, port = json.loads((tmp_path / "hosts.json").read_text())[0][0].partition(":")
+    deadline = time.monotonic() + 60
+    while True:  # rank 0 listens once it has started
+        try:
+            conn = socket.create_connection((host, int(port)), timeout=1)
+            break
+        except OSError:
+            assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].communicate()
+            time.sleep(0.1)
+    with conn:
+        conn.sendall(b"kvlayout-join 1 2\n")
+        conn.settimeout(30)
+        assert conn.recv(64).startswith(b"go")
+    t0 = time.monotonic()
+    out, err = procs[0].communicate(timeout=60)
+    took = time.monotonic() - t0
+    lines = err.strip().splitlines()
+    assert procs[0].returncode != 0 and took < 3 + 10 and out == "", err
+    assert len(lines) == 1 and lines[0].startswith(
+        "kvlayout: error: rank 0 of 2: the ranks' ring did not form within 3 s"), err
+    assert "KVLAYOUT_COLLECTIVE_TIMEOUT_S" in lines[0]

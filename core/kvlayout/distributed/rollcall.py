@@ -11,6 +11,11 @@ ones that did with that list, so each of them names them too; a rank that cannot
 reach rank 0 names rank 0. The ring then binds rank 0's address anew: the listener
 is closed before "go", so no rank's ring connection can land on it.
 
+A rank that dies after the roll call and before the ring's join completes would
+still leave the others in that accept() for good, so the join runs under
+`JoinWatch`: a small watcher process (a thread of this one could not run), which
+past the timeout names the join that never completed and ends this process.
+
 Only the ring backend's launch (MLX_RANK and a hostfile listing two ranks or more)
 has its roll call; MPI's mpirun and jaccl's coordinator join the ranks themselves.
 """
@@ -20,6 +25,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -186,3 +193,42 @@ def _line(conn: socket.socket, deadline: float) -> str | None:
         got += part
     line, newline, _ = got.partition(b"\n")
     return line.decode("ascii", "replace") if newline else None
+
+
+# The watcher: waits for its stdin to close (the join ended, or this process did) up to a timeout; past it,
+# says why on the stderr it shares with this process and ends this process (no Python can run in it then).
+_WATCHER = (
+    "import os, select, signal, sys\n"
+    "ready, _, _ = select.select([sys.stdin], [], [], float(sys.argv[2]))\n"
+    "if not ready:\n"
+    "    sys.stderr.write(sys.argv[3])\n"
+    "    sys.stderr.flush()\n"
+    "    os.kill(int(sys.argv[1]), signal.SIGKILL)\n"
+)
+
+
+class JoinWatch:
+    """Ends this process, saying so, when the block it guards (the ring backend's join, which holds the
+    GIL in accept() with no timeout) runs past `timeout_s`: the watcher is another process, told the
+    block ended by the closing of its stdin."""
+
+    def __init__(self, ring: Ring, timeout_s: float, setting: str):
+        self.message = (
+            f"kvlayout: error: {ring.label()}: the ranks' ring did not form within {timeout_s:g} s after every "
+            f"rank answered the roll call (a rank died or hangs while joining; {setting} sets the bound)\n"
+        )
+        self.timeout_s = timeout_s
+        self.watcher: subprocess.Popen | None = None
+
+    def __enter__(self) -> JoinWatch:
+        self.watcher = subprocess.Popen(
+            [sys.executable, "-c", _WATCHER, str(os.getpid()), str(self.timeout_s), self.message],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+        )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        watcher, self.watcher = self.watcher, None
+        if watcher is not None:
+            watcher.stdin.close()  # the join ended: the watcher leaves without a word
+            watcher.wait()

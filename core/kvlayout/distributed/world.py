@@ -22,6 +22,7 @@ that gives up (`rollcall`), naming the ranks that never joined.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,7 +35,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.distributed.rollcall import ring_from_environment, roll_call
+from kvlayout.distributed.rollcall import JoinWatch, ring_from_environment, roll_call
 from kvlayout.errors import DistributedError
 
 LAUNCHED_BY = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE")  # mlx.launch's ring/jaccl backends; MPI
@@ -228,7 +229,9 @@ def _join() -> World:
     if ring is not None:  # every rank known up before the ring's join, which would wait for a missing one forever
         roll_call(ring, timeout, TIMEOUT_ENV)
     try:
-        group = mx.distributed.init()
+        # One that dies after the roll call would still hold the join for good: it is watched from outside.
+        with JoinWatch(ring, timeout, TIMEOUT_ENV) if ring is not None else contextlib.nullcontext():
+            group = mx.distributed.init()
     except RuntimeError as exc:  # a hostfile that is missing or not a host list, a port taken, ...
         launch = ", ".join(
             f"{name}={os.environ[name]}" for name in (*LAUNCHED_BY, "MLX_HOSTFILE") if name in os.environ
