@@ -402,3 +402,14 @@ def test_a_later_layer_given_the_placing_positions_object_is_served_as_place_ste
     assert t.place_step(2, [0, 1]) is first and t.unserved_layers() == []
     assert t.seq_new() == 1  # a verb ends the step
     assert t.serve_again(1, pos) is None
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 255, 256, 257, 1000])
+def test_distinct_sorted_is_numpys_unique_on_either_side_of_the_python_path(size, rng):
+    from kvlayout_cell.stepper import FEW_IDS, distinct_sorted
+
+    assert FEW_IDS == 256  # the sizes above straddle it
+    for values in (rng.integers(0, 50, size), rng.permutation(size), np.arange(size)[::-1]):
+        values = np.asarray(values, dtype=np.int64)
+        got = distinct_sorted(values)
+        assert got.dtype == np.int64 and np.array_equal(got, np.unique(values))

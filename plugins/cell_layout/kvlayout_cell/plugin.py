@@ -10,7 +10,7 @@ import numpy as np
 
 from kvlayout import Builder, hookimpl
 from kvlayout_cell.groups import PLACEMENT_PAGE
-from kvlayout_cell.stepper import lowest_free
+from kvlayout_cell.stepper import distinct_sorted, lowest_free
 
 
 def _build(config):
@@ -103,9 +103,6 @@ def own_pages(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, pag
     return cells
 
 
-FEW_CELLS = 256  # `_decoding_on` tells this many previous cells distinct in Python
-
-
 def _decoding_on(free: np.ndarray, prev_cells: np.ndarray, page: int) -> bool:
     """Whether pass 1 alone places the step by giving each token the cell after its previous one, as
     `own_pages` would, settled without sorting the step by sequence: the previous cells are distinct
@@ -116,11 +113,7 @@ def _decoding_on(free: np.ndarray, prev_cells: np.ndarray, page: int) -> bool:
         return False
     if _in(free, prev_cells).any():
         return False
-    if prev_cells.size <= FEW_CELLS:  # Python's set: a step's call of numpy's sort costs tens of microseconds
-        listed = prev_cells.tolist()
-        return len(set(listed)) == len(listed)
-    ordered = np.sort(prev_cells)
-    return bool((ordered[1:] != ordered[:-1]).all())
+    return distinct_sorted(prev_cells).size == prev_cells.size
 
 
 def _by_sequence(seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -49,7 +49,7 @@ from kvlayout.registry import observed
 from kvlayout_cell.table import CellTable
 from kvlayout_cell.window import WindowKeeper
 
-FEW_IDS = 256  # a declaration of at most this many tokens finds its distinct ids in Python (_Declared.of)
+FEW_IDS = 256  # up to this many ids, `distinct_sorted` finds them in Python
 NOTHING_DUE = (frozen(np.zeros(0, dtype=np.int64)), frozen(np.zeros(0, dtype=np.int64)))  # (ids, cuts): none
 HOOKS = ("kvlayout_choose_cells", "kvlayout_step_placed", "kvlayout_step_aborted")  # what the stepper calls
 
@@ -94,13 +94,7 @@ class _Declared:
         ids = frozen(np.asarray(seq_ids, dtype=np.int64))  # frozen copies: the caller keeps its own
         if ids.size < 2:
             return cls(ids, epoch, ids)
-        if ids.size <= FEW_IDS:
-            # What np.unique gives, from Python's set: a step's call of numpy's sort, alone among Python
-            # code, costs tens of microseconds of cold code paths (a microbenchmark's hot loop: ~2).
-            return cls(ids, epoch, np.array(sorted(set(ids.tolist())), dtype=np.int64))
-        ordered = np.sort(ids)  # what np.unique gives, in fewer steps when every id is distinct (decode)
-        keep = ordered[1:] != ordered[:-1]
-        return cls(ids, epoch, ordered if keep.all() else ordered[np.r_[True, keep]])
+        return cls(ids, epoch, distinct_sorted(ids))
 
     @property
     def distinct(self) -> bool:
@@ -564,6 +558,17 @@ def _refs(holder: dict, key: Any) -> int:
 
 
 HELD_HERE_ONLY = _refs({0: object()}, 0)  # a value its dict alone holds, counted the same way
+
+
+def distinct_sorted(values: np.ndarray) -> np.ndarray:
+    """What np.unique gives for int64 `values`: the distinct ones, ascending. Up to FEW_IDS of them
+    (a step's ids or cells) through Python's set: on a step's path the first call of numpy's sort
+    costs tens of microseconds of cold code, where a microbenchmark's hot loop says ~2."""
+    if values.size <= FEW_IDS:
+        return np.array(sorted(set(values.tolist())), dtype=np.int64)
+    ordered = np.sort(values)  # np.unique's answer, in fewer steps when every value is distinct (decode)
+    keep = ordered[1:] != ordered[:-1]
+    return ordered if keep.all() else ordered[np.r_[True, keep]]
 
 
 def checked_layer(n_layers: int, layer: Any) -> int:
