@@ -244,7 +244,7 @@ class PluginManager(pluggy.PluginManager):
         self._calls = threading.local()  # per thread: the step hook calls open, innermost last
         # Moves on at every register and unregister: what was asked of the implementations before is stale.
         self.generation = 0
-        self.observers: dict[str, tuple[int, bool]] = {}  # hook -> (generation, `observed`'s answer then)
+        self.observed_answers: dict[str, tuple[int, bool]] = {}  # hook -> (generation, `observed`'s answer then)
         super().register(_Referee(self, self._calls), name=HOST)
 
     # -- naming a plugin
@@ -509,12 +509,12 @@ def observed(pm: Any, hook: str) -> bool:
     call (pluggy's work per call is host time a small model's step cannot hide)."""
     generation = getattr(pm, "generation", None)
     if generation is not None:
-        known = pm.observers.get(hook)
+        known = pm.observed_answers.get(hook)
         if known is not None and known[0] == generation:
             return known[1]
     answer = any(not isinstance(impl.plugin, _Referee) for impl in getattr(pm.hook, hook).get_hookimpls())
     if generation is not None:
-        pm.observers[hook] = (generation, answer)
+        pm.observed_answers[hook] = (generation, answer)
     return answer
 
 

@@ -363,3 +363,20 @@ def test_a_rank_that_answers_the_roll_call_and_never_joins_the_ring_is_named_wit
     assert len(lines) == 1 and lines[0].startswith(
         "kvlayout: error: rank 0 of 2: the ranks' ring did not form within 3 s"), err
     assert "KVLAYOUT_COLLECTIVE_TIMEOUT_S" in lines[0]
+
+
+def test_a_join_watch_that_cannot_start_is_one_error_naming_the_rank(monkeypatch):
+    # No process to spare for the watcher: the run ends with one DistributedError naming the rank (the CLI's
+    # one line), before any join that nothing would bound.
+    import subprocess
+
+    from kvlayout.distributed.rollcall import JoinWatch, Ring
+    from kvlayout.errors import DistributedError
+
+    def no_fork(*args, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(subprocess, "Popen", no_fork)
+    with pytest.raises(DistributedError, match=r"^rank 1 of 2: cannot start the watch over the ring's join \("):
+        with JoinWatch(Ring(1, ("127.0.0.1:1", "127.0.0.1:2")), 3.0, "KVLAYOUT_COLLECTIVE_TIMEOUT_S"):
+            raise AssertionError("the join ran unwatched")

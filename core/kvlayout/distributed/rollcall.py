@@ -32,7 +32,7 @@ from pathlib import Path
 
 import attrs
 
-from kvlayout.errors import DistributedError
+from kvlayout.errors import DistributedError, os_reason
 
 HELLO = "kvlayout-join"  # what a rank says first: "kvlayout-join RANK SIZE"
 GO = "go"  # rank 0's answer when every rank reported; else "missing R ..."
@@ -213,6 +213,7 @@ class JoinWatch:
     block ended by the closing of its stdin."""
 
     def __init__(self, ring: Ring, timeout_s: float, setting: str):
+        self.label = ring.label()
         self.message = (
             f"kvlayout: error: {ring.label()}: the ranks' ring did not form within {timeout_s:g} s after every "
             f"rank answered the roll call (a rank died or hangs while joining; {setting} sets the bound)\n"
@@ -221,10 +222,14 @@ class JoinWatch:
         self.watcher: subprocess.Popen | None = None
 
     def __enter__(self) -> JoinWatch:
-        self.watcher = subprocess.Popen(
-            [sys.executable, "-c", _WATCHER, str(os.getpid()), str(self.timeout_s), self.message],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
-        )
+        try:
+            self.watcher = subprocess.Popen(
+                [sys.executable, "-c", _WATCHER, str(os.getpid()), str(self.timeout_s), self.message],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+            )
+        except OSError as exc:  # no process to spare: an unbounded join is not started either
+            why = os_reason(exc)
+            raise DistributedError(f"{self.label}: cannot start the watch over the ring's join ({why})") from None
         return self
 
     def __exit__(self, *exc) -> None:
