@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlayout.checks import int_array
+from kvlayout.checks import INT64_MAX, int_array
 from kvlayout.errors import StepError
 
 
@@ -37,27 +37,43 @@ class StepPositions:
     - `consecutive`: the positions are first, first + 1, ... (True for one).
     """
 
-    __slots__ = ("host", "first", "consecutive")
+    __slots__ = ("_host", "first", "consecutive", "size")
 
     def __init__(self, positions: Any):
-        host = frozen(int_array("positions", positions, StepError))  # [T] int64, a copy of our own
-        size = host.size
-        first = int(host[0]) if size else None
-        # Consecutive: the last is size - 1 past the first and every step is 1 (one position always is).
-        consecutive = size == 1 or (size > 1 and int(host[-1]) - first == size - 1 and bool((np.diff(host) == 1).all()))
-        for name, value in (("host", host), ("first", first), ("consecutive", consecutive)):
-            object.__setattr__(self, name, value)
+        run = type(positions) is range and positions.step == 1
+        if run and -INT64_MAX <= positions.start <= positions.stop <= INT64_MAX:
+            # A run of integers by construction (what an engine feeds one sequence), every one fitting in 64 bits:
+            # nothing to check, and `host` is made only if someone reads it (a seq layout's step never does).
+            size = len(positions)
+            host, first, consecutive = None, positions.start if size else None, size > 0
+        else:
+            host = frozen(int_array("positions", positions, StepError))  # [T] int64, a copy of our own
+            size = host.size
+            first = int(host[0]) if size else None
+            # Consecutive: the last is size - 1 past the first and every step is 1 (one position always is).
+            consecutive = size == 1 or (
+                size > 1 and int(host[-1]) - first == size - 1 and bool((np.diff(host) == 1).all()))
+        _set = object.__setattr__
+        _set(self, "_host", host)
+        _set(self, "first", first)
+        _set(self, "consecutive", consecutive)
+        _set(self, "size", size)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A later layer trusts what the first checked (compared by identity): nothing may change it.
         raise AttributeError(f"StepPositions is frozen: {name} cannot be set")
 
     @property
-    def size(self) -> int:
-        return self.host.size
+    def host(self) -> np.ndarray:
+        """The positions, int64 `[T]`, read-only for good (made on first read for a run from a range)."""
+        host = self._host
+        if host is None:
+            host = frozen(np.arange(self.first or 0, (self.first or 0) + self.size, dtype=np.int64))
+            object.__setattr__(self, "_host", host)
+        return host
 
     def __len__(self) -> int:
-        return self.host.size
+        return self.size
 
     def __iter__(self):
         return iter(self.host.tolist())

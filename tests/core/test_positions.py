@@ -68,3 +68,22 @@ def test_step_positions_takes_one_as_it_is_and_checks_anything_else():
     p = StepPositions([1, 2])
     assert step_positions(p) is p
     assert step_positions([1, 2]).host.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("run", [range(0), range(4, 4), range(5, 3), range(7, 8), range(0, 33), range(2**62, 2**62 + 3),
+                                 range(2**63 - 3, 2**63 - 1), range(-2, 2)])
+def test_a_run_from_a_range_is_what_its_list_would_be(run):
+    # Ranges skip the array until `host` is read: every answer is the list path's (the oracle), and frozen alike.
+    p, listed = StepPositions(run), StepPositions(list(run))
+    assert (p.first, p.consecutive, p.size, len(p)) == (listed.first, listed.consecutive, listed.size, len(listed))
+    assert p.host.dtype == np.int64 and p.host.tolist() == listed.host.tolist() == list(run)
+    with pytest.raises(ValueError):
+        p.host.flags.writeable = True
+    for name in ("host", "_host", "size", "first"):
+        with pytest.raises(AttributeError):
+            setattr(p, name, 1)
+
+
+def test_a_range_past_64_bits_is_refused_by_name():
+    with pytest.raises(StepError, match="^positions"):
+        StepPositions(range(2**63 - 1, 2**63 + 1))

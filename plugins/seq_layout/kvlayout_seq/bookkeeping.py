@@ -283,6 +283,11 @@ class SeqBook:
         step is refused at a forward's first layer or not at all.
         """
         layer = self.check_layer(layer)
+        if self._open is None and start == self.length and 1 <= length <= self.max_step and (
+                start + length <= self.capacity):
+            # An append between forwards (every decode step): each check below holds, the floor being at
+            # most the length. Settled at once: a forward's first layer plans it every step.
+            return self.layers[layer].plan(start, length)
         later = self.serve_later(layer, start, length)  # a later layer of the forward that opened the step
         if later is not None:
             return later
