@@ -244,7 +244,8 @@ class PluginManager(pluggy.PluginManager):
         self._calls = threading.local()  # per thread: the step hook calls open, innermost last
         # Moves on at every register and unregister: what was asked of the implementations before is stale.
         self.generation = 0
-        self.observed_answers: dict[str, tuple[int, bool]] = {}  # hook -> (generation, `observed`'s answer then)
+        # (question, hook) -> (generation, the answer then): what `observed` and `sole_implementation` asked pluggy.
+        self.hook_answers: dict[tuple[str, str], tuple[int, Any]] = {}
         super().register(_Referee(self, self._calls), name=HOST)
 
     # -- naming a plugin
@@ -507,15 +508,36 @@ def observed(pm: Any, hook: str) -> bool:
     The host's referee wraps every step hook but observes nothing: with no plugin's implementation
     beside it, calling the hook changes nothing, and a layout announcing each step skips the
     call (pluggy's work per call is host time a small model's step cannot hide)."""
+    return _asked(pm, "observed", hook, lambda impls: bool(impls))
+
+
+def sole_implementation(pm: Any, hook: str) -> Callable[..., Any] | None:
+    """The plugin's own function behind `hook` when exactly one plugin of `pm` implements it and nothing
+    but the host's referee wraps it; else None. Kept like `observed`'s answer.
+
+    A layout whose own default is the sole answer may call it directly, without pluggy and the
+    referee (~20 us a step): it trusts its own function, tested to the referee's rule. Any other
+    plugin's answer goes through the hook, and is judged there."""
+
+    def sole(impls: list) -> Callable[..., Any] | None:
+        if len(impls) != 1 or impls[0].wrapper or impls[0].hookwrapper:
+            return None
+        return getattr(impls[0].function, "__wrapped__", impls[0].function)  # the guard's plugin function
+
+    return _asked(pm, "sole", hook, sole)
+
+
+def _asked(pm: Any, question: str, hook: str, answer: Callable[[list], Any]) -> Any:
+    """`answer(implementations of hook but the referee)`, kept per `pm.generation` (a kvlayout PluginManager's)."""
     generation = getattr(pm, "generation", None)
     if generation is not None:
-        known = pm.observed_answers.get(hook)
+        known = pm.hook_answers.get((question, hook))
         if known is not None and known[0] == generation:
             return known[1]
-    answer = any(not isinstance(impl.plugin, _Referee) for impl in getattr(pm.hook, hook).get_hookimpls())
+    value = answer([impl for impl in getattr(pm.hook, hook).get_hookimpls() if not isinstance(impl.plugin, _Referee)])
     if generation is not None:
-        pm.observed_answers[hook] = (generation, answer)
-    return answer
+        pm.hook_answers[question, hook] = (generation, value)
+    return value
 
 
 def make_plugin_manager(strict: bool | None = None, entry_points: bool = True) -> PluginManager:

@@ -406,7 +406,7 @@ def test_a_later_layer_given_the_placing_positions_object_is_served_as_place_ste
 
 @pytest.mark.parametrize("size", [0, 1, 2, 255, 256, 257, 1000])
 def test_distinct_sorted_is_numpys_unique_on_either_side_of_the_python_path(size, rng):
-    from kvlayout_cell.stepper import FEW_IDS, distinct_sorted
+    from kvlayout_cell.placement import FEW_IDS, distinct_sorted
 
     assert FEW_IDS == 256  # the sizes above straddle it
     for values in (rng.integers(0, 50, size), rng.permutation(size), np.arange(size)[::-1]):

@@ -45,11 +45,11 @@ from kvlayout.checks import int_array, int_scalar
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
 from kvlayout.positions import StepPositions, frozen, step_positions
-from kvlayout.registry import observed
+from kvlayout.registry import observed, sole_implementation
+from kvlayout_cell.placement import choose_cells, distinct_sorted
 from kvlayout_cell.table import CellTable
 from kvlayout_cell.window import WindowKeeper
 
-FEW_IDS = 256  # up to this many ids, `distinct_sorted` finds them in Python
 NOTHING_DUE = (frozen(np.zeros(0, dtype=np.int64)), frozen(np.zeros(0, dtype=np.int64)))  # (ids, cuts): none
 HOOKS = ("kvlayout_choose_cells", "kvlayout_step_placed", "kvlayout_step_aborted")  # what the stepper calls
 
@@ -505,16 +505,25 @@ class Stepper:
         is in (-1: none; ids not yet live hold none), frozen arrays a policy cannot disturb
         (`kvlayout.positions.frozen`: not even by making them writable).
         The answer is trusted: the plugin manager's referee (`kvlayout.registry`) refused any
-        answer that is not `count` distinct cells of `free`, naming the plugin."""
+        answer that is not `count` distinct cells of `free`, naming the plugin. When the layout's own
+        default (`placement.choose_cells`) is the only placement registered, it is called as it is:
+        pluggy and the referee cost ~20 us a step, and the default is held to the referee's rule by
+        its tests. Should it raise, the hook's call says so, naming the plugin."""
         count = positions.size
-        answer = self._pm.hook.kvlayout_choose_cells(
-            free=self.table.free_list(),
-            count=count,
-            seq_ids=seq_ids,  # frozen (a declaration's)
-            positions=positions,  # frozen (StepPositions.host)
-            prev_cells=frozen(self.table.newest_cells(seq_ids)),  # a new array; ids checked in range; not live: -1
-            window=0 if self.keeper is None else self.keeper.window,
-        )
+        args = {
+            "free": self.table.free_list(),
+            "count": count,
+            "seq_ids": seq_ids,  # frozen (a declaration's)
+            "positions": positions,  # frozen (StepPositions.host)
+            "prev_cells": frozen(self.table.newest_cells(seq_ids)),  # a new array; ids checked in range; not live: -1
+            "window": 0 if self.keeper is None else self.keeper.window,
+        }
+        answer = None
+        if sole_implementation(self._pm, "kvlayout_choose_cells") is choose_cells:
+            with contextlib.suppress(Exception):  # pure: the hook's call below fails alike, and names the plugin
+                answer = choose_cells(args["free"], seq_ids, args["prev_cells"], args["window"])
+        if answer is None:
+            answer = self._pm.hook.kvlayout_choose_cells(**args)
         if answer is None:
             raise StepError(
                 f"kvlayout_choose_cells: no plugin answered; expected {count} distinct cells from the free list"
@@ -560,17 +569,6 @@ def _refs(holder: dict, key: Any) -> int:
 HELD_HERE_ONLY = _refs({0: object()}, 0)  # a value its dict alone holds, counted the same way
 
 
-def distinct_sorted(values: np.ndarray) -> np.ndarray:
-    """What np.unique gives for int64 `values`: the distinct ones, ascending. Up to FEW_IDS of them
-    (a step's ids or cells) through Python's set: on a step's path the first call of numpy's sort
-    costs tens of microseconds of cold code, where a microbenchmark's hot loop says ~2."""
-    if values.size <= FEW_IDS:
-        return np.array(sorted(set(values.tolist())), dtype=np.int64)
-    ordered = np.sort(values)  # np.unique's answer, in fewer steps when every value is distinct (decode)
-    keep = ordered[1:] != ordered[:-1]
-    return ordered if keep.all() else ordered[np.r_[True, keep]]
-
-
 def checked_layer(n_layers: int, layer: Any) -> int:
     """`layer` as an int in [0, n_layers); StepError otherwise."""
     if type(layer) is int and 0 <= layer < n_layers:
@@ -579,9 +577,3 @@ def checked_layer(n_layers: int, layer: Any) -> int:
     if layer >= n_layers:
         raise StepError(f"layer={layer}: expected a layer in [0, {n_layers})")
     return layer
-
-
-def lowest_free(free: np.ndarray, count: int) -> np.ndarray:
-    """The lowest free cells, so a freed cell refills before the table grows: the default placement
-    before pages of their own (`kvlayout_cell.plugin.LowestFree` answers it)."""
-    return free[:count]
