@@ -94,7 +94,8 @@ def test_a_default_that_raises_is_reported_through_the_hook_naming_the_plugin_an
 
     monkeypatch.setattr(placement, "own_pages", broken)
     assert table.declare_step([s])
-    with pytest.raises(PluginStepError, match="plugin 'cell'.*kvlayout_choose_cells raised RuntimeError: placement bug"):
+    named = "plugin 'cell'.*kvlayout_choose_cells raised RuntimeError: placement bug"
+    with pytest.raises(PluginStepError, match=named):
         table.place_step(0, [2])
     assert np.array_equal(table.table.free_list(), free) and table.table.held([s]).tolist() == [2]
     monkeypatch.undo()

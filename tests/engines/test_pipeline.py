@@ -196,3 +196,25 @@ def test_a_prefix_cache_keeps_exactly_the_tokens_of_samples_that_ended_with_a_fo
         results[pipeline] = (outputs(done), [r.cached_tokens for r in done])
     assert results[True] == results[False]
     assert any(results[True][1][len(prompts):])  # the second round did reuse
+
+
+def test_a_steady_decode_steps_feed_is_what_the_sequence_by_sequence_reading_gives(tiny, monkeypatch):
+    # Feed.fed_ahead_only reads a step where every sequence feeds only its token drawn ahead in one pass;
+    # the oracle is Feed.each, the general reading, on every plan of a mixed run (greedy beside sampled,
+    # forks, a stopper, prompts still in): where the shortcut answers it must agree, and it must answer.
+    from kvlayout.engines.cell import Feed
+
+    answered = []
+    general = Feed.of.__func__
+
+    def checked(cls, plan):
+        steady = cls.fed_ahead_only(plan)
+        if steady is not None:
+            assert steady == cls.each(plan)
+            answered.append(len(plan))
+        return general(cls, plan)
+
+    monkeypatch.setattr(Feed, "of", classmethod(checked))
+    reqs = requests(tiny, max_tokens=(30, 24, 2, 3), n=(1, 1, 1, 2), sampled=(3,))
+    run("cell", tiny, True, reqs)  # the sampled request ends early: the long ones then decode ahead together
+    assert answered and max(answered) >= 2  # steady steps of more than one sequence were read off

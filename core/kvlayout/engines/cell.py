@@ -163,9 +163,9 @@ class CellEngine:
         t0 = time.perf_counter()
         feed = Feed.of(plan)
         # Who draws on the device: a greedy sequence of one sample whose next token is fed back.
-        on_device = [self._draws_ahead(s, feed.width) for s in feed.completing]
-        host = [i for i, d in enumerate(on_device) if not d]
-        device = [i for i, d in enumerate(on_device) if d]
+        host, device = [], []
+        for i, s in enumerate(feed.completing):
+            (device if self._draws_ahead(s, feed.width) else host).append(i)
         # At least one row even when no prompt completes: evaluating it forces the cache writes. The rows
         # of drafts to verify come after the drawing rows, those of prompts being scored (echo with
         # logprobs) last.
@@ -321,6 +321,13 @@ class Feed:
 
     @classmethod
     def of(cls, plan: Plan) -> Feed:
+        """The Feed of a step's plan: `fed_ahead_only`'s when it reads it (steady decode), else `each`'s."""
+        steady = cls.fed_ahead_only(plan)
+        return steady if steady is not None else cls.each(plan)
+
+    @classmethod
+    def each(cls, plan: Plan) -> Feed:
+        """The Feed of any plan, sequence by sequence."""
         f = cls()
         for s, k in plan:
             if s.drafted:  # its last token, then its draft: every position's logits verify the next
@@ -351,3 +358,20 @@ class Feed:
             else:
                 f.prefill += k
         return f
+
+    @classmethod
+    def fed_ahead_only(cls, plan: Plan) -> Feed | None:
+        """The Feed of a step in which every sequence feeds only its token drawn ahead (a steady greedy
+        decode step), read off in one pass; None for any other step (`of` reads it then). What `of`
+        gives for it: each such sequence holds every token in the cache, so it feeds one token at its
+        `cached` position, completes there and counts as decode; none drafts or scores."""
+        pieces, positions = [], []
+        for s, k in plan:
+            drawn = s.drawn
+            if drawn is None or k != 1 or len(s.tokens) != s.cached or s.drafted or s.request.score_prompt is not None:
+                return None
+            pieces.append(drawn)
+            positions.append(s.cached)
+        seqs = [s for s, _ in plan]
+        n = len(seqs)
+        return cls(pieces, positions, list(range(n)), seqs, list(zip(seqs, pieces)), decode=n, width=n)
