@@ -31,6 +31,10 @@ from kvlayout.config import check_up_front
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout_cell.seq_index import SeqIndex
 
+# Up to this many tokens, a step's checks run in Python: numpy's reductions cost a few us each on a step's
+# (cold) path, more than the whole check of a decode step's few tokens.
+FEW_TOKENS = 32
+
 _ONE = np.uint64(1)
 
 
@@ -304,6 +308,10 @@ class CellTable:
 
     def check_live_ids(self, seq_ids: np.ndarray) -> None:
         """Refuse (SequenceError) an id out of range or not live, naming the first one."""
+        if seq_ids.size <= FEW_TOKENS:  # a decode step's ids: Python settles them faster than numpy's reductions
+            live, top = self._live, self._max_seqs
+            if all(0 <= s < top and live[s] for s in seq_ids.tolist()):
+                return
         if seq_ids.size and (seq_ids.min() < 0 or seq_ids.max() >= self._max_seqs):
             out = np.flatnonzero((seq_ids < 0) | (seq_ids >= self._max_seqs))
             self._check_id(f"seq_ids[{out[0]}]", int(seq_ids[out[0]]))
@@ -324,7 +332,11 @@ class CellTable:
             raise StepError(f"{positions.size} position(s) for {seq_ids.size} declared token(s)")
         if not declared:
             self.check_live_ids(seq_ids)
-        if (distinct or positions.size == 1) and (positions > self._newest[seq_ids]).all():
+        if (distinct or positions.size == 1) and (
+            all(p > n for p, n in zip(positions.tolist(), self._newest[seq_ids].tolist()))
+            if positions.size <= FEW_TOKENS
+            else (positions > self._newest[seq_ids]).all()
+        ):
             return  # one token a sequence (decode steps), each newer than its id's newest (>= -1): so >= 0 too
         if positions.size and positions.min() < 0:
             i = int(np.flatnonzero(positions < 0)[0])
