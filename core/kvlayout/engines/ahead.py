@@ -30,7 +30,6 @@ import time
 
 import attrs
 import mlx.core as mx
-import numpy as np
 
 from kvlayout.engines.records import Request, Sample, Sampling, Stats
 from kvlayout.engines.shaping import on_host_only
@@ -50,35 +49,30 @@ class Drawn:
     prefill: int
     decode: int
     waited: float = 0.0
-    _host: np.ndarray | None = None
+    _host: list[int] | None = None
 
     def read(self, i: int) -> int:
         """Token `i`, waiting for the step that draws it (once for all of them)."""
         if self._host is None:
             t0 = time.perf_counter()
-            self._host = np.array(self.tokens)
+            self._host = self.tokens.tolist()  # Python ints: ~1 us less than numpy's copy and scalar
             self.waited = time.perf_counter() - t0
             self.stats.add_time(self.waited, self.prefill, self.decode)
-        return int(self._host[i])
-
-
-def drawn_on_device(pipeline: bool, sampling: Sampling, request: Request, sample: Sample, unread: bool) -> bool:
-    """Whether `sample`'s next token is drawn on the device: the engine pipelines, the request is
-    greedy and plain (its own sampling, else the engine's: no shaping, no logprobs,
-    engines.shaping), and that token will be fed back, i.e. it is not the sample's last by
-    max_tokens (`unread`: a token of it is in flight already)."""
-    return plain_greedy(pipeline, sampling, request, sample) and fed_back(request, sample, unread)
+        return self._host[i]
 
 
 def plain_greedy(pipeline: bool, sampling: Sampling, request: Request, sample: Sample) -> bool:
-    """The part of `drawn_on_device` that holds for the sample's whole life (its settings): the engine
-    pipelines and the sample is greedy and plain. An engine may keep the answer per sample."""
+    """Whether a sample's tokens may be drawn on the device, as far as its settings say (they hold for its
+    whole life): the engine pipelines and the sample is greedy and plain (its own sampling, else the
+    engine's: no shaping, no logprobs, engines.shaping). An engine keeps the answer per sample; each
+    token is drawn so when `fed_back` holds too."""
     sampling = request.sampling or sampling
     return pipeline and sampling.temperature == 0.0 and not on_host_only(sampling, sample)
 
 
 def fed_back(request: Request, sample: Sample, unread: bool) -> bool:
-    """The part of `drawn_on_device` that moves: the sample's next token is not its last by max_tokens."""
+    """Whether the sample's next token will be fed back: it is not its last by max_tokens (`unread`: a token
+    of it is in flight already)."""
     return len(sample.generated) + unread + 1 < request.max_tokens
 
 

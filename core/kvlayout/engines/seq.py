@@ -34,6 +34,7 @@ class Generating:
     retried: bool = False
     drawn: ahead.Drawn | None = None
     drafting: drafts.DraftState = attrs.field(factory=drafts.DraftState)  # speculation (engines.drafts)
+    plain: bool | None = None  # greedy and plain with the engine pipelining (ahead.plain_greedy): asked once
 
 
 class SeqEngine:
@@ -170,7 +171,7 @@ class SeqEngine:
         positions = range(cached, cached + k)
         done = drawn is not None or cached + k == len(tokens)
         on_device = done and self._draws_ahead(g)
-        fed = ahead.fed([(drawn, 0)]) if drawn is not None else tokens[cached : cached + k]
+        fed = drawn.tokens if drawn is not None else tokens[cached : cached + k]  # a draw here is of the step's one row
         decode = 1 if (k == 1 and len(tokens) > len(r.prompt)) or drawn is not None else 0
         if on_device:
             def draw(logits):
@@ -247,7 +248,9 @@ class SeqEngine:
     def _draws_ahead(self, g: Generating) -> bool:
         """Whether `g`'s next token is drawn on the device (engines.ahead): not when its next step may
         draft (drafts are looked up on the host)."""
-        if not ahead.drawn_on_device(self.pipeline, self.options.sampling, g.request, g.sample, g.drawn is not None):
+        if g.plain is None:
+            g.plain = ahead.plain_greedy(self.pipeline, self.options.sampling, g.request, g.sample)
+        if not (g.plain and ahead.fed_back(g.request, g.sample, g.drawn is not None)):
             return False
         return not (self.pacing is not None and self.pacing.worth_trying(g.drafting, 1))
 

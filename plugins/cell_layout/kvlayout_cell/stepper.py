@@ -510,20 +510,19 @@ class Stepper:
         pluggy and the referee cost ~20 us a step, and the default is held to the referee's rule by
         its tests. Should it raise, the hook's call says so, naming the plugin."""
         count = positions.size
-        args = {
-            "free": self.table.free_list(),
-            "count": count,
-            "seq_ids": seq_ids,  # frozen (a declaration's)
-            "positions": positions,  # frozen (StepPositions.host)
-            "prev_cells": frozen(self.table.newest_cells(seq_ids)),  # a new array; ids checked in range; not live: -1
-            "window": 0 if self.keeper is None else self.keeper.window,
-        }
-        answer = None
+        window = 0 if self.keeper is None else self.keeper.window
         if sole_implementation(self._pm, "kvlayout_choose_cells") is choose_cells:
             with contextlib.suppress(Exception):  # pure: the hook's call below fails alike, and names the plugin
-                answer = choose_cells(args["free"], seq_ids, args["prev_cells"], args["window"])
-        if answer is None:
-            answer = self._pm.hook.kvlayout_choose_cells(**args)
+                # Its own function writes none of its arguments and answers a new int64 array: no copies.
+                return choose_cells(self.table.free_list(), seq_ids, self.table.newest_cells(seq_ids), window)
+        answer = self._pm.hook.kvlayout_choose_cells(
+            free=self.table.free_list(),
+            count=count,
+            seq_ids=seq_ids,  # frozen (a declaration's)
+            positions=positions,  # frozen (StepPositions.host)
+            prev_cells=frozen(self.table.newest_cells(seq_ids)),  # a new array; ids checked in range; not live: -1
+            window=window,
+        )
         if answer is None:
             raise StepError(
                 f"kvlayout_choose_cells: no plugin answered; expected {count} distinct cells from the free list"
