@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlayout import hookimpl
 from kvlayout.errors import PluginStepError
 from kvlayout.registry import make_plugin_manager, sole_implementation
 from kvlayout_cell import placement
+from kvlayout_cell.placement import continue_each, own_pages
 from kvlayout_cell.plugin import LowestFree
 from tests.cell.support import stepper
 
@@ -67,18 +70,20 @@ def drive(table) -> list[list[int]]:
     del lengths[ids[0]]
     for _ in range(3):
         run([ids[1], ids[2], fork], [1, 2, 1])
+    for _ in range(130):  # past a page's end (PLACEMENT_PAGE = 128): each sequence takes a fresh page
+        run([ids[2], fork], [1, 1])
     return placed
 
 
 def test_the_direct_call_places_every_step_as_the_hook_does():
-    direct = stepper(capacity=64)
+    direct = stepper(capacity=1024)
     pm = make_plugin_manager()
     counted = PassThrough()
     pm.register(counted)  # same default rule, reached through pluggy and the referee
-    hooked = stepper(capacity=64, pm=pm)
+    hooked = stepper(capacity=1024, pm=pm)
     placed = drive(direct)
-    assert placed == drive(hooked) and len(placed) == 8
-    assert counted.calls == 8  # the hooked table went through the hook at every placement
+    assert placed == drive(hooked) and len(placed) == 138
+    assert counted.calls == 138  # the hooked table went through the hook at every placement
 
 
 def test_a_default_that_raises_is_reported_through_the_hook_naming_the_plugin_and_changes_nothing(monkeypatch):
@@ -93,11 +98,42 @@ def test_a_default_that_raises_is_reported_through_the_hook_naming_the_plugin_an
         raise RuntimeError("placement bug")
 
     monkeypatch.setattr(placement, "own_pages", broken)
-    assert table.declare_step([s])
+    fresh = table.seq_new()  # its first token continues nothing: the whole rule runs, and raises
+    assert table.declare_step([fresh])
     named = "plugin 'cell'.*kvlayout_choose_cells raised RuntimeError: placement bug"
     with pytest.raises(PluginStepError, match=named):
-        table.place_step(0, [2])
-    assert np.array_equal(table.table.free_list(), free) and table.table.held([s]).tolist() == [2]
+        table.place_step(0, [0])
+    assert np.array_equal(table.table.free_list(), free) and table.table.held([s, fresh]).tolist() == [2, 0]
     monkeypatch.undo()
-    table.place_step(0, [2])  # the declaration stood: the corrected retry places it
-    assert table.place_step(1, [2]).cells.tolist() == [2]
+    table.place_step(0, [0])  # the declaration stood: the corrected retry places it
+    assert table.place_step(1, [0]).cells.tolist() == [table.table.newest_cells(np.array([fresh])).item()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_continuing_each_cell_is_own_pages_answer_whenever_it_answers(data):
+    # continue_each asks a cell at a time what own_pages finds in the free list: on random tables, every
+    # answer it gives is own_pages' (the oracle), and steps made to continue are answered.
+    capacity = data.draw(st.integers(16, 300))
+    page = data.draw(st.sampled_from([4, 8, 128]))
+    occupied = set(data.draw(st.lists(st.integers(0, capacity - 1), max_size=capacity)))
+    free = np.array(sorted(set(range(capacity)) - occupied), dtype=np.int64)
+    continuing = sorted(c for c in occupied if (c + 1) % page and c + 1 < capacity and c + 1 not in occupied)
+    ahead_free = sorted(c for c in occupied if c + 1 < capacity and c + 1 not in occupied)  # page ends too
+    pick = data.draw(st.sampled_from(["continuing", "ahead free", "any"]))
+    if pick == "continuing" and continuing:
+        prev = data.draw(st.lists(st.sampled_from(continuing), min_size=1, max_size=8, unique=True))
+    elif pick == "ahead free" and ahead_free:
+        prev = data.draw(st.lists(st.sampled_from(ahead_free), min_size=1, max_size=8, unique=True))
+    else:
+        prev = data.draw(st.lists(st.integers(-1, capacity - 1), min_size=1, max_size=8))
+
+    def is_free(cell):
+        return 0 <= cell < capacity and cell not in occupied
+
+    got = continue_each(prev, is_free, page)
+    if set(prev) <= set(continuing) and len(set(prev)) == len(prev):
+        assert got is not None  # a decode step of sequences continuing in their pages
+    if got is not None:
+        oracle = own_pages(free, np.arange(len(prev)), np.array(prev, dtype=np.int64), page)
+        assert got == oracle.tolist()

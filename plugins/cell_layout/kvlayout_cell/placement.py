@@ -8,6 +8,8 @@ directly when it is the only placement registered (`kvlayout.registry.sole_imple
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from kvlayout_cell.groups import PLACEMENT_PAGE
@@ -18,6 +20,24 @@ FEW_IDS = 256  # up to this many ids, `distinct_sorted` finds them in Python
 def choose_cells(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, window: int) -> np.ndarray:
     """Each sequence in pages of its own, so paged attention reads them in place; any other policy wins."""
     return own_pages(free, seq_ids, prev_cells, page_for(window), run_on=window == 0)
+
+
+def continue_each(prev_cells: list[int], is_free: Callable[[int], bool], page: int) -> list[int] | None:
+    """`own_pages`'s answer for a decode step that its first pass places whole, in Python over a few
+    tokens, asking `is_free(cell)` instead of searching the free list; None for any other step.
+
+    Every token's sequence continues in the cell after its previous one: the previous cells are
+    distinct (so is every token's sequence: a decode step) and occupied (a cell a caller says is
+    free starts no run), and each next cell is free and in the same page of `page` cells."""
+    if len(set(prev_cells)) != len(prev_cells):
+        return None
+    cells = []
+    for prev in prev_cells:
+        cell = prev + 1
+        if prev < 0 or not cell % page or is_free(prev) or not is_free(cell):
+            return None
+        cells.append(cell)
+    return cells
 
 
 def page_for(window: int, page: int = PLACEMENT_PAGE) -> int:

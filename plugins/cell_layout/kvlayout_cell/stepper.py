@@ -46,8 +46,8 @@ from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
 from kvlayout.positions import StepPositions, frozen, step_positions
 from kvlayout.registry import observed, sole_implementation
-from kvlayout_cell.placement import choose_cells, distinct_sorted
-from kvlayout_cell.table import CellTable
+from kvlayout_cell.placement import choose_cells, continue_each, distinct_sorted, page_for
+from kvlayout_cell.table import FEW_TOKENS, CellTable
 from kvlayout_cell.window import WindowKeeper
 
 NOTHING_DUE = (frozen(np.zeros(0, dtype=np.int64)), frozen(np.zeros(0, dtype=np.int64)))  # (ids, cuts): none
@@ -513,8 +513,13 @@ class Stepper:
         window = 0 if self.keeper is None else self.keeper.window
         if sole_implementation(self._pm, "kvlayout_choose_cells") is choose_cells:
             with contextlib.suppress(Exception):  # pure: the hook's call below fails alike, and names the plugin
+                prev = self.table.newest_cells(seq_ids)
+                if count <= FEW_TOKENS:  # a decode step's first pass, asked of the table cell by cell
+                    cells = continue_each(prev.tolist(), self.table.is_free, page_for(window))
+                    if cells is not None:
+                        return np.array(cells, dtype=np.int64)
                 # Its own function writes none of its arguments and answers a new int64 array: no copies.
-                return choose_cells(self.table.free_list(), seq_ids, self.table.newest_cells(seq_ids), window)
+                return choose_cells(self.table.free_list(), seq_ids, prev, window)
         answer = self._pm.hook.kvlayout_choose_cells(
             free=self.table.free_list(),
             count=count,
