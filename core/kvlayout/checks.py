@@ -19,6 +19,7 @@ import json
 import math
 import numbers
 import os
+from array import array
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -101,6 +102,20 @@ def int_array(name: str, values: Any, error: type[KVLayoutError] | ErrorFactory)
     if arr.dtype.kind not in "iu":  # numpy's integers (np.issubdtype(., np.integer)), never bool
         raise error(f"{name}: expected integers, got dtype {arr.dtype} ({arr.tolist()!r:.80})")
     return arr.astype(np.int64, copy=False)
+
+
+def few_int64(values: Any, limit: int) -> bytes | None:
+    """The int64 bytes of `values` when it is a list of at most `limit` Python ints (bools are not: they go
+    `int_array`'s way, which refuses them), every one fitting in 64 bits; else None.
+
+    `np.frombuffer` over them is an array no one can make writable (immutable memory), in one numpy
+    call: on a step's path numpy's calls run cold, at several microseconds each."""
+    if type(values) is not list or len(values) > limit or not all(type(v) is int for v in values):
+        return None
+    try:
+        return array("q", values).tobytes()
+    except OverflowError:
+        return None  # past 64 bits: int_array says which
 
 
 def int_scalar(

@@ -21,8 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from kvlayout.checks import INT64_MAX, int_array
+from kvlayout.checks import INT64_MAX, few_int64, int_array
 from kvlayout.errors import StepError
+
+FEW_POSITIONS = 64  # up to this many Python ints, positions are frozen in one numpy call and checked in Python
 
 
 class StepPositions:
@@ -46,6 +48,13 @@ class StepPositions:
             # nothing to check, and `host` is made only if someone reads it (a seq layout's step never does).
             size = len(positions)
             host, first, consecutive = None, positions.start if size else None, size > 0
+        elif (listed := few_int64(positions, FEW_POSITIONS)) is not None:
+            # A few Python ints (an engine's decode step): frozen in one numpy call, checked in Python.
+            size = len(positions)
+            host = np.frombuffer(listed, dtype=np.int64).reshape(size)  # a view, as `frozen`'s
+            first = positions[0] if size else None
+            consecutive = size == 1 or (size > 1 and positions[-1] - first == size - 1
+                                        and all(b - a == 1 for a, b in zip(positions, positions[1:])))
         else:
             host = frozen(int_array("positions", positions, StepError))  # [T] int64, a copy of our own
             size = host.size
@@ -99,6 +108,15 @@ def frozen(array: np.ndarray) -> np.ndarray:
     object (numpy refuses WRITEABLE to an array over read-only memory, its base included), so what is
     handed out stays as it was made."""
     return np.frombuffer(array.tobytes(), dtype=array.dtype).reshape(array.shape)
+
+
+def is_frozen(array: np.ndarray) -> bool:
+    """Whether no one can write `array` or make it writable: its memory, through any views, is an immutable
+    bytes object (what `frozen` makes), so a copy of it would only cost a step's time."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, bytes)
 
 
 def step_positions(positions: Any) -> StepPositions:

@@ -87,3 +87,33 @@ def test_a_run_from_a_range_is_what_its_list_would_be(run):
 def test_a_range_past_64_bits_is_refused_by_name():
     with pytest.raises(StepError, match="^positions"):
         StepPositions(range(2**63 - 1, 2**63 + 1))
+
+
+@pytest.mark.parametrize("listed", [[5], [5, 6, 7], [7, 5, 6], [3, 3], [-1, 0], [0, 2, 3], list(range(64)),
+                                    list(range(65)), [2**63 - 1, 0], list(range(10, 0, -1))])
+def test_a_list_of_ints_is_what_its_array_would_be(listed):
+    # A few Python ints are frozen in one call and checked in Python: every answer is the array path's.
+    p, oracle = StepPositions(listed), StepPositions(np.array(listed, dtype=np.int64))
+    assert (p.first, p.consecutive, p.size) == (oracle.first, oracle.consecutive, oracle.size)
+    assert p.host.dtype == np.int64 and p.host.tolist() == listed
+    with pytest.raises(ValueError):
+        p.host.flags.writeable = True
+    with pytest.raises(ValueError):
+        p.host.base.flags.writeable = True
+
+
+@pytest.mark.parametrize("bad", [[1, True], [2**63], [1, 2.0], [-(2**63) - 1]])
+def test_a_list_the_few_ints_path_cannot_take_is_refused_by_name(bad):
+    with pytest.raises(StepError, match="^positions"):
+        StepPositions(bad)
+
+
+def test_is_frozen_says_whether_anyone_could_write_the_array():
+    from kvlayout.positions import is_frozen
+
+    made = frozen(np.arange(4))
+    assert is_frozen(made) and is_frozen(made[1:]) and is_frozen(StepPositions([4, 2]).host)
+    assert not is_frozen(np.arange(4)) and not is_frozen(np.arange(4)[1:])
+    readonly = np.arange(4)
+    readonly.flags.writeable = False  # its owner may set it back: not frozen
+    assert not is_frozen(readonly)

@@ -179,9 +179,10 @@ class CellEngine:
                            self.options.sampling) if hosted or not device else None
         read = self._reader(feed, device, host, on_host)
         # A failure is aborted in the cache (ForwardFailed) before any counter below moves.
-        # Positions as int64: the model's one check of them (kvlayout.positions) takes such an array as it is.
-        positions = np.array(feed.positions, dtype=np.int64)
-        drawn, rows, checked = guarded_forward(self.model, self.cache, ahead.fed(feed.pieces), positions, row_ids, read)
+        # Positions as the list of ints they are: the model's one check of them (kvlayout.positions) freezes a
+        # decode step's few in one numpy call.
+        drawn, rows, checked = guarded_forward(self.model, self.cache, ahead.fed(feed.pieces), feed.positions, row_ids,
+                                               read)
         for s, k in plan:
             s.cached += k
         ended = self._read_fed_ahead(feed.fed_ahead)

@@ -286,11 +286,12 @@ class Scheduler:
 
     def declare_plan(self, plan: Plan) -> bool:
         """Declare `plan` to the table: whether it took it (nothing changed when not)."""
-        # The step's id per token as one array: a layout checks an array without a Python loop.
+        # The step's id per token: a decode step's as the list of ints it is (a layout freezes a few in one
+        # numpy call), any other as one array (checked without a Python loop).
         ids = [s.seq_id for s, _ in plan]
         counts = [k for _, k in plan]
         one_each = all(k == 1 for k in counts)  # a decode step: nothing to repeat
-        accepted = self.bc.declare_step(np.array(ids, dtype=np.int64) if one_each else np.repeat(ids, counts))
+        accepted = self.bc.declare_step(ids if one_each else np.repeat(ids, counts))
         if accepted:
             self._stale = False
         return accepted

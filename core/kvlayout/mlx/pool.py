@@ -32,6 +32,9 @@ MAX_SLOTS = 2**31 - 1
 PACKED = mx.uint32
 
 
+FEW_CELLS = 32  # up to this many cells, `Cells` checks them in Python
+
+
 class Cells:
     """Distinct cell indices, checked once and converted to MLX once, for every pool a step
     writes (a layer's K and V, every layer): `write_cells` then checks only that they fit.
@@ -39,17 +42,25 @@ class Cells:
     True: the caller vouches they are distinct, a placement's cells; they are not sorted again)."""
 
     def __init__(self, cells: Any, distinct: bool = False):
-        idx = int_array("cells", cells, KVLayoutError)
-        if idx.size and idx.min() < 0:
-            raise KVLayoutError(f"cells: expected cells >= 0, got {idx.min()}")
+        # int32 already (a CellStep's cells): checked as they are, not widened to int64 and narrowed back.
+        plain32 = type(cells) is np.ndarray and cells.dtype == np.int32 and cells.ndim == 1
+        idx = cells if plain32 else int_array("cells", cells, KVLayoutError)
+        # A decode step's few cells are checked in Python: numpy's reductions run cold on a step's path.
+        if idx.size <= FEW_CELLS:
+            listed = idx.tolist()
+            low, high = (min(listed), max(listed)) if listed else (0, -1)
+        else:
+            low, high = int(idx.min()), int(idx.max())
+        if low < 0:
+            raise KVLayoutError(f"cells: expected cells >= 0, got {low}")
         # `distinct`: the caller knows (a placement's cells, which the plugin manager's referee checked
         # distinct): sorting them again is a step's host time for nothing.
         if not distinct and idx.size and np.unique(idx).size != idx.size:
             raise KVLayoutError("cells: expected distinct cells, got a repeated cell")
-        self.host = idx.astype(np.int32)
+        self.host = idx.astype(np.int32)  # a copy of our own, whatever the caller does with theirs
         self.host.flags.writeable = False
         self.size = idx.size
-        self.end = int(idx.max()) + 1 if idx.size else 0  # one past the highest
+        self.end = high + 1  # one past the highest
         self.slot_index = mx.array(self.host).reshape(1, 1, -1, 1)  # [1, 1, n, 1]: put_along_axis's slot indices
 
 

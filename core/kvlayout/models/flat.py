@@ -19,7 +19,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from kvlayout.errors import ShapeError
 from kvlayout.mlx import attend
@@ -177,7 +176,7 @@ class DecoderModel(nn.Module):
             raise ShapeError(f"{len(tokens)} token(s) but {pos_host.size} position(s): expected one position per token")
         # Consecutive positions (one sequence's, usually) rotate from an int offset, as mlx-lm's step does: no array
         # to make, no transposes (RoPE); any other step's tokens each bring their position.
-        pos = pos_host.first if pos_host.consecutive else mx.array(pos_host.host.astype(np.int32))  # [T]
+        pos = pos_host.first if pos_host.consecutive else mx.array(pos_host.host, dtype=mx.int32)  # [T]
         # Tokens drawn on the device (engines.ahead) are fed as they are: a cast is one more node a step.
         ids = tokens if isinstance(tokens, mx.array) and mx.issubdtype(tokens.dtype, mx.integer) else mx.array(
             tokens, dtype=mx.int32)

@@ -53,8 +53,8 @@ class Continuation:
 
     plan: AttendGroups
     batches: list[BatchState]
-    seq_ids: np.ndarray
-    positions: np.ndarray
+    seq_ids: list[int]  # the step's tokens' sequences and positions, as Python lists: compared every step,
+    positions: list[int]  # where numpy's comparisons run cold
     epoch: int
     slots: int
     steps: int = 0
@@ -80,14 +80,14 @@ class Continuation:
                 pages = np.where(held, b.cells, -1)
                 batches.append(BatchState(first, visible[:, n_pages * b.page :].sum(axis=1), pages))
             first += n_groups
-        return cls(plan, batches, seq_ids.copy(), positions.copy(), epoch, slots)
+        return cls(plan, batches, seq_ids.tolist(), positions.tolist(), epoch, slots)
 
     def follows(self, seq_ids: np.ndarray, positions: np.ndarray, epoch: int, slots: int) -> bool:
         """Whether a step of these tokens, placed at `epoch` over `slots` pool slots, continues this
         one: the same sequences in the same order, each one position on, and nothing but its own
         placement changed the table since."""
         return (self.steps < REPLAN_EVERY and epoch == self.epoch + 1 and slots == self.slots
-                and np.array_equal(seq_ids, self.seq_ids) and np.array_equal(positions, self.positions + 1))
+                and seq_ids.tolist() == self.seq_ids and positions.tolist() == [p + 1 for p in self.positions])
 
     def advance(self, cells: np.ndarray, epoch: int) -> AttendGroups:
         """The plan of the step that `follows` this one, each token's new cell `cells` [T] added; this
@@ -97,7 +97,7 @@ class Continuation:
         head, more = batches[0], tuple(batches[1:])
         self.plan = AttendGroups(head.tokens, head.cells, head.mask, self.plan.out, more=more, page=head.page,
                                  tail=head.tail, in_order=True)
-        self.positions = self.positions + 1
+        self.positions = [p + 1 for p in self.positions]
         self.epoch = epoch
         self.steps += 1
         return self.plan
@@ -135,13 +135,15 @@ def _advance(b: AttendBatch, state: BatchState, new: np.ndarray) -> AttendBatch:
 def _gathered(cells: mx.array, counts: np.ndarray, new: np.ndarray) -> tuple[mx.array, mx.array | None]:
     """A gathered batch's cells `[G, K]` with `new` [G] at each group's slot `counts` (counts moved on
     in place), and its mask: each group's first `counts` slots (None when all of them are)."""
-    column = mx.array(new.astype(np.int32))[:, None]  # [G, 1]
-    if counts.max() == cells.shape[1]:
+    listed = counts.tolist()  # a few groups: Python's max and all, not numpy's (cold on a step's path)
+    column = mx.array(new.tolist(), dtype=mx.int32)[:, None]  # [G, 1]
+    if max(listed) == cells.shape[1]:
         cells = mx.concatenate([cells, column], axis=1)  # one more slot: padding is any valid cell
-    cells = mx.put_along_axis(cells, mx.array(counts.astype(np.int32))[:, None], column, axis=1)
+    cells = mx.put_along_axis(cells, mx.array(listed, dtype=mx.int32)[:, None], column, axis=1)
     counts += 1
+    listed = [n + 1 for n in listed]
     width = cells.shape[1]
-    if (counts == width).all():
+    if all(n == width for n in listed):
         return cells, None
-    mask = mx.arange(width, dtype=mx.int32)[None, :] < mx.array(counts.astype(np.int32))[:, None]  # [G, K]
+    mask = mx.arange(width, dtype=mx.int32)[None, :] < mx.array(listed, dtype=mx.int32)[:, None]  # [G, K]
     return cells, mask[:, None, None, :]

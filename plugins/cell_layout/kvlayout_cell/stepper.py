@@ -41,10 +41,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvlayout.checks import int_array, int_scalar
+from kvlayout.checks import few_int64, int_array, int_scalar
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
-from kvlayout.positions import StepPositions, frozen, step_positions
+from kvlayout.positions import StepPositions, frozen, is_frozen, step_positions
 from kvlayout.registry import observed, sole_implementation
 from kvlayout_cell.placement import choose_cells, continue_each, distinct_sorted, page_for
 from kvlayout_cell.table import FEW_TOKENS, CellTable
@@ -91,7 +91,8 @@ class _Declared:
 
     @classmethod
     def of(cls, seq_ids: np.ndarray, epoch: int) -> _Declared:
-        ids = frozen(np.asarray(seq_ids, dtype=np.int64))  # frozen copies: the caller keeps its own
+        # Frozen copies: the caller keeps its own (ids `declarable` froze already are taken as they are).
+        ids = seq_ids if is_frozen(seq_ids) else frozen(np.asarray(seq_ids, dtype=np.int64))
         if ids.size < 2:
             return cls(ids, epoch, ids)
         return cls(ids, epoch, distinct_sorted(ids))
@@ -252,7 +253,11 @@ class Stepper:
     def declarable(self, seq_ids: Sequence[int]) -> np.ndarray:
         """`seq_ids` as declare_step checks them (refusing as it does), as an array."""
         self._refuse_mid_forward("declare_step")
-        ids = int_array("seq_ids", seq_ids, SequenceError)
+        listed = few_int64(seq_ids, FEW_TOKENS)  # a decode step's few ids: frozen in one numpy call
+        if listed is not None:
+            ids = np.frombuffer(listed, dtype=np.int64).reshape(len(seq_ids))  # [T], frozen as `frozen` makes it
+        else:
+            ids = int_array("seq_ids", seq_ids, SequenceError)
         if ids.size == 0:
             raise StepError("declare_step: seq_ids is empty: expected at least one token's sequence id")
         self.table.check_live_ids(ids)

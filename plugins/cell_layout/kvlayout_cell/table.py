@@ -523,7 +523,7 @@ class CellTable:
         The free list is held by reference: `occupy` replaces it, never edits it.
         """
         ids = np.unique(seq_ids) if ids is None else ids
-        return ids, self._newest[ids].copy(), self._newest_cell[ids].copy(), self._used_end, self._free
+        return ids, self._newest[ids], self._newest_cell[ids], self._used_end, self._free  # (indexing copies)
 
     def release(self, cells: np.ndarray, seq_ids: np.ndarray, before: tuple) -> None:
         """Undo `occupy(cells, seq_ids, ...)`, given `before_occupy(seq_ids)` from just before it.
