@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import attrs
 import pytest
 
 from kvlayout import KVLayoutError, StepError
@@ -200,7 +199,7 @@ def test_seq_step_plan_end_and_read_len_sum_its_runs():
 def test_seq_plan_records_are_frozen():
     for record, field in ((Run(slot=4, length=2), "slot"),
                           (SeqStepPlan(3, 2, (Run(3, 2),), (Run(0, 5),), 0, MaskKind.CAUSAL), "start")):
-        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        with pytest.raises(AttributeError):
             setattr(record, field, 0)
 
 

@@ -34,9 +34,8 @@ changed); a new step starting at or below it (a re-feed) rewrites it, and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import numpy as np
 
 from kvlayout.checks import int_scalar
@@ -44,16 +43,15 @@ from kvlayout.errors import CapacityError, KVLayoutError, StepError
 from kvlayout.spec import MaskKind
 
 
-@attrs.frozen
-class Run:
-    """A contiguous range of pool slots: `length` slots from `slot`."""
+class Run(NamedTuple):
+    """A contiguous range of pool slots: `length` slots from `slot`. A named tuple: a forward's first layer
+    makes a step's runs every step, and a tuple is made in a fraction of a frozen attrs record's time."""
 
     slot: int
     length: int
 
 
-@attrs.frozen
-class SeqStepPlan:
+class SeqStepPlan(NamedTuple):
     """Where one layer of a seq-layout step writes and what it reads.
 
     `writes` receive the step's tokens in order; `reads` hold the keys visible
@@ -61,7 +59,7 @@ class SeqStepPlan:
     `mirror` (> 0) asks for every write run to be written again `mirror` slots
     further (a ring kept twice over, so that its window, wrapped or not, is
     one run of `reads`). Planning is pure: a plan changes nothing until it is
-    committed.
+    committed. A named tuple, as `Run` is: immutable, made every step.
     """
 
     start: int
@@ -282,12 +280,12 @@ class SeqBook:
         Every check but the layer index reads only model-wide state, so a
         step is refused at a forward's first layer or not at all.
         """
-        layer = self.check_layer(layer)
-        if self._open is None and start == self.length and 1 <= length <= self.max_step and (
-                start + length <= self.capacity):
+        if (self._open is None and type(layer) is int and 0 <= layer < len(self.layers) and start == self.length
+                and 1 <= length <= self.max_step and start + length <= self.capacity):
             # An append between forwards (every decode step): each check below holds, the floor being at
             # most the length. Settled at once: a forward's first layer plans it every step.
             return self.layers[layer].plan(start, length)
+        layer = self.check_layer(layer)
         later = self.serve_later(layer, start, length)  # a later layer of the forward that opened the step
         if later is not None:
             return later
