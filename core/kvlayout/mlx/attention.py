@@ -228,10 +228,11 @@ def _group_queries(q: mx.array, tokens: mx.array) -> mx.array:
 
 def _run_queries(q: mx.array, first: int, n_groups: int, q_len: int) -> mx.array:
     """Tokens `[first, first + G * Qg)` of q `[1, H_q, T, D]` as G groups of Qg: `[G, H_q, Qg, D]`, a view."""
-    _, h_q, _, d = q.shape
-    run = q[0, :, first : first + n_groups * q_len, :]  # [H_q, G * Qg, D]
+    _, h_q, t, d = q.shape
     if q_len == 1:  # views only: a model's [1, T, H_q, D] queries are then read where they lie
-        return mx.expand_dims(run, 2).swapaxes(0, 1)  # [G, H_q, 1, D]
+        run = q if first == 0 and n_groups == t else q[:, :, first : first + n_groups, :]  # [1, H_q, G, D]
+        return run.transpose(2, 1, 0, 3)  # [G, H_q, 1, D]: one op (each is host time, every layer)
+    run = q[0, :, first : first + n_groups * q_len, :]  # [H_q, G * Qg, D]
     return run.reshape(h_q, n_groups, q_len, d).transpose(1, 0, 2, 3)
 
 
@@ -239,7 +240,7 @@ def _ungroup(o: mx.array) -> mx.array:
     """`[G, H_q, Qg, D]` outputs back on one token axis, group-major: `[1, H_q, G * Qg, D]`."""
     n_groups, h_q, q_len, d = o.shape
     if q_len == 1:  # a view: [G, H_q, D] is already the [1, T, H_q * D] layout a model's o_proj reads
-        return mx.expand_dims(o[:, :, 0, :].swapaxes(0, 1), 0)
+        return o.transpose(2, 1, 0, 3)  # [1, H_q, G, D]
     return o.transpose(1, 0, 2, 3).reshape(1, h_q, n_groups * q_len, d)
 
 
@@ -352,8 +353,12 @@ def _side_stream() -> mx.Stream:
     (32 groups x 1k cells, H_kv=8, D=128: ~195 ms -> ~137 ms); MLX orders the SDPA after both.
     """
     device = mx.default_device()
+    last = getattr(_SIDE, "last", None)  # (device, its stream): asked every layer, the device rarely changes
+    if last is not None and last[0] == device:
+        return last[1]
     streams = _SIDE.__dict__.setdefault("streams", {})
     key = str(device)
     if key not in streams:
         streams[key] = mx.new_stream(device)
+    _SIDE.last = (device, streams[key])
     return streams[key]
