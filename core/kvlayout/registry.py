@@ -508,7 +508,7 @@ def observed(pm: Any, hook: str) -> bool:
     The host's referee wraps every step hook but observes nothing: with no plugin's implementation
     beside it, calling the hook changes nothing, and a layout announcing each step skips the
     call (pluggy's work per call is host time a small model's step cannot hide)."""
-    return _asked(pm, "observed", hook, lambda impls: bool(impls))
+    return _asked(pm, "observed", hook, bool)  # any implementation but the referee's
 
 
 def sole_implementation(pm: Any, hook: str) -> Callable[..., Any] | None:
@@ -518,13 +518,14 @@ def sole_implementation(pm: Any, hook: str) -> Callable[..., Any] | None:
     A layout whose own default is the sole answer may call it directly, without pluggy and the
     referee (~20 us a step): it trusts its own function, tested to the referee's rule. Any other
     plugin's answer goes through the hook, and is judged there."""
+    return _asked(pm, "sole", hook, _sole)
 
-    def sole(impls: list) -> Callable[..., Any] | None:
-        if len(impls) != 1 or impls[0].wrapper or impls[0].hookwrapper:
-            return None
-        return getattr(impls[0].function, "__wrapped__", impls[0].function)  # the guard's plugin function
 
-    return _asked(pm, "sole", hook, sole)
+def _sole(impls: list) -> Callable[..., Any] | None:
+    """The plugin function of the one plain implementation in `impls` (the referee left out), else None."""
+    if len(impls) != 1 or impls[0].wrapper or impls[0].hookwrapper:
+        return None
+    return getattr(impls[0].function, "__wrapped__", impls[0].function)  # the guard's plugin function
 
 
 def _asked(pm: Any, question: str, hook: str, answer: Callable[[list], Any]) -> Any:
