@@ -25,8 +25,8 @@ def check_kv(layer: int, k: Any, v: Any, n_kv_heads: int, head_dim: int, positio
     # anything else goes through the checks below, which say what is wrong.
     if type(k) is mx.array and type(v) is mx.array:
         shape = k.shape  # one tuple: each `.shape` makes another
-        if (shape == v.shape and len(shape) == 4 and shape[0] == 1 and shape[1] == n_kv_heads
-                and shape[3] == head_dim and shape[2] == positions and k.dtype in FLOATING and v.dtype in FLOATING):
+        if (shape == (1, n_kv_heads, positions, head_dim) and shape == v.shape
+                and k.dtype in FLOATING and v.dtype in FLOATING):
             return positions
     expected = (1, n_kv_heads, None, head_dim)  # [1, H_kv, T, D]
     for name, x in (("k", k), ("v", v)):

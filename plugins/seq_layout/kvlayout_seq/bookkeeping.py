@@ -355,6 +355,15 @@ class SeqBook:
             plan = step.plans[id(policy)] = policy.plan(step.start, step.length)
         return plan
 
+    def served_again(self, layer: int) -> None:
+        """`layer`, whose plan `serve_again` just answered, wrote the open step: what `commit` records of a
+        later layer of the forward (the step closes with its last layer), without checking again that it is
+        one. Call nothing in between that could change the book."""
+        step = self._open
+        step.served.add(layer)
+        if len(step.served) == len(self.layers):
+            self._open = None
+
     def commit(self, plan: SeqStepPlan, layer: int | None = None, source: Any = None) -> None:
         """Set the length to the step's end; every ring records the slots it reused.
 

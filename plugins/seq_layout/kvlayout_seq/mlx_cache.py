@@ -111,9 +111,11 @@ class SeqCache(FacesBase):
         """
         # A later layer of the forward, handed the StepPositions its first layer was checked with,
         # finds the step planned (SeqBook.serve_again): only its own K/V are checked.
-        plan = self._book.serve_again(layer, positions)
-        if plan is not None:
-            check_kv(layer, k, v, *self._shapes[layer], plan.length)
+        again = self._book.serve_again(layer, positions)
+        if again is not None:
+            plan = again
+            heads, dim = self._shapes[layer]
+            check_kv(layer, k, v, heads, dim, plan.length)
         else:
             positions = _positions(positions)
             layer, plan = self._plan(layer, positions, k, v)
@@ -127,7 +129,10 @@ class SeqCache(FacesBase):
         else:
             _scatter(k_pool, plan, k)
             _scatter(v_pool, plan, v)
-        self._book.commit(plan, layer, positions)
+        if again is not None:
+            self._book.served_again(layer)  # nothing changed the book since serve_again answered
+        else:
+            self._book.commit(plan, layer, positions)
         (run,) = plan.reads  # one run, always (flat, or a ring's window in its mirror)
         keys = k_pool.read_run(run.slot, run.length)  # [1, H_kv, S, D]
         values = v_pool.read_run(run.slot, run.length)
