@@ -136,14 +136,14 @@ def _gathered(cells: mx.array, counts: np.ndarray, new: np.ndarray) -> tuple[mx.
     """A gathered batch's cells `[G, K]` with `new` [G] at each group's slot `counts` (counts moved on
     in place), and its mask: each group's first `counts` slots (None when all of them are)."""
     listed = counts.tolist()  # a few groups: Python's max and all, not numpy's (cold on a step's path)
-    column = mx.array(new.tolist(), dtype=mx.int32)[:, None]  # [G, 1]
+    column = mx.array([[c] for c in new.tolist()], dtype=mx.int32)  # [G, 1], made as it is: one op
     if max(listed) == cells.shape[1]:
         cells = mx.concatenate([cells, column], axis=1)  # one more slot: padding is any valid cell
-    cells = mx.put_along_axis(cells, mx.array(listed, dtype=mx.int32)[:, None], column, axis=1)
+    at = mx.array([[n] for n in listed], dtype=mx.int32)  # [G, 1]: each group's next slot
+    cells = mx.put_along_axis(cells, at, column, axis=1)
     counts += 1
-    listed = [n + 1 for n in listed]
     width = cells.shape[1]
-    if all(n == width for n in listed):
+    if all(n + 1 == width for n in listed):
         return cells, None
-    mask = mx.arange(width, dtype=mx.int32)[None, :] < mx.array(listed, dtype=mx.int32)[:, None]  # [G, K]
-    return cells, mask[:, None, None, :]
+    mask = mx.arange(width, dtype=mx.int32)[None, :] <= at  # [G, K]: slots up to the new one (the same `at`)
+    return cells, mask.reshape(-1, 1, 1, width)
