@@ -86,7 +86,7 @@ def kvlayout_choose_cells(
     overrides it. It keeps each sequence in aligned pages of
     `kvlayout_cell.groups.PLACEMENT_PAGE` (128) cells of its own (in a
     window's table, of the least power of two covering the window when that
-    is smaller: `kvlayout_cell.plugin.page_for`), so the paged attention path
+    is smaller: `kvlayout_cell.placement.page_for`), so the paged attention path
     reads them in place, in three passes:
 
     1. continue: a sequence whose previous cell is followed, within that
