@@ -309,17 +309,24 @@ class PluginManager(pluggy.PluginManager):
         except BaseException:
             self.unregister(plugin=plugin, name=name)
             raise
+        finally:
+            # Again once the guard is in: an answer another thread asked for in between (`observed`,
+            # `sole_implementation`) was kept under the generation above and would outlive the change.
+            self.generation += 1
         return name
 
     def unregister(self, plugin: Any = None, name: str | None = None) -> Any:
         if name is None and plugin is not None:
             name = self.get_name(plugin)
         self.generation += 1
-        self._builders.pop(name, None)
-        guard = self._guards.pop(name, None)
-        if guard is not None and self.get_plugin(GUARD.format(name)) is guard:
-            super().unregister(plugin=guard, name=GUARD.format(name))
-        return super().unregister(plugin=plugin, name=name)
+        try:
+            self._builders.pop(name, None)
+            guard = self._guards.pop(name, None)
+            if guard is not None and self.get_plugin(GUARD.format(name)) is guard:
+                super().unregister(plugin=guard, name=GUARD.format(name))
+            return super().unregister(plugin=plugin, name=name)
+        finally:
+            self.generation += 1  # as `register`: nothing asked in between outlives it
 
     def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
         """pluggy's own, but a plugin's implementations of kvlayout's hooks (wrappers aside) are

@@ -33,17 +33,17 @@ class PassThrough:
 
 def test_the_sole_implementation_is_the_defaults_until_another_placement_or_wrapper_registers():
     pm = make_plugin_manager()
-    assert sole_implementation(pm, HOOK) is placement.choose_cells
+    assert sole_implementation(pm, HOOK) is placement.kvlayout_choose_cells
     lowest = LowestFree()
     pm.register(lowest)
     assert sole_implementation(pm, HOOK) is None  # two placements: the hook decides
     pm.unregister(lowest)
-    assert sole_implementation(pm, HOOK) is placement.choose_cells
+    assert sole_implementation(pm, HOOK) is placement.kvlayout_choose_cells
     wrapper = PassThrough()
     pm.register(wrapper)
     assert sole_implementation(pm, HOOK) is None  # a wrapper hears every call
     pm.unregister(wrapper)
-    assert sole_implementation(pm, HOOK) is placement.choose_cells
+    assert sole_implementation(pm, HOOK) is placement.kvlayout_choose_cells
     assert sole_implementation(pm, "kvlayout_step_placed") is None  # nobody observes
 
 
@@ -137,3 +137,61 @@ def test_continuing_each_cell_is_own_pages_answer_whenever_it_answers(data):
     if got is not None:
         oracle = own_pages(free, np.arange(len(prev)), np.array(prev, dtype=np.int64), page)
         assert got == oracle.tolist()
+
+
+def test_an_answer_asked_while_a_placement_registers_does_not_outlive_its_registration():
+    # Another thread (a server stepping its engine) may ask between the plugin's registration and its guard's:
+    # a property the registry reads while scanning the plugin asks at that very point.
+    pm = make_plugin_manager()
+    seen = []
+
+    class Probe:
+        @property
+        def probe(self):
+            seen.append(sole_implementation(pm, HOOK))
+            return None
+
+        @hookimpl
+        def kvlayout_choose_cells(self, free, count):
+            return free[:count]
+
+    pm.register(Probe())
+    assert placement.kvlayout_choose_cells in seen  # asked mid-registration, when only the default was in
+    assert sole_implementation(pm, HOOK) is None  # and not kept past it: the new placement is heard
+
+
+@pytest.mark.parametrize("lowest", [False, True])
+def test_the_free_list_and_is_free_stay_true_through_decode_steps(lowest):
+    # The oracle: every cell a step was given, in a plain set. A lowest-free placement's decode keeps the free
+    # list as a view of the last (its head cut off, O(1)); the default's drops it and rebuilds it when asked.
+    pm = make_plugin_manager()
+    if lowest:
+        pm.register(LowestFree())
+    t = stepper(capacity=256, pm=pm)
+    ids = [t.seq_new() for _ in range(8)]
+    taken, lengths = set(), dict.fromkeys(ids, 0)
+    for step in range(12):
+        seqs = ids if step else [s for s in ids for _ in range(3)]
+        positions = [lengths[s] + seqs[:i].count(s) for i, s in enumerate(seqs)]
+        before = t.table.free_list()
+        assert t.declare_step(seqs)
+        cells = [t.place_step(layer, positions) for layer in range(t.n_layers)][0].cells.tolist()
+        taken.update(cells)
+        for s in seqs:
+            lengths[s] += 1
+        free = t.table.free_list()
+        assert free.tolist() == [c for c in range(256) if c not in taken]
+        assert [c for c in range(-2, 260) if t.table.is_free(c)] == free.tolist()
+        if lowest and step:
+            assert np.shares_memory(before, free)  # the head cut off, not the list copied
+
+
+def test_a_plugin_module_may_import_the_default_rule_to_fall_back_on():
+    # The rule is a plain function; only the plugin's own kvlayout_choose_cells is marked as the hook.
+    import types
+
+    module = types.ModuleType("falls_back")
+    exec("from kvlayout_cell.placement import choose_cells, own_pages", module.__dict__)
+    pm = make_plugin_manager()
+    assert pm.register(module) == "falls_back"
+    assert sole_implementation(pm, HOOK) is placement.kvlayout_choose_cells  # it implements nothing itself
