@@ -17,6 +17,7 @@ Numpy only: the neutral bookkeeping of a layout reads it.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,9 @@ class StepPositions:
 
     def __init__(self, positions: Any):
         run = type(positions) is range and positions.step == 1
+        if run and positions.stop - positions.start > sys.maxsize:  # len() itself would overflow
+            raise StepError(f"positions: {positions!r} holds {positions.stop - positions.start} positions: "
+                            f"expected at most {sys.maxsize}")
         if run and -INT64_MAX <= positions.start <= positions.stop <= INT64_MAX:
             # A run of integers by construction (what an engine feeds one sequence), every one fitting in 64 bits:
             # nothing to check, and `host` is made only if someone reads it (a seq layout's step never does).
@@ -108,15 +112,6 @@ def frozen(array: np.ndarray) -> np.ndarray:
     object (numpy refuses WRITEABLE to an array over read-only memory, its base included), so what is
     handed out stays as it was made."""
     return np.frombuffer(array.tobytes(), dtype=array.dtype).reshape(array.shape)
-
-
-def is_frozen(array: np.ndarray) -> bool:
-    """Whether no one can write `array` or make it writable: its memory, through any views, is an immutable
-    bytes object (what `frozen` makes), so a copy of it would only cost a step's time."""
-    base = array
-    while isinstance(base, np.ndarray):
-        base = base.base
-    return isinstance(base, bytes)
 
 
 def step_positions(positions: Any) -> StepPositions:

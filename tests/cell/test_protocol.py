@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -413,3 +415,18 @@ def test_distinct_sorted_is_numpys_unique_on_either_side_of_the_python_path(size
         values = np.asarray(values, dtype=np.int64)
         got = distinct_sorted(values)
         assert got.dtype == np.int64 and np.array_equal(got, np.unique(values))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ids: np.array(ids, dtype=np.int64),
+    lambda ids: pickle.loads(pickle.dumps(np.array(ids, dtype=np.int64))),  # memory over bytes, yet writable
+    list,
+])
+def test_a_declaration_keeps_its_own_ids_whatever_the_caller_does_with_theirs(make):
+    t = stepper(capacity=1024, max_seqs=64)
+    s = t.seq_new()
+    ids = make([s] * 200)
+    assert t.declare_step(ids)
+    ids[:] = [5] * 200  # the caller reuses its buffer; id 5 is not live
+    t.place_step(0, list(range(200)))
+    assert t.table.live_ids().tolist() == [s] and t.table.seq_len(s) == 200 and t.table.seq_len(5) == 0

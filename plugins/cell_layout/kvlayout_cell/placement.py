@@ -2,8 +2,9 @@
 `kvlayout_choose_cells` hookspec), and the small id helpers placement and the stepper share.
 
 Neutral like the table: numpy only, stateless, everything it needs in its arguments. The plugin
-(`kvlayout_cell.plugin`) registers `choose_cells` as its hook implementation; the stepper calls it
-directly when it is the only placement registered (`kvlayout.registry.sole_implementation`).
+(`kvlayout_cell.plugin`) registers `kvlayout_choose_cells` (the rule, `choose_cells`, behind the hook's
+name); the stepper calls the rule directly when that is the only placement registered
+(`kvlayout.registry.sole_implementation`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,22 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvlayout import hookimpl
 from kvlayout_cell.groups import PLACEMENT_PAGE
 
 FEW_IDS = 256  # up to this many ids, `distinct_sorted` finds them in Python
 
 
 def choose_cells(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, window: int) -> np.ndarray:
-    """Each sequence in pages of its own, so paged attention reads them in place; any other policy wins."""
+    """Each sequence in pages of its own, so paged attention reads them in place."""
     return own_pages(free, seq_ids, prev_cells, page_for(window), run_on=window == 0)
+
+
+@hookimpl(trylast=True)
+def kvlayout_choose_cells(free: np.ndarray, seq_ids: np.ndarray, prev_cells: np.ndarray, window: int) -> np.ndarray:
+    """The default placement (`choose_cells`), last: any other policy's answer wins. `kvlayout_cell.plugin`
+    registers it; a function of its own, so `choose_cells` stays a plain one to import."""
+    return choose_cells(free, seq_ids, prev_cells, window)
 
 
 def continue_each(prev_cells: list[int], is_free: Callable[[int], bool], page: int) -> list[int] | None:

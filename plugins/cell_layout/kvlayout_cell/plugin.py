@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvlayout import Builder, hookimpl
-from kvlayout_cell import placement
-from kvlayout_cell.placement import lowest_free, own_pages, page_for  # noqa: F401 (importable from here too)
+
+# The default placement, registered with this module (the rule is placement.choose_cells); the others
+# are importable from here too.
+from kvlayout_cell.placement import kvlayout_choose_cells, lowest_free, own_pages, page_for  # noqa: F401
 
 
 def _build(config):
@@ -33,10 +35,6 @@ def kvlayout_builders():
             load=_load,
         )
     ]
-
-
-# The default placement, last: any other policy's answer wins.
-kvlayout_choose_cells = hookimpl(trylast=True)(placement.choose_cells)
 
 
 class LowestFree:

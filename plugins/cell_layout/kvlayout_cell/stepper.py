@@ -44,9 +44,10 @@ import numpy as np
 from kvlayout.checks import few_int64, int_array, int_scalar
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
-from kvlayout.positions import StepPositions, frozen, is_frozen, step_positions
+from kvlayout.positions import StepPositions, frozen, step_positions
 from kvlayout.registry import observed, sole_implementation
 from kvlayout_cell.placement import choose_cells, continue_each, distinct_sorted, page_for
+from kvlayout_cell.placement import kvlayout_choose_cells as registered_default
 from kvlayout_cell.table import FEW_TOKENS, CellTable
 from kvlayout_cell.window import WindowKeeper
 
@@ -90,9 +91,9 @@ class _Declared:
     unique: np.ndarray
 
     @classmethod
-    def of(cls, seq_ids: np.ndarray, epoch: int) -> _Declared:
-        # Frozen copies: the caller keeps its own (ids `declarable` froze already are taken as they are).
-        ids = seq_ids if is_frozen(seq_ids) else frozen(np.asarray(seq_ids, dtype=np.int64))
+    def of(cls, seq_ids: np.ndarray, epoch: int, ours: bool = False) -> _Declared:
+        # Frozen copies: the caller keeps its own. `ours`: frozen by the stepper already (`declarable`).
+        ids = seq_ids if ours else frozen(np.asarray(seq_ids, dtype=np.int64))
         if ids.size < 2:
             return cls(ids, epoch, ids)
         return cls(ids, epoch, distinct_sorted(ids))
@@ -251,13 +252,14 @@ class Stepper:
         return True
 
     def declarable(self, seq_ids: Sequence[int]) -> np.ndarray:
-        """`seq_ids` as declare_step checks them (refusing as it does), as an array."""
+        """`seq_ids` as declare_step checks them (refusing as it does), as an array of the stepper's own,
+        frozen (`kvlayout.positions.frozen`): the caller keeps theirs, and nobody can change these."""
         self._refuse_mid_forward("declare_step")
         listed = few_int64(seq_ids, FEW_TOKENS)  # a decode step's few ids: frozen in one numpy call
         if listed is not None:
             ids = np.frombuffer(listed, dtype=np.int64).reshape(len(seq_ids))  # [T], frozen as `frozen` makes it
         else:
-            ids = int_array("seq_ids", seq_ids, SequenceError)
+            ids = frozen(int_array("seq_ids", seq_ids, SequenceError))
         if ids.size == 0:
             raise StepError("declare_step: seq_ids is empty: expected at least one token's sequence id")
         self.table.check_live_ids(ids)
@@ -272,15 +274,16 @@ class Stepper:
         return due if fits else None
 
     def commit_declare(self, ids: np.ndarray, due: tuple[np.ndarray, np.ndarray]) -> None:
-        """Declare `ids`, `room_for(ids)` having answered `due` with nothing changed since: retire
-        it, then the previous step ends and this declaration stands."""
+        """Declare `ids` (as `declarable` answered them: frozen, the stepper's own), `room_for(ids)` having
+        answered `due` with nothing changed since: retire it, then the previous step ends and this
+        declaration stands."""
         self._keep_masks()
         if due[0].size:  # what moved past its window goes before the new tokens come
             self.table.retire(*due)
             self.keeper.cut[due[0]] = due[1]
         if self.keeper is not None:
             self.keeper.moved.clear()
-        self._declared = _Declared.of(ids, self.table.epoch)
+        self._declared = _Declared.of(ids, self.table.epoch, ours=True)
         self._placed = None
 
     def _due(self) -> tuple[np.ndarray, np.ndarray]:
@@ -511,12 +514,12 @@ class Stepper:
         (`kvlayout.positions.frozen`: not even by making them writable).
         The answer is trusted: the plugin manager's referee (`kvlayout.registry`) refused any
         answer that is not `count` distinct cells of `free`, naming the plugin. When the layout's own
-        default (`placement.choose_cells`) is the only placement registered, it is called as it is:
+        default (`placement.kvlayout_choose_cells`) is the only placement registered, its rule is called as it is:
         pluggy and the referee cost ~20 us a step, and the default is held to the referee's rule by
         its tests. Should it raise, the hook's call says so, naming the plugin."""
         count = positions.size
         window = 0 if self.keeper is None else self.keeper.window
-        if sole_implementation(self._pm, "kvlayout_choose_cells") is choose_cells:
+        if sole_implementation(self._pm, "kvlayout_choose_cells") is registered_default:
             with contextlib.suppress(Exception):  # pure: the hook's call below fails alike, and names the plugin
                 prev = self.table.newest_cells(seq_ids)
                 if count <= FEW_TOKENS:  # a decode step's first pass, asked of the table cell by cell

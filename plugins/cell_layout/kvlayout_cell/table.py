@@ -412,14 +412,19 @@ class CellTable:
         steps. On a step's path every numpy call is cold (the model's work in between evicts it) and
         costs tens of microseconds: the array path's dozen cost ~0.3 ms a step at 8 sequences.
 
-        The free list is dropped rather than edited (np.delete copies it whole, O(capacity), every
-        step): `free_list` rebuilds it when a placement asks, which a decode step placed by the
-        default placement's first pass never does (`Stepper._choose`)."""
+        The free list loses a head of the lowest free cells as a view (a lowest-free placement's); any
+        other cells drop it rather than edit it (np.delete copies it whole, O(capacity), every step):
+        `free_list` rebuilds it when a placement asks, which a decode step placed by the default
+        placement's first pass never does (`Stepper._choose`)."""
         for cell, seq_id, position in zip(cells, seq_ids, positions):
             self._put(cell, seq_id, position)
         self._used_end = max(self._used_end, max(cells) + 1)
         self._n_free -= len(cells)
-        self._free = None
+        free = self._free
+        if free is not None and free[: len(cells)].tolist() == cells:
+            self._free = free[len(cells) :]  # the lowest free cells, in order (a lowest-free placement): a view
+        else:
+            self._free = None
         self._touch()
 
     def _put(self, cell: int, seq_id: int, position: int) -> None:
