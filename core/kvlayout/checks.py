@@ -104,16 +104,20 @@ def int_array(name: str, values: Any, error: type[KVLayoutError] | ErrorFactory)
     return arr.astype(np.int64, copy=False)
 
 
-def few_int64(values: Any, limit: int) -> bytes | None:
-    """The int64 bytes of `values` when it is a list of at most `limit` Python ints (bools are not: they go
-    `int_array`'s way, which refuses them), every one fitting in 64 bits; else None.
+# Up to this many integers, a step's ids, positions or cells are handled in Python: on a step's path numpy's
+# calls run cold (the model's work in between evicts them), at several microseconds each, more than the whole
+# Python check of a decode step's few tokens.
+FEW_ON_STEP = 32
 
-    `np.frombuffer` over them is an array no one can make writable (immutable memory), in one numpy
-    call: on a step's path numpy's calls run cold, at several microseconds each."""
-    if type(values) is not list or len(values) > limit or not all(type(v) is int for v in values):
+
+def frozen_ints(values: Any) -> np.ndarray | None:
+    """`values` as an int64 array `[T]` no one can write or make writable (its memory an immutable bytes
+    object, as `kvlayout.positions.frozen` makes), in one numpy call, when it is a list of at most
+    FEW_ON_STEP Python ints that fit in 64 bits; else None (bools too: `int_array` refuses them)."""
+    if type(values) is not list or len(values) > FEW_ON_STEP or not all(type(v) is int for v in values):
         return None
     try:
-        return array("q", values).tobytes()
+        return np.frombuffer(array("q", values).tobytes(), dtype=np.int64).reshape(len(values))  # a view, as frozen's
     except OverflowError:
         return None  # past 64 bits: int_array says which
 

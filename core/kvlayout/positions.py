@@ -22,10 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from kvlayout.checks import INT64_MAX, few_int64, int_array
+from kvlayout.checks import INT64_MAX, frozen_ints, int_array
 from kvlayout.errors import StepError
-
-FEW_POSITIONS = 64  # up to this many Python ints, positions are frozen in one numpy call and checked in Python
 
 
 class StepPositions:
@@ -52,10 +50,9 @@ class StepPositions:
             # nothing to check, and `host` is made only if someone reads it (a seq layout's step never does).
             size = len(positions)
             host, first, consecutive = None, positions.start if size else None, size > 0
-        elif (listed := few_int64(positions, FEW_POSITIONS)) is not None:
+        elif (host := frozen_ints(positions)) is not None:
             # A few Python ints (an engine's decode step): frozen in one numpy call, checked in Python.
             size = len(positions)
-            host = np.frombuffer(listed, dtype=np.int64).reshape(size)  # a view, as `frozen`'s
             first = positions[0] if size else None
             consecutive = size == 1 or (size > 1 and positions[-1] - first == size - 1
                                         and all(b - a == 1 for a, b in zip(positions, positions[1:])))

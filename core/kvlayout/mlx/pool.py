@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvlayout.checks import int_array, int_scalar
+from kvlayout.checks import FEW_ON_STEP, int_array, int_scalar
 from kvlayout.config import QUANTIZED_KV_BITS, check_up_front
 from kvlayout.errors import ConfigError, KVLayoutError
 from kvlayout.mlx.checks import FLOATING
@@ -32,9 +32,6 @@ MAX_SLOTS = 2**31 - 1
 PACKED = mx.uint32
 
 
-FEW_CELLS = 32  # up to this many cells, `Cells` checks them in Python
-
-
 class Cells:
     """Distinct cell indices, checked once and converted to MLX once, for every pool a step
     writes (a layer's K and V, every layer): `write_cells` then checks only that they fit.
@@ -46,7 +43,7 @@ class Cells:
         plain32 = type(cells) is np.ndarray and cells.dtype == np.int32 and cells.ndim == 1
         idx = cells if plain32 else int_array("cells", cells, KVLayoutError)
         # A decode step's few cells are checked in Python: numpy's reductions run cold on a step's path.
-        if idx.size <= FEW_CELLS:
+        if idx.size <= FEW_ON_STEP:
             listed = idx.tolist()
             low, high = (min(listed), max(listed)) if listed else (0, -1)
         else:

@@ -41,14 +41,14 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvlayout.checks import few_int64, int_array, int_scalar
+from kvlayout.checks import FEW_ON_STEP, frozen_ints, int_array, int_scalar
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout.faces import CellStep
 from kvlayout.positions import StepPositions, frozen, step_positions
 from kvlayout.registry import observed, sole_implementation
 from kvlayout_cell.placement import choose_cells, continue_each, distinct_sorted, page_for
 from kvlayout_cell.placement import kvlayout_choose_cells as registered_default
-from kvlayout_cell.table import FEW_TOKENS, CellTable
+from kvlayout_cell.table import CellTable
 from kvlayout_cell.window import WindowKeeper
 
 NOTHING_DUE = (frozen(np.zeros(0, dtype=np.int64)), frozen(np.zeros(0, dtype=np.int64)))  # (ids, cuts): none
@@ -255,10 +255,8 @@ class Stepper:
         """`seq_ids` as declare_step checks them (refusing as it does), as an array of the stepper's own,
         frozen (`kvlayout.positions.frozen`): the caller keeps theirs, and nobody can change these."""
         self._refuse_mid_forward("declare_step")
-        listed = few_int64(seq_ids, FEW_TOKENS)  # a decode step's few ids: frozen in one numpy call
-        if listed is not None:
-            ids = np.frombuffer(listed, dtype=np.int64).reshape(len(seq_ids))  # [T], frozen as `frozen` makes it
-        else:
+        ids = frozen_ints(seq_ids)  # a decode step's few ids: frozen in one numpy call
+        if ids is None:
             ids = frozen(int_array("seq_ids", seq_ids, SequenceError))
         if ids.size == 0:
             raise StepError("declare_step: seq_ids is empty: expected at least one token's sequence id")
@@ -522,7 +520,7 @@ class Stepper:
         if sole_implementation(self._pm, "kvlayout_choose_cells") is registered_default:
             with contextlib.suppress(Exception):  # pure: the hook's call below fails alike, and names the plugin
                 prev = self.table.newest_cells(seq_ids)
-                if count <= FEW_TOKENS:  # a decode step's first pass, asked of the table cell by cell
+                if count <= FEW_ON_STEP:  # a decode step's first pass, asked of the table cell by cell
                     cells = continue_each(prev.tolist(), self.table.is_free, page_for(window))
                     if cells is not None:
                         return np.array(cells, dtype=np.int64)

@@ -26,14 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from kvlayout.checks import int_scalar
+from kvlayout.checks import FEW_ON_STEP, int_scalar
 from kvlayout.config import check_up_front
 from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout_cell.seq_index import SeqIndex
-
-# Up to this many tokens, a step's checks run in Python: numpy's reductions cost a few us each on a step's
-# (cold) path, more than the whole check of a decode step's few tokens.
-FEW_TOKENS = 32
 
 _ONE = np.uint64(1)
 
@@ -308,7 +304,7 @@ class CellTable:
 
     def check_live_ids(self, seq_ids: np.ndarray) -> None:
         """Refuse (SequenceError) an id out of range or not live, naming the first one."""
-        if seq_ids.size <= FEW_TOKENS:  # a decode step's ids: Python settles them faster than numpy's reductions
+        if seq_ids.size <= FEW_ON_STEP:  # a decode step's ids: Python settles them faster than numpy's reductions
             live, top = self._live, self._max_seqs
             if all(0 <= s < top and live[s] for s in seq_ids.tolist()):
                 return
@@ -334,7 +330,7 @@ class CellTable:
             self.check_live_ids(seq_ids)
         if (distinct or positions.size == 1) and (
             all(p > n for p, n in zip(positions.tolist(), self._newest[seq_ids].tolist()))
-            if positions.size <= FEW_TOKENS
+            if positions.size <= FEW_ON_STEP
             else (positions > self._newest[seq_ids]).all()
         ):
             return  # one token a sequence (decode steps), each newer than its id's newest (>= -1): so >= 0 too
@@ -367,7 +363,7 @@ class CellTable:
             return
         if cells.size == 1:
             return self._occupy_one(int(cells[0]), int(seq_ids[0]), int(positions[0]))
-        if distinct and cells.size <= FEW_TOKENS:
+        if distinct and cells.size <= FEW_ON_STEP:
             return self._occupy_few(cells.tolist(), seq_ids.tolist(), positions.tolist())
         self._pos[cells] = positions
         self._index.append(seq_ids, positions, cells)
