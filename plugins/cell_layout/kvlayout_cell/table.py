@@ -361,9 +361,7 @@ class CellTable:
         """
         if cells.size == 0:
             return
-        if cells.size == 1:
-            return self._occupy_one(int(cells[0]), int(seq_ids[0]), int(positions[0]))
-        if distinct and cells.size <= FEW_ON_STEP:
+        if (distinct or cells.size == 1) and cells.size <= FEW_ON_STEP:
             return self._occupy_few(cells.tolist(), seq_ids.tolist(), positions.tolist())
         self._pos[cells] = positions
         self._index.append(seq_ids, positions, cells)
@@ -388,25 +386,11 @@ class CellTable:
                 self._free = free
         self._touch()
 
-    def _occupy_one(self, cell: int, seq_id: int, position: int) -> None:
-        """`occupy` of one token (a lone decode, every step of one sequence) in scalar steps:
-        the array path's dozen numpy calls cost more than the rest of the step's bookkeeping."""
-        self._put(cell, seq_id, position)
-        self._used_end = max(self._used_end, cell + 1)
-        self._n_free -= 1
-        if self._free is not None:  # the cell is in the ascending free list
-            if self._free.size and self._free[0] == cell:
-                self._free = self._free[1:]  # the lowest free cell: drop the head, a view
-            else:
-                free = np.delete(self._free, np.searchsorted(self._free, cell))
-                free.flags.writeable = False
-                self._free = free
-        self._touch()
-
     def _occupy_few(self, cells: list[int], seq_ids: list[int], positions: list[int]) -> None:
-        """`occupy` of a decode step's few tokens (distinct ids, each newer than its id holds) in scalar
-        steps. On a step's path every numpy call is cold (the model's work in between evicts it) and
-        costs tens of microseconds: the array path's dozen cost ~0.3 ms a step at 8 sequences.
+        """`occupy` of a decode step's few tokens (distinct ids, each newer than its id holds; a lone
+        sequence's one token, every step) in scalar steps. On a step's path every numpy call is cold
+        (the model's work in between evicts it) and costs tens of microseconds: the array path's dozen
+        cost ~0.3 ms a step at 8 sequences.
 
         The free list loses a head of the lowest free cells as a view (a lowest-free placement's); any
         other cells drop it rather than edit it (np.delete copies it whole, O(capacity), every step):
