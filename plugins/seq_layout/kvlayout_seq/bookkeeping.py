@@ -333,11 +333,7 @@ class SeqBook:
         step = self._open
         if step is None or not self._continues(step, layer, start, length):
             return None
-        policy = self.layers[layer]
-        plan = step.plans.get(id(policy))
-        if plan is None:
-            plan = step.plans[id(policy)] = policy.plan(start, length)
-        return plan
+        return self._plan_of(step, layer)
 
     def serve_again(self, layer: Any, source: Any) -> SeqStepPlan | None:
         """The plan of `layer` when it serves the open step as a later layer of the forward whose
@@ -349,6 +345,10 @@ class SeqBook:
         if (step is None or source is None or source is not step.source or type(layer) is not int
                 or not 0 <= layer < len(self.layers) or layer in step.served):
             return None
+        return self._plan_of(step, layer)
+
+    def _plan_of(self, step: _OpenStep, layer: int) -> SeqStepPlan:
+        """Layer `layer`'s plan of the open `step`: its policy's, planned once for all its layers."""
         policy = self.layers[layer]
         plan = step.plans.get(id(policy))
         if plan is None:
@@ -359,7 +359,10 @@ class SeqBook:
         """`layer`, whose plan `serve_again` just answered, wrote the open step: what `commit` records of a
         later layer of the forward (the step closes with its last layer), without checking again that it is
         one. Call nothing in between that could change the book."""
-        step = self._open
+        self._served(self._open, layer)
+
+    def _served(self, step: _OpenStep, layer: int) -> None:
+        """`layer` wrote `step`; the step closes with its last layer (a forward every layer wrote is complete)."""
         step.served.add(layer)
         if len(step.served) == len(self.layers):
             self._open = None
@@ -383,20 +386,12 @@ class SeqBook:
         """
         if layer is not None:
             step = self._open
-            if step is not None and source is not None and step.source is source and layer not in step.served:
-                # A later layer of the forward, as serve_again found it: its first commit moved everything else.
-                step.served.add(layer)
-                if len(step.served) == len(self.layers):
-                    self._open = None
-                return
             later = step is not None and self._continues(step, layer, plan.start, plan.length)
             if not later:
                 retained = [getattr(p, "retained", 0) for p in self.policies]
                 step = self._open = _OpenStep(plan.start, plan.length, retained, source)
                 step.plans[id(self.layers[layer])] = plan  # its later layers of the same policy share it
-            step.served.add(layer)
-            if len(step.served) == len(self.layers):
-                self._open = None
+            self._served(step, layer)
             if later:  # the step's first commit already moved the length and the rings' records to its end
                 return
         for policy in self.policies:
