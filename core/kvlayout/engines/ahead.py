@@ -27,6 +27,7 @@ The rules the engines keep:
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -61,11 +62,19 @@ class Drawn:
         return self._host[i]
 
 
+def drawn_on_device(entry: Any, sample: Sample, pipeline: bool, sampling: Sampling) -> bool:
+    """Whether `sample`'s next token is drawn on the device: its settings allow it (`plain_greedy`, asked
+    once and kept on `entry.plain`) and the token will be fed back (`fed_back`). `entry`: an engine's
+    record of the sequence (its `request`, `plain` and `drawn`, the token in flight if any)."""
+    if entry.plain is None:
+        entry.plain = plain_greedy(pipeline, sampling, entry.request, sample)
+    return entry.plain and fed_back(entry.request, sample, entry.drawn is not None)
+
+
 def plain_greedy(pipeline: bool, sampling: Sampling, request: Request, sample: Sample) -> bool:
     """Whether a sample's tokens may be drawn on the device, as far as its settings say (they hold for its
     whole life): the engine pipelines and the sample is greedy and plain (its own sampling, else the
-    engine's: no shaping, no logprobs, engines.shaping). An engine keeps the answer per sample; each
-    token is drawn so when `fed_back` holds too."""
+    engine's: no shaping, no logprobs, engines.shaping). `drawn_on_device` keeps the answer per sample."""
     sampling = request.sampling or sampling
     return pipeline and sampling.temperature == 0.0 and not on_host_only(sampling, sample)
 

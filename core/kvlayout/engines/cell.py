@@ -241,11 +241,7 @@ class CellEngine:
     def _draws_ahead(self, s: Running, fed: int) -> bool:
         """Whether `s`'s next token is drawn on the device (engines.ahead): not when its next step may
         draft (drafts are looked up on the host), in a step like this one, feeding `fed` tokens."""
-        if len(s.samples) != 1:
-            return False
-        if s.plain is None:  # its settings: asked once
-            s.plain = ahead.plain_greedy(self.pipeline, self.options.sampling, s.request, s.samples[0])
-        if not s.plain or not ahead.fed_back(s.request, s.samples[0], s.drawn is not None):
+        if len(s.samples) != 1 or not ahead.drawn_on_device(s, s.samples[0], self.pipeline, self.options.sampling):
             return False
         return self.drafts is None or not self.drafts.may_pay(s, fed)
 
@@ -363,7 +359,7 @@ class Feed:
     @classmethod
     def fed_ahead_only(cls, plan: Plan) -> Feed | None:
         """The Feed of a step in which every sequence feeds only its token drawn ahead (a steady greedy
-        decode step), read off in one pass; None for any other step (`of` reads it then). What `of`
+        decode step), read off in one pass; None for any other step (`of` reads it then). What `each`
         gives for it: each such sequence holds every token in the cache, so it feeds one token at its
         `cached` position, completes there and counts as decode; none drafts or scores."""
         pieces, positions = [], []

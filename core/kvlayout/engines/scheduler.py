@@ -48,7 +48,7 @@ class Running:
     # Its drafting (engines.drafts), made when it first may draft: the draft tokens the next step
     # feeds after its last one, to be verified there.
     drafting: drafts.DraftState | None = None
-    # Whether its one sample is greedy and plain, the engine pipelining (engines.ahead.plain_greedy): its
+    # Whether its one sample is greedy and plain, the engine pipelining (engines.ahead.drawn_on_device): its
     # settings, asked once (None: not yet).
     plain: bool | None = None
 

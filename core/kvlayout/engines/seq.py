@@ -34,7 +34,7 @@ class Generating:
     retried: bool = False
     drawn: ahead.Drawn | None = None
     drafting: drafts.DraftState = attrs.field(factory=drafts.DraftState)  # speculation (engines.drafts)
-    plain: bool | None = None  # greedy and plain with the engine pipelining (ahead.plain_greedy): asked once
+    plain: bool | None = None  # greedy and plain with the engine pipelining (ahead.drawn_on_device): asked once
 
 
 class SeqEngine:
@@ -248,9 +248,7 @@ class SeqEngine:
     def _draws_ahead(self, g: Generating) -> bool:
         """Whether `g`'s next token is drawn on the device (engines.ahead): not when its next step may
         draft (drafts are looked up on the host)."""
-        if g.plain is None:
-            g.plain = ahead.plain_greedy(self.pipeline, self.options.sampling, g.request, g.sample)
-        if not (g.plain and ahead.fed_back(g.request, g.sample, g.drawn is not None)):
+        if not ahead.drawn_on_device(g, g.sample, self.pipeline, self.options.sampling):
             return False
         return not (self.pacing is not None and self.pacing.worth_trying(g.drafting, 1))
 
