@@ -245,7 +245,7 @@ class PluginManager(pluggy.PluginManager):
         # Moves on at every register and unregister: what was asked of the implementations before is stale.
         self.generation = 0
         # (question, hook) -> (generation, the answer then): what `observed` and `sole_implementation` asked pluggy.
-        self.hook_answers: dict[tuple[str, str], tuple[int, Any]] = {}
+        self._hook_answers: dict[tuple[str, str], tuple[int, Any]] = {}
         super().register(_Referee(self, self._calls), name=HOST)
 
     # -- naming a plugin
@@ -536,15 +536,17 @@ def _sole(impls: list) -> Callable[..., Any] | None:
 
 
 def _asked(pm: Any, question: str, hook: str, answer: Callable[[list], Any]) -> Any:
-    """`answer(implementations of hook but the referee)`, kept per `pm.generation` (a kvlayout PluginManager's)."""
-    generation = getattr(pm, "generation", None)
-    if generation is not None:
-        known = pm.hook_answers.get((question, hook))
+    """`answer(implementations of hook but the referee)`, kept per `pm.generation` when `pm` is a kvlayout
+    PluginManager (any other pluggy manager is asked every time)."""
+    kept = pm._hook_answers if isinstance(pm, PluginManager) else None
+    if kept is not None:
+        generation = pm.generation  # read before pluggy is asked: a change meanwhile makes the answer stale
+        known = kept.get((question, hook))
         if known is not None and known[0] == generation:
             return known[1]
     value = answer([impl for impl in getattr(pm.hook, hook).get_hookimpls() if not isinstance(impl.plugin, _Referee)])
-    if generation is not None:
-        pm.hook_answers[question, hook] = (generation, value)
+    if kept is not None:
+        kept[question, hook] = (generation, value)
     return value
 
 
