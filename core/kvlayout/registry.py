@@ -248,6 +248,17 @@ class PluginManager(pluggy.PluginManager):
         self._hook_answers: dict[tuple[str, str], tuple[int, Any]] = {}
         super().register(_Referee(self, self._calls), name=HOST)
 
+    def kept(self, question: str, hook: str, ask: Callable[[], Any]) -> Any:
+        """`ask()`'s answer to `question` about `hook`'s implementations, asked again only once a register or
+        an unregister has moved `generation` on (`observed`, `sole_implementation`)."""
+        generation = self.generation  # read before pluggy is asked: a change meanwhile makes the answer stale
+        known = self._hook_answers.get((question, hook))
+        if known is not None and known[0] == generation:
+            return known[1]
+        value = ask()
+        self._hook_answers[question, hook] = (generation, value)
+        return value
+
     # -- naming a plugin
 
     def short_name(self, name: str, plugin: Any = None) -> str:
@@ -536,18 +547,14 @@ def _sole(impls: list) -> Callable[..., Any] | None:
 
 
 def _asked(pm: Any, question: str, hook: str, answer: Callable[[list], Any]) -> Any:
-    """`answer(implementations of hook but the referee)`, kept per `pm.generation` when `pm` is a kvlayout
-    PluginManager (any other pluggy manager is asked every time)."""
-    kept = pm._hook_answers if isinstance(pm, PluginManager) else None
-    if kept is not None:
-        generation = pm.generation  # read before pluggy is asked: a change meanwhile makes the answer stale
-        known = kept.get((question, hook))
-        if known is not None and known[0] == generation:
-            return known[1]
-    value = answer([impl for impl in getattr(pm.hook, hook).get_hookimpls() if not isinstance(impl.plugin, _Referee)])
-    if kept is not None:
-        kept[question, hook] = (generation, value)
-    return value
+    """`answer(implementations of hook but the referee)`, kept by a kvlayout PluginManager until its generation
+    moves on (`PluginManager.kept`); any other pluggy manager is asked every time."""
+
+    def ask() -> Any:
+        impls = getattr(pm.hook, hook).get_hookimpls()
+        return answer([impl for impl in impls if not isinstance(impl.plugin, _Referee)])
+
+    return pm.kept(question, hook, ask) if isinstance(pm, PluginManager) else ask()
 
 
 def make_plugin_manager(strict: bool | None = None, entry_points: bool = True) -> PluginManager:
