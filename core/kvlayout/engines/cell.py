@@ -62,6 +62,9 @@ class CellEngine:
         self.stats, self.prefixes = options.stats, prefixes
         self.pipeline = options.draws_ahead
         self.scheduler = Scheduler(control, options.chunk, options.stats, prefixes, options.max_samples)
+        # Whether the cache keeps tables of its own for sliding-window layers (fixed by its config): only
+        # then is what they hold asked after each step.
+        self.windowed = any(control.cells_by_window())
         # Speculation (engines.cell_drafts): None when off.
         pacing = drafts.pacing_for(options)
         self.drafts = CellDrafts(control, options, pacing) if pacing is not None else None
@@ -185,8 +188,8 @@ class CellEngine:
                                                read)
         for s, k in plan:
             s.cached += k
-        ended = self._read_fed_ahead(feed.fed_ahead)
-        t0 += sum({id(d): d.waited for _, (d, _) in feed.fed_ahead}.values())  # the step that drew them: its time
+        ended, waited = self._read_fed_ahead(feed.fed_ahead)
+        t0 += waited  # the step that drew them: its time
         self._note_held(len(plan))  # after the speculative positions of finished samples went, as the host path held
         for j, i in enumerate(device):
             s = feed.completing[i]
@@ -227,16 +230,20 @@ class CellEngine:
 
         return read
 
-    def _read_fed_ahead(self, fed_ahead: list[tuple[Running, tuple[ahead.Drawn, int]]]) -> set[int]:
+    def _read_fed_ahead(self, fed_ahead: list[tuple[Running, tuple[ahead.Drawn, int]]]) -> tuple[set[int], float]:
         """Read the tokens this step fed unread (its own forward is queued behind them). One that
-        ends its sample makes this step's position of it speculative: it goes again. The ids of
-        the sequences they ended: their next token is nobody's."""
-        ended = set()
+        ends its sample makes this step's position of it speculative: it goes again. (The ids of
+        the sequences they ended: their next token is nobody's; the seconds the host waited for the
+        steps that drew them, each step once.)"""
+        ended, steps, last = set(), [], None
         for s, (d, i) in fed_ahead:
+            if d is not last and all(d is not x for x in steps):  # a decode step's tokens: one draw, in a row
+                steps.append(d)
+            last = d
             s.drawn = None
             if self._advance(s, d.read(i)):
                 ended.add(id(s))
-        return ended
+        return ended, sum(d.waited for d in steps)
 
     def _draws_ahead(self, s: Running, fed: int) -> bool:
         """Whether `s`'s next token is drawn on the device (engines.ahead): not when its next step may
@@ -283,7 +290,7 @@ class CellEngine:
 
     def _note_held(self, batch: int) -> None:
         held = self.bc.capacity - self.bc.free_cells
-        windows = max((n for w, n in self.bc.cells_by_window().items() if w), default=0)
+        windows = max((n for w, n in self.bc.cells_by_window().items() if w), default=0) if self.windowed else 0
         self.stats.note_held(held, sum(s.cached for s in self.scheduler.running), batch, windows)
 
 

@@ -276,10 +276,12 @@ class Scheduler:
         budget = self.chunk
         plan = []
         for s in self.running:
-            if s.pending == 1:
-                plan.append((s, 1 + s.drafted))
+            # `pending` and `drafted` read in line: every running sequence is asked every step.
+            pending = len(s.tokens) - s.cached + (s.drawn is not None)
+            if pending == 1:
+                plan.append((s, 1 if s.drafting is None else 1 + len(s.drafting.draft)))
             elif budget > 0:
-                k = min(s.pending, budget)
+                k = min(pending, budget)
                 budget -= k
                 plan.append((s, k))
         return plan
@@ -290,7 +292,7 @@ class Scheduler:
         # numpy call), any other as one array (checked without a Python loop).
         ids = [s.seq_id for s, _ in plan]
         counts = [k for _, k in plan]
-        one_each = all(k == 1 for k in counts)  # a decode step: nothing to repeat
+        one_each = counts.count(1) == len(counts)  # a decode step: nothing to repeat
         accepted = self.bc.declare_step(ids if one_each else np.repeat(ids, counts))
         if accepted:
             self._stale = False
