@@ -117,7 +117,7 @@ def frozen_ints(values: Any) -> np.ndarray | None:
     if type(values) is not list or len(values) > FEW_ON_STEP or not all(type(v) is int for v in values):
         return None
     try:
-        return np.frombuffer(array("q", values).tobytes(), dtype=np.int64).reshape(len(values))  # a view, as frozen's
+        return np.frombuffer(array("q", values).tobytes(), dtype=np.int64)  # [T] already: a view, as frozen's
     except OverflowError:
         return None  # past 64 bits: int_array says which
 

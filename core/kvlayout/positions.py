@@ -34,11 +34,13 @@ class StepPositions:
       change what the layers after the first see; nor can any attribute be set.
       It reads as a sequence too (`len`, iteration, indexing, `tolist`), as the
       `update_and_fetch` contract's `Sequence[int]` does.
+    - `listed`: the same positions as a tuple of Python ints, for a layout that settles a decode
+      step's few in Python (made on first read unless given a list).
     - `first`: the first position (None for an empty step).
     - `consecutive`: the positions are first, first + 1, ... (True for one).
     """
 
-    __slots__ = ("_host", "first", "consecutive", "size")
+    __slots__ = ("_host", "_listed", "first", "consecutive", "size")
 
     def __init__(self, positions: Any):
         run = type(positions) is range and positions.step == 1
@@ -50,21 +52,24 @@ class StepPositions:
             # nothing to check, and `host` is made only if someone reads it (a seq layout's step never does).
             size = len(positions)
             host, first, consecutive = None, positions.start if size else None, size > 0
+            listed = None
         elif (host := frozen_ints(positions)) is not None:
             # A few Python ints (an engine's decode step): frozen in one numpy call, checked in Python.
             size = len(positions)
+            listed = tuple(positions)  # the ints frozen_ints checked: a copy no caller can change
             first = positions[0] if size else None
             consecutive = size == 1 or (size > 1 and positions[-1] - first == size - 1
                                         and all(b - a == 1 for a, b in zip(positions, positions[1:])))
         else:
             host = frozen(int_array("positions", positions, StepError))  # [T] int64, a copy of our own
-            size = host.size
+            size, listed = host.size, None
             first = int(host[0]) if size else None
             # Consecutive: the last is size - 1 past the first and every step is 1 (one position always is).
             consecutive = size == 1 or (
                 size > 1 and int(host[-1]) - first == size - 1 and bool((np.diff(host) == 1).all()))
         _set = object.__setattr__
         _set(self, "_host", host)
+        _set(self, "_listed", listed)
         _set(self, "first", first)
         _set(self, "consecutive", consecutive)
         _set(self, "size", size)
@@ -81,6 +86,15 @@ class StepPositions:
             host = frozen(np.arange(self.first or 0, (self.first or 0) + self.size, dtype=np.int64))
             object.__setattr__(self, "_host", host)
         return host
+
+    @property
+    def listed(self) -> tuple[int, ...]:
+        """The positions as a tuple of Python ints (made on first read when not given as a list)."""
+        listed = self._listed
+        if listed is None:
+            listed = tuple(self.host.tolist())
+            object.__setattr__(self, "_listed", listed)
+        return listed
 
     def __len__(self) -> int:
         return self.size

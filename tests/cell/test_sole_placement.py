@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlayout import hookimpl
-from kvlayout.errors import PluginStepError
+from kvlayout.errors import PluginStepError, StepError
 from kvlayout.registry import make_plugin_manager, sole_implementation
 from kvlayout_cell import placement
 from kvlayout_cell.placement import continue_each, own_pages
@@ -195,3 +195,72 @@ def test_a_plugin_module_may_import_the_default_rule_to_fall_back_on():
     pm = make_plugin_manager()
     assert pm.register(module) == "falls_back"
     assert sole_implementation(pm, HOOK) is placement.kvlayout_choose_cells  # it implements nothing itself
+
+
+def table_state(t) -> dict:
+    """Everything a step may change, as plain lists: the oracle an aborted step must leave as it found."""
+    table = t.table
+    cells, positions, owners = table.occupied()
+    ids = np.arange(table.max_seqs)
+    live = table.live_ids()
+    return {
+        "cells": cells.tolist(), "positions": positions.tolist(), "owners": owners.tolist(),
+        "held": table.held(ids).tolist(), "newest": table.newest_positions(ids).tolist(),
+        "newest_cells": table.newest_cells(ids).tolist(), "used_end": table.used_end,
+        "free": table.free_list().tolist(), "free_cells": table.free_cells,
+        "keys": [a.tolist() for a in table.seq_keys(live)],
+    }
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+@pytest.mark.parametrize("capacity", [512, 2048])  # sequences sharing pages (placed whole), and a page each
+def test_a_decode_step_settled_in_python_places_as_the_array_path_and_aborts_to_the_table_it_found(
+        as_array, capacity):
+    # The engine declares a decode step's ids as a list of ints (settled in Python: CellTable.occupy_few);
+    # an array takes the array path. Both place the same cells, and aborting either, first layer served or
+    # every layer, leaves every record of the table as it was (the oracle: the table read before the step).
+    t, twin = stepper(capacity=capacity), stepper(capacity=capacity)
+    ids = [t.seq_new() for _ in range(5)]
+    assert [twin.seq_new() for _ in range(5)] == ids
+    lengths = [3, 9, 1, 14, 6]
+    for table in (t, twin):
+        tokens = [s for s, n in zip(ids, lengths) for _ in range(n)]
+        assert table.declare_step(tokens)
+        positions = [i for n in lengths for i in range(n)]
+        for layer in range(table.n_layers):
+            table.place_step(layer, positions)
+    for step in range(6):
+        positions = [n + step for n in lengths]
+        declared = np.array(ids) if as_array else list(ids)
+        before = table_state(t)
+        assert t.declare_step(declared) and twin.declare_step(np.array(ids))
+        got = t.place_step(0, positions).cells.tolist()
+        assert got == twin.place_step(0, positions).cells.tolist()
+        if step % 2:  # aborted mid-forward, then after every layer: the same table either way
+            if step == 3:
+                t.place_step(1, positions)
+            assert t.abort_step() and twin.abort_step()
+            assert table_state(t) == before == table_state(twin)
+            assert t.declare_step(declared) and twin.declare_step(np.array(ids))
+            assert t.place_step(0, positions).cells.tolist() == got == twin.place_step(0, positions).cells.tolist()
+        t.place_step(1, positions)
+        twin.place_step(1, positions)
+        assert table_state(t) == table_state(twin)
+
+
+def test_a_decode_step_of_a_position_not_newer_is_refused_by_name_and_changes_nothing():
+    # The oracle: a twin table given the same steps, without the refused one.
+    t, twin = stepper(capacity=64), stepper(capacity=64)
+    for table in (t, twin):
+        ids = [table.seq_new() for _ in range(3)]
+        assert table.declare_step([s for s in ids for _ in range(4)])
+        for layer in range(table.n_layers):
+            table.place_step(layer, [0, 1, 2, 3] * 3)
+        assert table.declare_step(list(ids))
+    before = table_state(t)
+    with pytest.raises(StepError, match=r"positions\[1\]=3 for sequence 1: expected a position newer than 3"):
+        t.place_step(0, [4, 3, 4])
+    assert table_state(t) == before == table_state(twin)
+    # The declaration stood: the corrected retry places what the twin does.
+    assert t.place_step(0, [4, 4, 4]).cells.tolist() == twin.place_step(0, [4, 4, 4]).cells.tolist()
+    assert table_state(t) == table_state(twin)

@@ -271,12 +271,13 @@ class CellCache(FacesBase):
         window, path, stepper = self.groups.layer_windows[layer], self.attention_path, self.groups.layer_steppers[layer]
 
         def plan() -> AttendGroups | None:
-            seq_ids, positions = stepper.step_tokens()  # the step place_step just served
             table, slots = stepper.table, self.key_pools[layer].slots
             held = self._continuations.get((window, path))
-            if held is not None and held.follows(seq_ids, positions, table.epoch, slots):
+            # The step place_step just served, as Python ints: compared with the last one's every step.
+            if held is not None and held.follows(*stepper.step_token_lists(), table.epoch, slots):
                 self.grouping_counts["continued"] += 1
                 return held.advance(step.cells, table.epoch)  # a decode step after the last: its new cells added
+            seq_ids, positions = stepper.step_tokens()
             lc = self.config.layer(layer)
             # Every layer's pool holds as many slots (they take the same cells); the row is this
             # layer's, for every layer of this window (models give them one shape).

@@ -53,8 +53,8 @@ class Continuation:
 
     plan: AttendGroups
     batches: list[BatchState]
-    seq_ids: list[int]  # the step's tokens' sequences and positions, as Python lists: compared every step,
-    positions: list[int]  # where numpy's comparisons run cold
+    seq_ids: list[int]  # the step's tokens' sequences and positions, as Python ints: compared every step,
+    positions: tuple[int, ...]  # where numpy's comparisons run cold
     epoch: int
     slots: int
     steps: int = 0
@@ -80,14 +80,14 @@ class Continuation:
                 pages = np.where(held, b.cells, -1)
                 batches.append(BatchState(first, visible[:, n_pages * b.page :].sum(axis=1), pages))
             first += n_groups
-        return cls(plan, batches, seq_ids.tolist(), positions.tolist(), epoch, slots)
+        return cls(plan, batches, seq_ids.tolist(), tuple(positions.tolist()), epoch, slots)
 
-    def follows(self, seq_ids: np.ndarray, positions: np.ndarray, epoch: int, slots: int) -> bool:
-        """Whether a step of these tokens, placed at `epoch` over `slots` pool slots, continues this
-        one: the same sequences in the same order, each one position on, and nothing but its own
-        placement changed the table since."""
+    def follows(self, seq_ids: list[int], positions: tuple[int, ...], epoch: int, slots: int) -> bool:
+        """Whether a step of these tokens (as Python ints), placed at `epoch` over `slots` pool slots,
+        continues this one: the same sequences in the same order, each one position on, and nothing but
+        its own placement changed the table since."""
         return (self.steps < REPLAN_EVERY and epoch == self.epoch + 1 and slots == self.slots
-                and seq_ids.tolist() == self.seq_ids and positions.tolist() == [p + 1 for p in self.positions])
+                and seq_ids == self.seq_ids and positions == tuple(p + 1 for p in self.positions))
 
     def advance(self, cells: np.ndarray, epoch: int) -> AttendGroups:
         """The plan of the step that `follows` this one, each token's new cell `cells` [T] added; this
@@ -97,7 +97,7 @@ class Continuation:
         head, more = batches[0], tuple(batches[1:])
         self.plan = AttendGroups(head.tokens, head.cells, head.mask, self.plan.out, more=more, page=head.page,
                                  tail=head.tail, in_order=True)
-        self.positions = [p + 1 for p in self.positions]
+        self.positions = tuple(p + 1 for p in self.positions)
         self.epoch = epoch
         self.steps += 1
         return self.plan
@@ -137,6 +137,9 @@ def _gathered(cells: mx.array, counts: np.ndarray, new: np.ndarray) -> tuple[mx.
     in place), and its mask: each group's first `counts` slots (None when all of them are)."""
     listed = counts.tolist()  # a few groups: Python's max and all, not numpy's (cold on a step's path)
     column = mx.array([[c] for c in new.tolist()], dtype=mx.int32)  # [G, 1], made as it is: one op
+    if listed.count(cells.shape[1]) == len(listed):  # every group full (sequences in lockstep): one more column
+        counts += 1
+        return mx.concatenate([cells, column], axis=1), None
     if max(listed) == cells.shape[1]:
         cells = mx.concatenate([cells, column], axis=1)  # one more slot: padding is any valid cell
     at = mx.array([[n] for n in listed], dtype=mx.int32)  # [G, 1]: each group's next slot

@@ -70,6 +70,7 @@ class _Placed:
     built: set[int] = attrs.Factory(set)  # windows whose (lazy) mask has been built
     frozen: tuple | None = None  # the table's cells as the step saw them, kept once it moves on
     source: StepPositions | None = None  # the positions that placed it: later layers given it are the same
+    declared_ids: list[int] | None = None  # seq_ids as Python ints, when the declaration had them (`_Declared.listed`)
 
     @classmethod
     def claim(cls, table: CellTable, declared: _Declared, pos: StepPositions, cells: np.ndarray,
@@ -81,19 +82,36 @@ class _Placed:
         table.occupy(cells, seq_ids, pos.host, distinct=declared.distinct)  # the only mutation
         return cls(seq_ids, pos.host, cells, table.used_end, table.epoch, served, {}, before, source=pos)
 
+    @classmethod
+    def claim_few(cls, table: CellTable, declared: _Declared, pos: StepPositions, cells: list[int],
+                  served: set[int]) -> _Placed:
+        """`claim` of a decode step's few tokens (`declared.listed`, each newer than its id holds) in the
+        free `cells`, as Python ints: the table settles them in scalar steps (`CellTable.occupy_few`).
+        The cells are kept as the read-only int32 array a CellStep hands out, made once."""
+        before = table.occupy_few(cells, declared.listed, pos.listed)  # the only mutation
+        held = np.array(cells, dtype=np.int32)
+        held.flags.writeable = False
+        return cls(declared.seq_ids, pos.host, held, table.used_end, table.epoch, served, {}, before, source=pos,
+                   declared_ids=declared.listed)
+
 
 @attrs.define(eq=False)
 class _Declared:
-    """A declaration standing at `epoch`: its ids checked live then, frozen; `unique`: the distinct ones."""
+    """A declaration standing at `epoch`: its ids checked live then, frozen; `unique`: the distinct ones;
+    `listed`: the ids as Python ints when they are a decode step's (few, each once), else None."""
 
     seq_ids: np.ndarray
     epoch: int
     unique: np.ndarray
+    listed: list[int] | None = None
 
     @classmethod
-    def of(cls, seq_ids: np.ndarray, epoch: int, ours: bool = False) -> _Declared:
-        # Frozen copies: the caller keeps its own. `ours`: frozen by the stepper already (`declarable`).
+    def of(cls, seq_ids: np.ndarray, epoch: int, ours: bool = False, listed: list[int] | None = None) -> _Declared:
+        # Frozen copies: the caller keeps its own. `ours`: frozen by the stepper already (`declarable`),
+        # `listed`: the same ids as Python ints, the stepper's own copy.
         ids = seq_ids if ours else frozen(np.asarray(seq_ids, dtype=np.int64))
+        if listed is not None and len(set(listed)) == len(listed):
+            return cls(ids, epoch, ids, listed)  # distinct as they are: no sort needed
         if ids.size < 2:
             return cls(ids, epoch, ids)
         return cls(ids, epoch, distinct_sorted(ids))
@@ -125,6 +143,8 @@ class Stepper:
         self._pm = pm
         self._declared: _Declared | None = None
         self._placed: _Placed | None = None
+        # The last ids `declarable` froze from a decode step's list, with that list copied: (frozen, listed).
+        self._few: tuple[np.ndarray, list[int]] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -256,11 +276,15 @@ class Stepper:
         frozen (`kvlayout.positions.frozen`): the caller keeps theirs, and nobody can change these."""
         self._refuse_mid_forward("declare_step")
         ids = frozen_ints(seq_ids)  # a decode step's few ids: frozen in one numpy call
+        listed = None
         if ids is None:
             ids = frozen(int_array("seq_ids", seq_ids, SequenceError))
+        else:
+            listed = list(seq_ids)  # ints, as frozen_ints found them: kept for the step's checks in Python
         if ids.size == 0:
             raise StepError("declare_step: seq_ids is empty: expected at least one token's sequence id")
-        self.table.check_live_ids(ids)
+        self.table.check_live_ids(ids, listed)
+        self._few = None if listed is None else (ids, listed)
         return ids
 
     def room_for(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -281,7 +305,9 @@ class Stepper:
             self.keeper.cut[due[0]] = due[1]
         if self.keeper is not None:
             self.keeper.moved.clear()
-        self._declared = _Declared.of(ids, self.table.epoch, ours=True)
+        few = self._few
+        listed = few[1] if few is not None and few[0] is ids else None  # declarable's list of these very ids
+        self._declared = _Declared.of(ids, self.table.epoch, ours=True, listed=listed)
         self._placed = None
 
     def _due(self) -> tuple[np.ndarray, np.ndarray]:
@@ -332,12 +358,9 @@ class Stepper:
                 f"layer {layer}: {pos.size} position(s) for a step declared with "
                 f"{declared.seq_ids.size} token(s)"
             )
-        # Refuses before anything changes; the ids were checked live by the declaration, at this epoch.
-        self.table.check_tokens(declared.seq_ids, pos.host, declared=True, distinct=declared.distinct)
-        cells = self._choose(declared.seq_ids, pos.host)
-        placed = self._placed = _Placed.claim(self.table, declared, pos, cells, {layer})
+        placed = self._placed = self._claim_few(declared, pos, layer) or self._claim(declared, pos, layer)
         if self.keeper is not None:
-            self.keeper.moved.update(declared.unique.tolist())
+            self.keeper.moved.update(declared.unique.tolist() if declared.listed is None else declared.listed)
         try:
             step = self._step(placed, self._windows[layer])
         except BaseException:  # an observer refused the placement: undone, the declaration stands
@@ -347,6 +370,33 @@ class Stepper:
             raise
         self._declared = None
         return step
+
+    def _claim(self, declared: _Declared, pos: StepPositions, layer: int) -> _Placed:
+        """Place and claim the declared step at `pos`, refusing (nothing changed) what `place_step` refuses."""
+        # Refuses before anything changes; the ids were checked live by the declaration, at this epoch.
+        self.table.check_tokens(declared.seq_ids, pos.host, declared=True, distinct=declared.distinct)
+        cells = self._choose(declared.seq_ids, pos.host)
+        return _Placed.claim(self.table, declared, pos, cells, {layer})
+
+    def _claim_few(self, declared: _Declared, pos: StepPositions, layer: int) -> _Placed | None:
+        """`_claim` of a decode step's few tokens settled in Python: each newer than its sequence holds
+        and placed by the default placement's first pass (`_continued`); None, nothing changed, for any
+        other step (`_claim` then places it, or says what is wrong)."""
+        listed = declared.listed
+        if listed is None or pos.size > FEW_ON_STEP or not self.table.newer_few(listed, pos.listed):
+            return None
+        cells = self._continued(listed)
+        return None if cells is None else _Placed.claim_few(self.table, declared, pos, cells, {layer})
+
+    def _continued(self, seq_ids: list[int]) -> list[int] | None:
+        """The default placement's answer for a decode step of `seq_ids` (distinct live ids, as ints) when
+        its first pass places it whole and it is the only placement registered; else None."""
+        if sole_implementation(self._pm, "kvlayout_choose_cells") is not registered_default:
+            return None
+        page = page_for(0 if self.keeper is None else self.keeper.window)
+        with contextlib.suppress(Exception):  # pure: `_choose` asks again, and its hook names the plugin
+            return continue_each(self.table.newest_cells_few(seq_ids), self.table.is_free, page)
+        return None
 
     def serve_again(self, layer: Any, positions: Any) -> CellStep | None:
         """`place_step` for a later layer of the open step handed the very StepPositions object its
@@ -460,7 +510,16 @@ class Stepper:
     def unserved_layers(self) -> list[int]:
         """The layers the open step has not served yet (none open: [])."""
         placed = self._open_step()
-        return [] if placed is None else sorted(set(range(self.n_layers)) - placed.served)
+        if placed is None or len(placed.served) == len(self._windows):  # served holds layers in range only
+            return []
+        return sorted(set(range(self.n_layers)) - placed.served)
+
+    def step_token_lists(self) -> tuple[list[int], tuple[int, ...]]:
+        """`step_tokens` as Python ints (the declaration's and the positions' own, when a decode step's few
+        gave them: no copy); StepError when no step is open."""
+        seq_ids, positions = self.step_tokens()
+        declared = self._placed.declared_ids  # the open step's (step_tokens checked one is open)
+        return (seq_ids.tolist() if declared is None else declared), self._placed.source.listed
 
     def step_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """(seq_ids, positions) of the open step's tokens; StepError when none is open."""
@@ -551,8 +610,10 @@ class Stepper:
                 placed.built.add(window)
                 return m
 
-            cells = placed.cells.astype(np.int32)
-            cells.flags.writeable = False
+            cells = placed.cells
+            if cells.dtype != np.int32 or cells.flags.writeable:  # claim_few made them as a step hands them out
+                cells = cells.astype(np.int32)
+                cells.flags.writeable = False
             step = CellStep(length=placed.cells.size, read_len=placed.read_len, cells=cells, mask=mask)
             placed.steps[window] = step
             if not (observed(self._pm, "kvlayout_step_placed") or observed(self._pm, "kvlayout_step_aborted")):

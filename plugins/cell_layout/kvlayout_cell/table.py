@@ -22,6 +22,7 @@ never an exception.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from kvlayout.errors import ConfigError, SequenceError, StepError
 from kvlayout_cell.seq_index import SeqIndex
 
 _ONE = np.uint64(1)
+_BIT = tuple(_ONE << np.uint64(b) for b in range(64))  # each bit of an owner word, made once
 
 
 def _owns(owners: np.ndarray, s: int) -> np.ndarray:
@@ -169,6 +171,11 @@ class CellTable:
         holding none: where a placement policy continues a sequence (a copy)."""
         return self._newest_cell[ids]
 
+    def newest_cells_few(self, ids: list[int]) -> list[int]:
+        """`newest_cells` of a decode step's few `ids` (checked by the caller), as Python ints."""
+        newest_cell = self._newest_cell
+        return [int(newest_cell[s]) for s in ids]
+
     def seq_new(self) -> int | None:
         """The lowest id not live, now live and empty; None when all are in use."""
         s = self._lowest_free_id()
@@ -302,11 +309,12 @@ class CellTable:
             self._free = free
         return self._free
 
-    def check_live_ids(self, seq_ids: np.ndarray) -> None:
-        """Refuse (SequenceError) an id out of range or not live, naming the first one."""
-        if seq_ids.size <= FEW_ON_STEP:  # a decode step's ids: Python settles them faster than numpy's reductions
+    def check_live_ids(self, seq_ids: np.ndarray, listed: list[int] | None = None) -> None:
+        """Refuse (SequenceError) an id out of range or not live, naming the first one. `listed`: the
+        same ids as Python ints, when the caller has them (a decode step's few)."""
+        if listed is not None or seq_ids.size <= FEW_ON_STEP:  # a decode step's: Python settles them faster
             live, top = self._live, self._max_seqs
-            if all(0 <= s < top and live[s] for s in seq_ids.tolist()):
+            if all(0 <= s < top and live[s] for s in (seq_ids.tolist() if listed is None else listed)):
                 return
         if seq_ids.size and (seq_ids.min() < 0 or seq_ids.max() >= self._max_seqs):
             out = np.flatnonzero((seq_ids < 0) | (seq_ids >= self._max_seqs))
@@ -314,6 +322,13 @@ class CellTable:
         if not self._live[seq_ids].all():
             dead = np.flatnonzero(~self._live[seq_ids])
             self._check_live(f"seq_ids[{dead[0]}]", int(seq_ids[dead[0]]))
+
+    def newer_few(self, seq_ids: list[int], positions: Sequence[int]) -> bool:
+        """Whether each of a decode step's few tokens (live ids, as Python ints, each its sequence's only
+        one) is newer than its id's newest position: `check_tokens` would pass them. False says nothing
+        more: `check_tokens` then says what is wrong."""
+        newest = self._newest
+        return len(seq_ids) == len(positions) and all(p > newest[s] for s, p in zip(seq_ids, positions))
 
     def check_tokens(self, seq_ids: np.ndarray, positions: np.ndarray, declared: bool = False,
                      distinct: bool = False) -> None:
@@ -362,7 +377,8 @@ class CellTable:
         if cells.size == 0:
             return
         if (distinct or cells.size == 1) and cells.size <= FEW_ON_STEP:
-            return self._occupy_few(cells.tolist(), seq_ids.tolist(), positions.tolist())
+            self.occupy_few(cells.tolist(), seq_ids.tolist(), positions.tolist())
+            return
         self._pos[cells] = positions
         self._index.append(seq_ids, positions, cells)
         # Each cell is distinct and had no owner, so plain fancy assignment sets one bit per cell.
@@ -386,36 +402,40 @@ class CellTable:
                 self._free = free
         self._touch()
 
-    def _occupy_few(self, cells: list[int], seq_ids: list[int], positions: list[int]) -> None:
-        """`occupy` of a decode step's few tokens (distinct ids, each newer than its id holds; a lone
-        sequence's one token, every step) in scalar steps. On a step's path every numpy call is cold
-        (the model's work in between evicts it) and costs tens of microseconds: the array path's dozen
-        cost ~0.3 ms a step at 8 sequences.
+    def occupy_few(self, cells: list[int], seq_ids: list[int], positions: Sequence[int]) -> tuple:
+        """`occupy` of a decode step's few tokens, as Python ints (distinct ids, each newer than its id
+        holds, as `newer_few` or `check_tokens` found; distinct free cells), in scalar steps; what
+        `before_occupy` would have answered just before it, for `release`.
 
+        On a step's path every numpy call is cold (the model's work in between evicts it) and costs
+        microseconds to tens of them: the array path's dozen cost ~0.3 ms a step at 8 sequences.
         The free list loses a head of the lowest free cells as a view (a lowest-free placement's); any
         other cells drop it rather than edit it (np.delete copies it whole, O(capacity), every step):
         `free_list` rebuilds it when a placement asks, which a decode step placed by the default
         placement's first pass never does (`Stepper._choose`)."""
-        for cell, seq_id, position in zip(cells, seq_ids, positions):
-            self._put(cell, seq_id, position)
+        newest, newest_cell, pos, owners, count, index = (
+            self._newest, self._newest_cell, self._pos, self._owners, self._count, self._index)
+        held, held_cell = [], []  # each id's newest and its cell before: ids distinct, restored one by one
+        for cell, s, position in zip(cells, seq_ids, positions):
+            held.append(int(newest[s]))
+            held_cell.append(int(newest_cell[s]))
+            pos[cell] = position
+            index.append_one(s, position, cell)
+            owners[cell, s >> 6] = _BIT[s & 63]  # the cell was free: no other owner bit to keep
+            count[s] += 1
+            newest[s] = position  # newer than it held (the caller's check): its newest now
+            newest_cell[s] = cell
+        before = (seq_ids, held, held_cell, self._used_end, self._free)
         self._used_end = max(self._used_end, max(cells) + 1)
         self._n_free -= len(cells)
         free = self._free
-        if free is not None and free[: len(cells)].tolist() == cells:
+        # Whether they are its head, asked cell by cell: a decode step's few (one, alone), each a scalar read.
+        if free is not None and free.size >= len(cells) and all(free[i] == c for i, c in enumerate(cells)):
             self._free = free[len(cells) :]  # the lowest free cells, in order (a lowest-free placement): a view
         else:
             self._free = None
         self._touch()
-
-    def _put(self, cell: int, seq_id: int, position: int) -> None:
-        """Token at `position` of `seq_id` into the free `cell`: every record but the counts of free cells."""
-        self._pos[cell] = position
-        self._index.append_one(seq_id, position, cell)
-        self._owners[cell, seq_id >> 6] = _ONE << np.uint64(seq_id & 63)
-        self._count[seq_id] += 1
-        if position > self._newest[seq_id]:
-            self._newest[seq_id] = position
-            self._newest_cell[seq_id] = cell
+        return before
 
     def is_free(self, cell: int) -> bool:
         """Whether `cell` (an int) is one of `free_list()`'s, asked without building the list."""
