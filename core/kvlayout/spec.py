@@ -150,7 +150,9 @@ class AttendSpec:
 
     `mask` may be given as a function of no argument that computes it: a
     layout whose `groups` carry the work builds the dense mask only for a
-    consumer that reads it (on first access, then kept).
+    consumer that reads it (on first access, then kept). So may `keys` and
+    `values` when `groups` is set (`attend()` reads the groups' own): their
+    dense reads are made only for a consumer that asks.
 
     `queries` (optional): T, the tokens of the step, so the queries attending
     must number T; `attend()` refuses a q of another length (MLX would
@@ -158,17 +160,29 @@ class AttendSpec:
     shipped layouts set it.
     """
 
-    keys: Any
-    values: Any
+    _keys: Any = attrs.field(alias="keys", repr=False)
+    _values: Any = attrs.field(alias="values", repr=False)
     mask_kind: MaskKind
     _mask: Any = attrs.field(default=None, alias="mask", repr=False)
     groups: AttendGroups | None = None
     queries: int | None = None
 
     @property
+    def keys(self) -> Any:
+        return self._made("_keys")
+
+    @property
+    def values(self) -> Any:
+        return self._made("_values")
+
+    @property
     def mask(self) -> Any:
-        mask = self._mask
-        if callable(mask):
-            mask = mask()
-            object.__setattr__(self, "_mask", mask)  # computed once; the record stays frozen otherwise
-        return mask
+        return self._made("_mask")
+
+    def _made(self, field: str) -> Any:
+        """The field, computed on first access when it was given as a function (then kept)."""
+        value = getattr(self, field)
+        if callable(value):
+            value = value()
+            object.__setattr__(self, field, value)  # computed once; the record stays frozen otherwise
+        return value

@@ -547,3 +547,25 @@ def test_decode_steps_by_pages_continue_through_page_ends_with_the_dense_result(
         np.testing.assert_allclose(outs[path], outs["dense"], atol=1e-5, rtol=1e-5)
         ends = [e + 1 for e in ends]
     assert caches[path].grouping_counts["continued"] >= 30
+
+
+def test_a_grouped_specs_dense_fields_read_late_are_its_steps_own(rng):
+    # A grouped spec makes its dense keys, values and mask only when read. Read after later steps wrote into
+    # the cells it read (a sequence removed, its cells refilled), they are still this step's: the dense path's
+    # spec of the same step, whose fields were read at once, is the oracle.
+    caches = trio()
+    for _ in range(3):
+        on_all(caches, "seq_new")
+    serve(caches, prefill_chunk([6, 3, 5]), rng)
+    specs = {}
+    serve(caches, [(0, 6), (1, 3), (2, 5)], rng, specs)
+    on_all(caches, "seq_rm", 0)  # its seven cells are free again, below that step's read_len
+    refill = on_all(caches, "seq_new")
+    serve(caches, [(refill, i) for i in range(7)], rng)
+    serve(caches, [(1, 4), (2, 6), (refill, 7)], rng)
+    oracle = specs["dense"][0]  # the flat layer of the step before
+    for path in ("grouped", "paged"):
+        late = specs[path][0]
+        assert late.groups is not None and oracle.groups is None
+        for field in ("keys", "values", "mask"):
+            assert np.array_equal(np.array(getattr(late, field)), np.array(getattr(oracle, field))), (path, field)

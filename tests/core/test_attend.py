@@ -287,3 +287,29 @@ def test_attend_groups_over_is_what_attrs_evolve_makes():
     got, want = groups.over(keys, values), attrs.evolve(groups, keys=keys, values=values)
     for field in attrs.fields(AttendGroups):
         assert getattr(got, field.name) is getattr(want, field.name), field.name
+
+
+def test_a_grouped_specs_fields_given_as_functions_are_made_once_when_read_and_attend_reads_none(rng):
+    # A layout whose groups carry the work may give the dense keys, values and mask as functions: attend() reads
+    # the groups' (against the hand-written reference), never those; a consumer that reads one makes it once.
+    q, k, v = qkv(rng, 2, 5)
+    made = []
+
+    def lazily(name, value):
+        def make():
+            made.append(name)
+            return mx.array(value)
+        return make
+
+    allowed = np.array([[1, 1, 0, 1, 0], [0, 0, 1, 1, 1]], dtype=bool)
+    cells = [[0, 1, 3], [2, 3, 4]]  # each token's visible cells: one group each
+    groups = AttendGroups(mx.array([[0], [1]], dtype=mx.int32), mx.array(cells, dtype=mx.int32), None,
+                          mx.array([0, 1], dtype=mx.int32), mx.array(k), mx.array(v), in_order=True)
+    spec = AttendSpec(lazily("keys", k), lazily("values", v), MaskKind.EXPLICIT, lazily("mask", allowed[None, None]),
+                      groups, queries=2)
+    np.testing.assert_allclose(np.array(attend(mx.array(q), spec, SCALE)), reference(q, k, v, allowed), atol=1e-5)
+    assert made == []
+    keys = spec.keys
+    assert spec.keys is keys and np.array_equal(np.array(keys), k) and made == ["keys"]
+    assert np.array_equal(np.array(spec.values), v) and np.array_equal(np.array(spec.mask)[0, 0], allowed)
+    assert spec.values is spec.values and made == ["keys", "values", "mask"]

@@ -107,11 +107,14 @@ def _usual(q: Any, spec: Any, scale: Any, sinks: Any) -> bool:
     """Whether `attend`'s arguments are the usual ones that `_check` passes, settled in a few comparisons:
     a layout's spec over plain float keys (any mask kind, grouped or not) with T queries, no sinks.
     False says nothing: `_check` decides."""
-    if not (sinks is None and type(spec) is AttendSpec and type(q) is mx.array and type(scale) is float
-            and type(spec.keys) is mx.array and q.ndim == 4 and q.dtype in FLOATING and math.isfinite(scale)):
+    if not (sinks is None and type(spec) is AttendSpec and type(q) is mx.array and type(scale) is float):
+        return False
+    # The keys read: the groups' own when set (the spec's dense ones may be made only when asked for).
+    keys = spec.keys if spec.groups is None else spec.groups.keys
+    if not (type(keys) is mx.array and q.ndim == 4 and q.dtype in FLOATING and math.isfinite(scale)):
         return False
     batch, h_q, t, d = q.shape
-    k_batch, h_kv, slots, k_d = spec.keys.shape
+    k_batch, h_kv, slots, k_d = keys.shape
     return (batch == k_batch and d == k_d and h_q >= h_kv and not h_q % h_kv and t == spec.queries
             and (t <= slots or spec.mask_kind is not MaskKind.CAUSAL))
 

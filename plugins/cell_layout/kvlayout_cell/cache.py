@@ -48,7 +48,7 @@ from kvlayout.mlx.attention import pages_in_place
 from kvlayout.persist import StateFile
 from kvlayout.positions import step_positions
 from kvlayout.registry import plugin_manager
-from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind
+from kvlayout.spec import AttendBatch, AttendGroups, AttendSpec, MaskKind, QuantizedKV
 from kvlayout_cell import persist
 from kvlayout_cell.continued import Continuation
 from kvlayout_cell.groups import PAGE_SIZES, PATHS, plan_cells
@@ -101,10 +101,11 @@ class CellCache(FacesBase):
         # What a step makes once for every layer of a window (`_once`): key -> (step, it).
         self._mx_mask: dict[int, tuple[Any, mx.array]] = {}  # window -> its mask as MLX
         self._mx_groups: dict[tuple[int, str], tuple[Any, AttendGroups | None]] = {}  # (window, path) -> groups
-        self._mx_cells: dict[int, tuple[Any, Cells]] = {}  # window -> its cells checked, as MLX
         self._mx_whole: dict[int, tuple[Any, mx.array | None]] = {}  # 0 -> one sequence's flat mask (None: causal)
-        self._run_starts: dict[int, tuple[Any, int | None]] = {}  # window -> its cells' first when one run
-        self._wholes: dict[tuple[int, str], tuple[Any, tuple | None]] = {}  # (window, path) -> `_whole_sequence`
+        # Asked by every layer, made by the first of a window: where the step's K/V go (`_where`), and
+        # how its queries read them (`_how_read`).
+        self._writes: dict[int, tuple[Any, tuple[int | None, Cells | None]]] = {}  # window -> (run start, cells)
+        self._reads: dict[tuple[int, str], tuple[Any, tuple]] = {}  # (window, path) -> (whole, groups)
         # The last decode step's grouping, to continue at the next (kvlayout_cell.continued): (0, path) -> it.
         self._continuations: dict[tuple[int, str], Continuation | None] = {}
         # Step groupings planned whole and continued from the step before, since the cache was made.
@@ -169,31 +170,33 @@ class CellCache(FacesBase):
         window = self.groups.layer_windows[layer]
         k_pool, v_pool = self.key_pools[layer], self.value_pools[layer]
         # K/V checked above, the cells placed within capacity: the pools' own checks are skipped.
-        start = self._once(self._run_starts, window, step, lambda: _run_start(step.cells))
-        if start is not None:  # one ascending run (lowest-free placement, usually): a slice write, no scatter
+        start, cells = self._once(self._writes, window, step, lambda: _where(step))
+        if cells is None:  # one ascending run (lowest-free placement, usually): a slice write, no scatter
             k_pool.write_run(start, k)
             v_pool.write_run(start, v)
         else:  # cells of one step are distinct (placement checks it), as write_cells requires
-            cells = self._step_cells(layer, step)
             k_pool.write_placed(cells, k)
             v_pool.write_placed(cells, v)
         read_len = step.read_len  # every cell below it was written by every layer: within the pools' slots
-        read = k_pool.read_run if read_len <= k_pool.slots else k_pool.read  # (`read` would say what is wrong)
-        keys, values = read(0, read_len), v_pool.read_run(0, read_len)  # [1, H_kv, read_len, D] each
+        if read_len > k_pool.slots:
+            k_pool.read(0, read_len)  # it says what is wrong
         path = self.attention_path
-        whole = self._once(self._wholes, (window, path), step, lambda: self._whole_sequence(layer, step))
+        # After the write: a plan reads the pools' slots, which it may have grown.
+        whole, groups = self._once(self._reads, (window, path), step, lambda: self._how_read(layer, step))
         if whole is not None:  # one sequence owning every cell below read_len: no plan, no host mask
+            keys, values = k_pool.read_run(0, read_len), v_pool.read_run(0, read_len)  # [1, H_kv, read_len, D] each
             return AttendSpec(keys, values, whole[0], whole[1], queries=T)
-        groups = self._step_groups(layer, step)
-        if groups is not None:
-            # The whole pool buffer (a row-contiguous view): the grouped gather then copies
-            # only the rows it takes. Dropped with the spec, like the read above.
-            slots = k_pool.slots
-            groups = groups.over(k_pool.read_run(0, slots), v_pool.read_run(0, slots))  # [1, H_kv, slots, D] each
-            mask = functools.partial(self._step_mask, layer, step)  # built only if a consumer reads spec.mask
-        else:
-            mask = self._step_mask(layer, step)
-        return AttendSpec(keys, values, MaskKind.EXPLICIT, mask, groups, queries=T)
+        if groups is None:
+            keys, values = k_pool.read_run(0, read_len), v_pool.read_run(0, read_len)
+            return AttendSpec(keys, values, MaskKind.EXPLICIT, self._step_mask(layer, step), queries=T)
+        # The whole pool buffer (a row-contiguous view): the grouped gather then copies only the rows it
+        # takes. Dropped with the spec. The dense fields, which attend() does not read beside the groups,
+        # are made from these views (the pools as this step wrote them) only for a consumer that asks:
+        # two slices a layer fewer; so is the mask.
+        k_all, v_all = k_pool.read_run(0, k_pool.slots), v_pool.read_run(0, v_pool.slots)  # [1, H_kv, slots, D] each
+        return AttendSpec(functools.partial(_first_slots, k_all, read_len),
+                          functools.partial(_first_slots, v_all, read_len), MaskKind.EXPLICIT,
+                          functools.partial(self._step_mask, layer, step), groups.over(k_all, v_all), queries=T)
 
     def step_groups(self, layer: int, step) -> AttendGroups | None:
         """The step's grouping for this layer's window (None: dense), planned once per window per step.
@@ -228,11 +231,10 @@ class CellCache(FacesBase):
             held = memo[key] = (weakref.ref(step), make())
         return held[1]
 
-    def _step_cells(self, layer: int, step) -> Cells:
-        """The step's cells checked and on the device once per window, for every pool of its layers
-        (distinct: the placement's, as the plugin manager's referee checked them)."""
-        window = self.groups.layer_windows[layer]
-        return self._once(self._mx_cells, window, step, lambda: Cells(step.cells, distinct=True))
+    def _how_read(self, layer: int, step) -> tuple[tuple | None, AttendGroups | None]:
+        """(`_whole_sequence`'s answer, the step's grouping when there is none) for layer's window and path."""
+        whole = self._whole_sequence(layer, step)
+        return whole, None if whole is not None else self._step_groups(layer, step)
 
     def _whole_sequence(self, layer: int, step) -> tuple[MaskKind, mx.array | None] | None:
         """(mask kind, mask) when every token of the step is one sequence's, on a flat layer, and it
@@ -361,6 +363,19 @@ def _as_mx(plan: AttendGroups) -> AttendGroups:
 
     more = tuple(attrs.evolve(b, **arrays(b)) for b in plan.more)
     return attrs.evolve(plan, **arrays(plan), out=mx.array(plan.out), more=more)
+
+
+def _first_slots(pool: Any, n: int) -> Any:
+    """`[1, H, n, D]`: the first `n` slots of a pool's read `[1, H, S, D]` (float, or a QuantizedKV's parts)."""
+    return pool.map(lambda a: a[:, :, :n, :]) if isinstance(pool, QuantizedKV) else pool[:, :, :n, :]
+
+
+def _where(step) -> tuple[int | None, Cells | None]:
+    """Where a step's K/V go in every pool of its window's layers: (the first cell, None) when its cells
+    are one ascending run, else (None, its cells checked and on the device: distinct, the placement's,
+    as the plugin manager's referee checked them)."""
+    start = _run_start(step.cells)
+    return (start, None) if start is not None else (None, Cells(step.cells, distinct=True))
 
 
 def _run_start(cells: np.ndarray) -> int | None:
