@@ -108,14 +108,15 @@ def int_array(name: str, values: Any, error: type[KVLayoutError] | ErrorFactory)
 # calls run cold (the model's work in between evicts them), at several microseconds each, more than the whole
 # Python check of a decode step's few tokens.
 FEW_ON_STEP = 32
+_INT_ONLY = {int}
 
 
 def frozen_ints(values: Any) -> np.ndarray | None:
     """`values` as an int64 array `[T]` no one can write or make writable (its memory an immutable bytes
     object, as `kvlayout.positions.frozen` makes), in one numpy call, when it is a list of at most
     FEW_ON_STEP Python ints that fit in 64 bits; else None (bools too: `int_array` refuses them)."""
-    if type(values) is not list or len(values) > FEW_ON_STEP or not all(type(v) is int for v in values):
-        return None
+    if type(values) is not list or len(values) > FEW_ON_STEP or (values and set(map(type, values)) != _INT_ONLY):
+        return None  # (the types asked in C: a generator's frame costs a decode step ~10 opcodes a token)
     try:
         return np.frombuffer(array("q", values).tobytes(), dtype=np.int64)  # [T] already: a view, as frozen's
     except OverflowError:

@@ -195,7 +195,8 @@ class CellEngine:
             s = feed.completing[i]
             if id(s) not in ended:
                 s.drawn = (drawn, j)
-                self.scheduler.remember(s)
+                if not s.remembered:  # offered once (Scheduler.remember): every decode step after, nothing to do
+                    self.scheduler.remember(s)
         if rows is not None:
             self._complete_on_host(hosted, rows, ended)
         if checked is not None:

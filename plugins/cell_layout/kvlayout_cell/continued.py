@@ -35,6 +35,7 @@ import numpy as np
 
 from kvlayout.spec import AttendBatch, AttendGroups
 
+_ONE_ON = (1).__add__  # a position one on, mapped in C over a step's positions
 REPLAN_EVERY = 16  # continued steps before a full plan: it re-batches groups and re-chooses pages as they grow
 
 
@@ -87,7 +88,7 @@ class Continuation:
         continues this one: the same sequences in the same order, each one position on, and nothing but
         its own placement changed the table since."""
         return (self.steps < REPLAN_EVERY and epoch == self.epoch + 1 and slots == self.slots
-                and seq_ids == self.seq_ids and positions == tuple(p + 1 for p in self.positions))
+                and seq_ids == self.seq_ids and positions == tuple(map(_ONE_ON, self.positions)))
 
     def advance(self, cells: np.ndarray, epoch: int) -> AttendGroups:
         """The plan of the step that `follows` this one, each token's new cell `cells` [T] added; this
@@ -97,7 +98,7 @@ class Continuation:
         head, more = batches[0], tuple(batches[1:])
         self.plan = AttendGroups(head.tokens, head.cells, head.mask, self.plan.out, more=more, page=head.page,
                                  tail=head.tail, in_order=True)
-        self.positions = tuple(p + 1 for p in self.positions)
+        self.positions = tuple(map(_ONE_ON, self.positions))
         self.epoch = epoch
         self.steps += 1
         return self.plan

@@ -417,8 +417,8 @@ class CellTable:
             self._newest, self._newest_cell, self._pos, self._owners, self._count, self._index)
         held, held_cell = [], []  # each id's newest and its cell before: ids distinct, restored one by one
         for cell, s, position in zip(cells, seq_ids, positions):
-            held.append(int(newest[s]))
-            held_cell.append(int(newest_cell[s]))
+            held.append(newest[s])  # numpy scalars, written back as they are
+            held_cell.append(newest_cell[s])
             pos[cell] = position
             index.append_one(s, position, cell)
             owners[cell, s >> 6] = _BIT[s & 63]  # the cell was free: no other owner bit to keep
